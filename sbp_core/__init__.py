@@ -1,0 +1,32 @@
+"""sbp_core: global tensors laid out by SBP over a placement, and boxing between layouts.
+
+Public API (OneFlow-like names)::
+
+    import sbp_core as sc
+    from sbp_core import sbp
+    p = sc.placement("cpu", ranks=[[0, 1], [2, 3]])
+    w = sc.randn(8, 6, placement=p, sbp=(sbp.broadcast, sbp.split(1)))
+    x = sc.to_global(local, placement=p, sbp=(sbp.split(0), sbp.broadcast))
+    y = x.to_global(placement=p2, sbp=sbp.broadcast)
+    y.to_local(); y.full_tensor(); y.placement; y.sbp
+    with sc.comm_ledger() as ledger: ...
+
+Imports nothing of this project but itself (DESIGN.md layers).
+"""
+from . import sbp
+from .boxing.cost import disjoint as disjoint_cost, same_placement as same_placement_cost
+from .boxing.nd_plan import plan as boxing_plan
+from .creation import ones, rand, randn, zeros
+from .declare import distribute, to_global
+from .global_tensor import GlobalTensor, NoSbpRule
+from .layout import Layout
+from .ledger import CommLedger, comm_ledger
+from .placement import Placement, placement
+from .process_groups import get_timeout, set_timeout
+
+__all__ = [
+    "sbp", "placement", "Placement", "GlobalTensor", "Layout", "NoSbpRule",
+    "to_global", "distribute", "randn", "rand", "zeros", "ones",
+    "comm_ledger", "CommLedger", "set_timeout", "get_timeout",
+    "boxing_plan", "same_placement_cost", "disjoint_cost",
+]

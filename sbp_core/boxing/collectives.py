@@ -1,0 +1,175 @@
+"""The one choke point where sbp_core talks to ``torch.distributed``.
+
+Every function takes the participating global ranks *in mesh-axis order*
+(``ranks[k]`` holds piece ``k``) and hides that process groups order their
+members by global rank. Each call records what this rank sends in the
+communication ledger (see ``ledger.py`` for the byte convention):
+
+- all-gather: ``(p-1)`` copies of the local piece;
+- reduce-scatter: every piece but its own;
+- all-reduce (ring): reduce-scatter plus all-gather of its own piece;
+- all-to-all: every piece but its own;
+- point-to-point: the bytes of each send.
+
+Uneven pieces (``torch.tensor_split`` sizes) use ``all_to_all_single`` with
+split sizes, so no padding is ever sent.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .. import ledger
+from ..layout import reduce_terms, shard_sizes
+from ..process_groups import group_of, world_rank
+
+# torch 2.13 renamed the flat collectives; older releases only have the old names.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+_REDUCE = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _group_order(ranks):
+    """Axis positions in group-rank order (groups sort their members)."""
+    return sorted(range(len(ranks)), key=lambda k: ranks[k])
+
+
+def _all_to_all_flat(send_pieces, recv_numels, ranks, dtype, device):
+    """Send ``send_pieces[k]`` (flat) to ``ranks[k]``; return the flat pieces received, in axis order."""
+    order = _group_order(ranks)
+    inp = torch.cat([send_pieces[k].reshape(-1) for k in order]) if send_pieces else None
+    out = torch.empty(sum(recv_numels), dtype=dtype, device=device)
+    dist.all_to_all_single(
+        out,
+        inp,
+        output_split_sizes=[recv_numels[k] for k in order],
+        input_split_sizes=[send_pieces[k].numel() for k in order],
+        group=group_of(ranks),
+    )
+    got = dict(zip(order, out.split([recv_numels[k] for k in order])))
+    return [got[k] for k in range(len(ranks))]
+
+
+def all_gather(local: torch.Tensor, ranks, dim: int, length: int) -> torch.Tensor:
+    """Concatenate the pieces along ``dim``; ``length`` is the gathered size of ``dim``."""
+    p = len(ranks)
+    me = ranks.index(world_rank())
+    sizes = shard_sizes(length, p)
+    ledger.record("all_gather", p, (p - 1) * _nbytes(local))
+    if p == 1:
+        return local
+    local = local.contiguous()
+    if len(set(sizes)) == 1:
+        buf = torch.empty((p,) + tuple(local.shape), dtype=local.dtype, device=local.device)
+        _all_gather_flat(buf.view(-1), local.view(-1), group=group_of(ranks))
+        order = _group_order(ranks)
+        pieces = [None] * p
+        for g, k in enumerate(order):
+            pieces[k] = buf[g]
+    else:
+        shapes = []
+        for n in sizes:
+            s = list(local.shape)
+            s[dim] = n
+            shapes.append(s)
+        numels = [int(torch.Size(s).numel()) for s in shapes]
+        flat = _all_to_all_flat([local] * p, numels, ranks, local.dtype, local.device)
+        pieces = [f.view(s) for f, s in zip(flat, shapes)]
+        pieces[me] = local
+    return torch.cat(pieces, dim)
+
+
+def reduce_scatter(full: torch.Tensor, ranks, dim: int, op: str) -> torch.Tensor:
+    """Reduce the ranks' ``full`` tensors with ``op``; rank ``k`` keeps piece ``k`` along ``dim``."""
+    p = len(ranks)
+    me = ranks.index(world_rank())
+    pieces = list(torch.tensor_split(full, p, dim))
+    ledger.record("reduce_scatter", p, _nbytes(full) - _nbytes(pieces[me]))
+    if p == 1:
+        return full.clone()
+    if len({t.shape for t in pieces}) == 1:
+        order = _group_order(ranks)
+        if dim == 0 and order == list(range(p)):
+            inp = full.contiguous()
+        else:
+            inp = torch.stack([pieces[k] for k in order])
+        out = torch.empty(pieces[me].shape, dtype=full.dtype, device=full.device)
+        _reduce_scatter_flat(out.view(-1), inp.reshape(-1), op=_REDUCE[op], group=group_of(ranks))
+        return out
+    mine = pieces[me]
+    flat = _all_to_all_flat([t.contiguous() for t in pieces], [mine.numel()] * p, ranks, full.dtype, full.device)
+    received = [f.view(mine.shape) for f in flat]
+    received[me] = mine
+    return reduce_terms(received, op)
+
+
+def all_reduce(t: torch.Tensor, ranks, op: str) -> torch.Tensor:
+    """Element-wise reduction of the ranks' tensors, returned as a new tensor on every rank."""
+    p = len(ranks)
+    me = ranks.index(world_rank())
+    own = shard_sizes(t.numel(), p)[me] * t.element_size()
+    ledger.record("all_reduce", p, _nbytes(t) + (p - 2) * own if p > 1 else 0)
+    out = t.clone(memory_format=torch.contiguous_format)
+    if p > 1:
+        dist.all_reduce(out, op=_REDUCE[op], group=group_of(ranks))
+    return out
+
+
+def all_to_all(local: torch.Tensor, ranks, split_dim: int, cat_dim: int, cat_length: int) -> torch.Tensor:
+    """S(cat_dim) -> S(split_dim): cut ``local`` along ``split_dim``, send piece ``k`` to rank ``k``,
+    concatenate what arrives along ``cat_dim`` (whose gathered size is ``cat_length``)."""
+    p = len(ranks)
+    me = ranks.index(world_rank())
+    send = [t.contiguous() for t in torch.tensor_split(local, p, split_dim)]
+    ledger.record("all_to_all", p, _nbytes(local) - _nbytes(send[me]))
+    if p == 1:
+        return local
+    shapes = []
+    for n in shard_sizes(cat_length, p):
+        s = list(send[me].shape)
+        s[cat_dim] = n
+        shapes.append(s)
+    flat = _all_to_all_flat(send, [int(torch.Size(s).numel()) for s in shapes], ranks, local.dtype, local.device)
+    pieces = [f.view(s) for f, s in zip(flat, shapes)]
+    pieces[me] = send[me]
+    return torch.cat(pieces, cat_dim)
+
+
+def exchange(sends, recvs) -> list:
+    """Point-to-point transfers on the world group (global ranks).
+
+    ``sends``: ``[(dst_rank, tensor)]``; ``recvs``: ``[(src_rank, shape, dtype, device)]``.
+    Returns the received tensors in ``recvs`` order. Between one pair of ranks
+    messages match in list order, so both sides must list them alike.
+    """
+    out = [torch.empty(shape, dtype=dtype, device=device) for _, shape, dtype, device in recvs]
+    works = []
+    for (src, *_), buf in zip(recvs, out):
+        works.append(dist.irecv(buf, src=src))
+    payload = [t.contiguous() for _, t in sends]  # kept alive until every wait returns
+    for (dst, _), t in zip(sends, payload):
+        ledger.record("send", 2, _nbytes(t))
+        works.append(dist.isend(t, dst=dst))
+    for w in works:
+        w.wait()
+    return out
+
+
+def all_gather_object(obj, ranks) -> list:
+    """Gather one small picklable object per rank (layout checks); records no tensor bytes."""
+    p = len(ranks)
+    if p == 1:
+        return [obj]
+    out = [None] * p
+    dist.all_gather_object(out, obj, group=group_of(ranks))
+    order = _group_order(ranks)
+    res = [None] * p
+    for g, k in enumerate(order):
+        res[k] = out[g]
+    ledger.record("all_gather_object", p, 0)
+    return res

@@ -1,0 +1,103 @@
+"""The global tensor: a ``torch.Tensor`` wrapper holding ``(local, layout)``.
+
+Its shape, dtype and device are the global tensor's; the data lives in the
+rank's ``local`` shard (an empty tensor on ranks outside the placement). Op
+dispatch with SBP signature rules is layered on ``__torch_dispatch__``; ops
+without a rule raise ``NoSbpRule`` naming the op and the input layouts, never
+a silently wrong value.
+"""
+from __future__ import annotations
+
+import torch
+
+from .layout import Layout
+from .sbp import format_sbp, nd_sbp
+
+
+class NoSbpRule(NotImplementedError):
+    """An op was called on global tensors and no SBP signature rule covers it."""
+
+
+def _describe(x):
+    if isinstance(x, GlobalTensor):
+        return f"{tuple(x.shape)} {format_sbp(x.sbp)} on {x.placement}"
+    if isinstance(x, torch.Tensor):
+        return f"local {tuple(x.shape)}"
+    return repr(x)
+
+
+# Ops that act on every local the same way and keep the layout.
+_LAYOUT_PRESERVING = {
+    torch.ops.aten.detach.default,
+    torch.ops.aten.alias.default,
+    torch.ops.aten.clone.default,
+}
+
+
+class GlobalTensor(torch.Tensor):
+    _local: torch.Tensor
+    _layout: Layout
+
+    @staticmethod
+    def __new__(cls, local: torch.Tensor, layout: Layout, requires_grad: bool = False):
+        out = torch.Tensor._make_wrapper_subclass(
+            cls,
+            layout.shape,
+            dtype=layout.dtype,
+            device=local.device,
+            requires_grad=requires_grad,
+        )
+        out._local = local
+        out._layout = layout
+        return out
+
+    # -- layout -----------------------------------------------------------
+    @property
+    def placement(self):
+        return self._layout.placement
+
+    @property
+    def sbp(self) -> tuple:
+        return self._layout.sbp
+
+    @property
+    def layout(self) -> Layout:
+        return self._layout
+
+    def __repr__(self, *, tensor_contents=None):
+        return (
+            f"GlobalTensor(shape={tuple(self.shape)}, dtype={self.dtype}, sbp={format_sbp(self.sbp)}, "
+            f"{self.placement}, local={self._local})"
+        )
+
+    # -- moving between layouts (differentiable) -----------------------------
+    def to_local(self) -> torch.Tensor:
+        """This rank's shard; its gradient is taken to be laid out as ``sbp`` with partial as ``B``."""
+        from .boxing.autograd import ToLocal
+
+        return ToLocal.apply(self)
+
+    def to_global(self, placement=None, sbp=None) -> "GlobalTensor":
+        """Box to ``sbp`` on ``placement`` (either defaults to the current one)."""
+        from .boxing.autograd import Boxing
+
+        placement = self.placement if placement is None else placement
+        sbp = self.sbp if sbp is None else nd_sbp(sbp, placement.ndim)
+        return Boxing.apply(self, placement, sbp)
+
+    def full_tensor(self) -> torch.Tensor:
+        """The whole global tensor on every member rank (all-gather / all-reduce as needed)."""
+        from .sbp import Broadcast
+
+        return self.to_global(sbp=tuple(Broadcast() for _ in self.sbp)).to_local()
+
+    # -- dispatch -----------------------------------------------------------
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _LAYOUT_PRESERVING:
+            (x,) = args
+            return GlobalTensor(func(x._local, **kwargs), x._layout)
+        layouts = [_describe(a) for a in args]
+        raise NoSbpRule(f"no SBP rule for {func} with inputs {layouts}")
+

@@ -1,0 +1,119 @@
+"""Shard geometry: which part of the global tensor a rank holds.
+
+N-d SBP is nested: mesh axis 0 lays the global tensor out over its ranks,
+axis 1 lays each of those locals out over its ranks, and so on. Splits follow
+``torch.tensor_split``. A rank's local tensor for S/B axes is a rectangular
+*box* of the global tensor: ``(start, length)`` per tensor dim.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .sbp import Broadcast
+
+
+def shard_bounds(size: int, parts: int, index: int) -> tuple:
+    """``(start, length)`` of piece ``index`` of ``torch.tensor_split(range(size), parts)``."""
+    q, r = divmod(size, parts)
+    return index * q + min(index, r), q + (1 if index < r else 0)
+
+
+def shard_sizes(size: int, parts: int) -> list:
+    return [shard_bounds(size, parts, i)[1] for i in range(parts)]
+
+
+def local_box(shape, mesh_shape, sbp, coords) -> tuple:
+    """The box ``((start, length), ...)`` of the global tensor held at ``coords``.
+
+    Partial axes do not restrict the box (each rank holds a full-shape term).
+    """
+    box = [(0, n) for n in shape]
+    for p, s, c in zip(mesh_shape, sbp, coords):
+        if s.is_split:
+            start, length = box[s.axis]
+            off, ln = shard_bounds(length, p, c)
+            box[s.axis] = (start + off, ln)
+    return tuple(box)
+
+
+def local_shape(shape, mesh_shape, sbp, coords) -> torch.Size:
+    return torch.Size(ln for _, ln in local_box(shape, mesh_shape, sbp, coords))
+
+
+def view_shape(shape, mesh_shape, sbp, coords, axis) -> torch.Size:
+    """Shape the group along mesh ``axis`` sees: this rank's local with ``axis`` undone."""
+    undone = tuple(Broadcast() if i == axis else s for i, s in enumerate(sbp))
+    return local_shape(shape, mesh_shape, undone, coords)
+
+
+def box_slices(box) -> tuple:
+    return tuple(slice(s, s + n) for s, n in box)
+
+
+def reduce_identity(op: str, dtype: torch.dtype):
+    """The identity element of ``op`` (what a rank holding no part contributes)."""
+    if op == "sum":
+        return 0
+    if dtype == torch.bool:
+        return op == "min"
+    if dtype.is_floating_point or dtype.is_complex:
+        return float("-inf") if op == "max" else float("inf")
+    info = torch.iinfo(dtype)
+    return info.min if op == "max" else info.max
+
+
+def filler_op(sbp, coords) -> "str | None":
+    """Which reduction's identity this rank holds when a full value is laid out as ``sbp``.
+
+    The rank whose partial coordinates are all 0 keeps the value (``None``);
+    elsewhere the first partial axis with a non-zero coordinate decides: its
+    term must be that reduction's identity, and identity terms stay identity
+    under any inner reduction.
+    """
+    for s, c in zip(sbp, coords):
+        if s.is_partial and c != 0:
+            return s.op
+    return None
+
+
+def take_local(full: torch.Tensor, mesh_shape, sbp, coords) -> torch.Tensor:
+    """This rank's local tensor of ``full`` laid out as ``sbp`` (no communication).
+
+    Partial axes: the first rank keeps the value, the others hold the
+    reduction's identity (zeros for sum), so the reduction is exact.
+    """
+    local = full[box_slices(local_box(full.shape, mesh_shape, sbp, coords))]
+    op = filler_op(sbp, coords)
+    if op is not None:
+        return torch.full_like(local, reduce_identity(op, full.dtype))
+    return local
+
+
+def reduce_terms(terms, op: str) -> torch.Tensor:
+    """Element-wise reduction of same-shape partial terms held on this rank."""
+    if len(terms) == 1:
+        return terms[0]
+    stacked = torch.stack(list(terms))
+    if op == "sum":
+        return stacked.sum(0)
+    return stacked.amax(0) if op == "max" else stacked.amin(0)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Everything that describes a global tensor except its values."""
+
+    placement: object
+    sbp: tuple
+    shape: torch.Size
+    dtype: torch.dtype
+
+    def with_sbp(self, sbp) -> "Layout":
+        return Layout(self.placement, tuple(sbp), self.shape, self.dtype)
+
+    def local_shape(self, rank: int) -> torch.Size:
+        if rank not in self.placement:
+            return torch.Size([0])
+        return local_shape(self.shape, self.placement.shape, self.sbp, self.placement.coords(rank))

@@ -1,0 +1,1 @@
+"""Tests mirroring the packages; multi-rank tests run on CPU with gloo."""
