@@ -42,9 +42,9 @@ def _infer_shape(metas: dict, placement: Placement, sbp: tuple, ndim: int) -> to
 def _validate(metas: dict, placement: Placement, sbp: tuple) -> tuple:
     """Check every member's shard against the others; return ``(global shape, dtype)``."""
     first = placement.ranks[0]
-    shape0, dtype0, dev0 = metas[first]
+    shape0, dtype0, _, _ = metas[first]
     for r in placement.ranks:
-        shape, dtype, dev = metas[r]
+        shape, dtype, dev, _ = metas[r]
         if dev != placement.device_type:
             raise ValueError(
                 f"rank {r}'s shard is on device type {dev!r} but the placement is {placement.device_type!r}"
@@ -86,12 +86,15 @@ def to_global(local, placement=None, sbp=None) -> GlobalTensor:
     member = me in placement
     if member and not isinstance(local, torch.Tensor):
         raise TypeError(f"rank {me} is in {placement} and must pass its shard as a tensor, got {local!r}")
-    meta = (tuple(local.shape), str(local.dtype), local.device.type) if member else None
+    meta = (tuple(local.shape), str(local.dtype), local.device.type, local.requires_grad) if member else None
     gathered = collectives.all_gather_object(meta, list(range(world_size())))
     metas = {r: m for r, m in enumerate(gathered) if r in placement}
     shape, dtype = _validate(metas, placement, sbp)
     if not member:
-        local = torch.empty(0, dtype=dtype, device=placement.device())
+        # Ranks outside record the same autograd graph as the members, so the
+        # backward's collectives line up on every rank.
+        grad = any(m[3] for m in metas.values())
+        local = torch.empty(0, dtype=dtype, device=placement.device(), requires_grad=grad)
     return FromLocal.apply(local, Layout(placement, sbp, shape, dtype))
 
 

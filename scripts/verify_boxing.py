@@ -162,24 +162,28 @@ def check(case, idx, per_rank):
     return err, measured, expected, ok_value and ok_bytes
 
 
+def verify(pool):
+    """Run every case on ``pool`` (5 ranks); yield ``(line, ok)`` per case."""
+    batch = list(enumerate(cases()))
+    results = pool.run(worker, batch)
+    for idx, case in batch:
+        per_rank = {r: results[r][idx] for r in range(WORLD)}
+        err, measured, expected, ok = check(case, idx, per_rank)
+        kind, sr, src, dr, dst, shape = case
+        name = f"{kind:8s} {str(sr):14s} {sc.sbp.format_sbp(src):16s} -> {str(dr):14s} {sc.sbp.format_sbp(dst):16s}"
+        yield f"{name} {str(shape):8s} max_err={err:.2e} bytes={measured:6d} table={expected:8.0f} {'ok' if ok else 'FAIL'}", ok
+
+
 def main():
     from toolkit.rank_pool import get_pool
 
-    all_cases = cases()
-    batch = list(enumerate(all_cases))
-    pool = get_pool(WORLD)
-    results = pool.run(worker, batch)
-    good = 0
-    for (idx, case) in batch:
-        per_rank = {r: results[r][idx] for r in range(WORLD)}
-        err, measured, expected, ok = check(case, idx, per_rank)
+    good = total = 0
+    for line, ok in verify(get_pool(WORLD)):
+        print(line)
         good += ok
-        kind, sr, src, dr, dst, shape = case
-        name = f"{kind:8s} {str(sr):14s} {sc.sbp.format_sbp(src):16s} -> {str(dr):14s} {sc.sbp.format_sbp(dst):16s}"
-        print(f"{name} {str(shape):8s} max_err={err:.2e} bytes={measured:6d} table={expected:8.0f} {'ok' if ok else 'FAIL'}")
-    print(f"boxing pairs exact: {good}/{len(all_cases)}")
-    pool.close()
-    return 0 if good == len(all_cases) else 1
+        total += 1
+    print(f"boxing pairs exact: {good}/{total}")
+    return 0 if good == total else 1
 
 
 if __name__ == "__main__":

@@ -16,16 +16,45 @@ split sizes, so no padding is ever sent.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
 from .. import ledger
 from ..layout import reduce_terms, shard_sizes
-from ..process_groups import group_of, world_rank
+from ..process_groups import get_timeout, group_of, world_rank
 
 # torch 2.13 renamed the flat collectives; older releases only have the old names.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+class CollectiveError(RuntimeError):
+    """A collective or transfer failed or timed out; names the op, the peers and the rank."""
+
+
+def _collective(peers_of):
+    """Re-raise backend failures (gloo/NCCL timeouts, lost peers) as a ``CollectiveError``."""
+
+    def wrap(fn):
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            try:
+                return fn(*args, **kwargs)
+            except RuntimeError as exc:
+                if isinstance(exc, CollectiveError):
+                    raise
+                raise CollectiveError(
+                    f"{fn.__name__} with ranks {sorted(peers_of(*args, **kwargs))} failed on rank "
+                    f"{world_rank()} (timeout {get_timeout():g} s for sbp_core's groups): {exc}"
+                ) from exc
+
+        return call
+
+    return wrap
+
+
+_by_ranks = _collective(lambda _t, ranks, *a, **k: ranks)
 
 _REDUCE = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -55,6 +84,7 @@ def _all_to_all_flat(send_pieces, recv_numels, ranks, dtype, device):
     return [got[k] for k in range(len(ranks))]
 
 
+@_by_ranks
 def all_gather(local: torch.Tensor, ranks, dim: int, length: int) -> torch.Tensor:
     """Concatenate the pieces along ``dim``; ``length`` is the gathered size of ``dim``."""
     p = len(ranks)
@@ -84,6 +114,7 @@ def all_gather(local: torch.Tensor, ranks, dim: int, length: int) -> torch.Tenso
     return torch.cat(pieces, dim)
 
 
+@_by_ranks
 def reduce_scatter(full: torch.Tensor, ranks, dim: int, op: str) -> torch.Tensor:
     """Reduce the ranks' ``full`` tensors with ``op``; rank ``k`` keeps piece ``k`` along ``dim``."""
     p = len(ranks)
@@ -108,6 +139,7 @@ def reduce_scatter(full: torch.Tensor, ranks, dim: int, op: str) -> torch.Tensor
     return reduce_terms(received, op)
 
 
+@_by_ranks
 def all_reduce(t: torch.Tensor, ranks, op: str) -> torch.Tensor:
     """Element-wise reduction of the ranks' tensors, returned as a new tensor on every rank."""
     p = len(ranks)
@@ -120,6 +152,7 @@ def all_reduce(t: torch.Tensor, ranks, op: str) -> torch.Tensor:
     return out
 
 
+@_by_ranks
 def all_to_all(local: torch.Tensor, ranks, split_dim: int, cat_dim: int, cat_length: int) -> torch.Tensor:
     """S(cat_dim) -> S(split_dim): cut ``local`` along ``split_dim``, send piece ``k`` to rank ``k``,
     concatenate what arrives along ``cat_dim`` (whose gathered size is ``cat_length``)."""
@@ -140,6 +173,7 @@ def all_to_all(local: torch.Tensor, ranks, split_dim: int, cat_dim: int, cat_len
     return torch.cat(pieces, cat_dim)
 
 
+@_collective(lambda sends, recvs: {r for r, *_ in sends} | {r for r, *_ in recvs})
 def exchange(sends, recvs) -> list:
     """Point-to-point transfers on the world group (global ranks).
 
@@ -160,6 +194,7 @@ def exchange(sends, recvs) -> list:
     return out
 
 
+@_by_ranks
 def all_gather_object(obj, ranks) -> list:
     """Gather one small picklable object per rank (layout checks); records no tensor bytes."""
     p = len(ranks)
