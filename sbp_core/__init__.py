@@ -13,12 +13,15 @@ Public API (OneFlow-like names)::
 
 Imports nothing of this project but itself (DESIGN.md layers).
 """
-from . import sbp
+from . import ops, sbp  # noqa: F401  (ops registers the signature rules)
 from .boxing.cost import disjoint as disjoint_cost, same_placement as same_placement_cost
 from .boxing.nd_plan import plan as boxing_plan
 from .creation import ones, rand, randn, zeros
 from .declare import distribute, to_global
+from .dispatch import explain, format_explain
 from .global_tensor import GlobalTensor, NoSbpRule
+from .grad_clip import clip_grad_norm_
+from .module import describe_plan, distribute_module
 from .layout import Layout
 from .ledger import CommLedger, comm_ledger
 from .placement import Placement, placement
@@ -27,6 +30,6 @@ from .process_groups import get_timeout, set_timeout
 __all__ = [
     "sbp", "placement", "Placement", "GlobalTensor", "Layout", "NoSbpRule",
     "to_global", "distribute", "randn", "rand", "zeros", "ones",
-    "comm_ledger", "CommLedger", "set_timeout", "get_timeout",
-    "boxing_plan", "same_placement_cost", "disjoint_cost",
+    "comm_ledger", "CommLedger", "explain", "format_explain", "set_timeout", "get_timeout",
+    "boxing_plan", "clip_grad_norm_", "distribute_module", "describe_plan", "same_placement_cost", "disjoint_cost",
 ]

@@ -26,12 +26,21 @@ def _describe(x):
     return repr(x)
 
 
-# Ops that act on every local the same way and keep the layout.
-_LAYOUT_PRESERVING = {
-    torch.ops.aten.detach.default,
-    torch.ops.aten.alias.default,
-    torch.ops.aten.clone.default,
-}
+def _global_strides(shape, local: torch.Tensor) -> tuple:
+    """Contiguous strides for ``shape`` in the dim order of ``local``'s memory layout.
+
+    The wrapper reports strides like the local's, so ``is_contiguous`` and
+    ``.contiguous()`` on the global tensor mean what they mean for its shards.
+    """
+    if local.dim() != len(shape):
+        return torch.empty(shape, device="meta").stride()
+    order = sorted(range(len(shape)), key=lambda d: (local.stride(d), local.shape[d]), reverse=True)
+    strides = [0] * len(shape)
+    step = 1
+    for d in reversed(order):
+        strides[d] = step
+        step *= max(shape[d], 1)
+    return tuple(strides)
 
 
 class GlobalTensor(torch.Tensor):
@@ -39,10 +48,13 @@ class GlobalTensor(torch.Tensor):
     _layout: Layout
 
     @staticmethod
-    def __new__(cls, local: torch.Tensor, layout: Layout, requires_grad: bool = False):
+    def __new__(cls, local: torch.Tensor, layout: Layout, requires_grad: bool = False, strides=None):
+        if strides is None:
+            strides = _global_strides(layout.shape, local)
         out = torch.Tensor._make_wrapper_subclass(
             cls,
             layout.shape,
+            strides=strides,
             dtype=layout.dtype,
             device=local.device,
             requires_grad=requires_grad,
@@ -94,10 +106,7 @@ class GlobalTensor(torch.Tensor):
     # -- dispatch -----------------------------------------------------------
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in _LAYOUT_PRESERVING:
-            (x,) = args
-            return GlobalTensor(func(x._local, **kwargs), x._layout)
-        layouts = [_describe(a) for a in args]
-        raise NoSbpRule(f"no SBP rule for {func} with inputs {layouts}")
+        return _dispatch(func, args, kwargs or {})
 
+
+from .dispatch import dispatch as _dispatch  # noqa: E402  (dispatch needs GlobalTensor defined)

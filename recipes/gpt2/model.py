@@ -1,0 +1,141 @@
+"""GPT-2 as plain torch modules, with ``transformers``' parameter names and shapes.
+
+``GPT2LMHeadModel(GPT2Config(...))`` has ``transformer.wte``, ``.wpe``,
+``.h.{i}.ln_1``, ``.attn.c_attn``, ``.attn.c_proj``, ``.ln_2``,
+``.mlp.c_fc``, ``.mlp.c_proj``, ``.ln_f`` and ``lm_head`` (tied to ``wte``),
+each of the same shape as Hugging Face's (``Conv1D`` weights are
+``[in, out]``). One difference of order, not of shape: ``c_attn``'s output
+columns are grouped per head (``[q_h, k_h, v_h]`` for each head ``h``) rather
+than ``[all q | all k | all v]``, so that a column split of ``c_attn`` gives
+each tensor-parallel rank whole heads (Megatron's layout). Checkpoint
+conversion permutes those columns.
+
+No ``torch.distributed`` here: parallel layouts come from a plan.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class GPT2Config:
+    vocab_size: int = 50257
+    n_positions: int = 1024
+    n_embd: int = 768
+    n_layer: int = 12
+    n_head: int = 12
+    embd_pdrop: float = 0.1
+    resid_pdrop: float = 0.1
+    attn_pdrop: float = 0.1
+    layer_norm_epsilon: float = 1e-5
+    initializer_range: float = 0.02
+
+
+class Conv1D(nn.Module):
+    """``y = x @ weight + bias`` with ``weight`` of shape ``[in, out]`` (GPT-2's layout)."""
+
+    def __init__(self, n_in: int, n_out: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_in, n_out))
+        self.bias = nn.Parameter(torch.zeros(n_out))
+
+    def forward(self, x):
+        out_shape = x.shape[:-1] + (self.weight.shape[1],)
+        return torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight).view(out_shape)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: GPT2Config):
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.c_attn = Conv1D(cfg.n_embd, 3 * cfg.n_embd)
+        self.c_proj = Conv1D(cfg.n_embd, cfg.n_embd)
+        self.attn_pdrop = cfg.attn_pdrop
+        self.resid_dropout = nn.Dropout(cfg.resid_pdrop)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        hs = c // self.n_head
+        qkv = self.c_attn(x).view(b, t, self.n_head, 3 * hs)
+        q, k, v = (z.transpose(1, 2) for z in qkv.split(hs, dim=3))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.attn_pdrop if self.training else 0.0)
+        y = y.transpose(1, 2).reshape(b, t, c)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPT2Config):
+        super().__init__()
+        self.c_fc = Conv1D(cfg.n_embd, 4 * cfg.n_embd)
+        self.c_proj = Conv1D(4 * cfg.n_embd, cfg.n_embd)
+        self.dropout = nn.Dropout(cfg.resid_pdrop)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPT2Config):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
+        self.attn = Attention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: GPT2Config):
+        super().__init__()
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.n_positions, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.embd_pdrop)
+        self.h = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
+
+
+class GPT2LMHeadModel(nn.Module):
+    """``forward(input_ids, labels=None) -> (logits, loss)``; ``loss`` is next-token cross-entropy when ``labels`` is given."""
+
+    def __init__(self, cfg: GPT2Config):
+        super().__init__()
+        self.config = cfg
+        self.transformer = Transformer(cfg)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.transformer.wte.weight
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        """GPT-2's initialisation: N(0, 0.02), residual projections scaled by 1/sqrt(2 n_layer)."""
+        std = self.config.initializer_range
+        for name, p in self.named_parameters():
+            if name.endswith("ln_1.weight") or name.endswith("ln_2.weight") or name.endswith("ln_f.weight"):
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            elif name.endswith("c_proj.weight"):
+                p.normal_(0.0, std / math.sqrt(2 * self.config.n_layer))
+            else:
+                p.normal_(0.0, std)
+
+    def forward(self, input_ids, labels=None):
+        t = input_ids.shape[1]
+        tr = self.transformer
+        # Positions 0..t-1 are the first t rows of wpe (same values and gradients as wpe(arange(t))).
+        x = tr.drop(tr.wte(input_ids) + tr.wpe.weight[:t])
+        for block in tr.h:
+            x = block(x)
+        logits = self.lm_head(tr.ln_f(x))
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+        return logits, loss

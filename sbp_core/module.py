@@ -1,0 +1,103 @@
+"""``distribute_module``: give an ordinary ``nn.Module`` SBP layouts from a plan.
+
+A plan maps name patterns (``fnmatch``, matched against dotted names) to an
+N-d SBP:
+
+- parameter and buffer names, e.g. ``"*.c_attn.weight": (B, S(1))``;
+  unmatched parameters and buffers are ``B`` on every axis;
+- ``"<module pattern>:input"`` / ``":output"``: the module's first tensor
+  input / its tensor output is boxed to that layout (a forward hook calling
+  ``to_global``, differentiable). This is how a plan pins activation
+  layouts — Megatron's ``B`` before a column-parallel linear, or sequence
+  parallel's ``S(1)`` around LayerNorm — without touching the model code.
+
+Every rank must call it with the same module (same seed for the same
+initial values): each parameter's global value is the rank's own full
+value, and a rank keeps only its shard (no communication). Gradients are
+boxed to their parameter's layout as soon as backward accumulates them
+(``P -> B`` all-reduce for data parallel), so ``torch.optim`` steps local
+shards without communicating.
+"""
+from __future__ import annotations
+
+import fnmatch
+
+import torch
+from torch import nn
+
+from .declare import distribute
+from .global_tensor import GlobalTensor
+from .sbp import Broadcast, format_sbp, nd_sbp
+
+
+def _match(plan: dict, name: str):
+    for pattern, sbp in plan.items():
+        if ":" not in pattern and fnmatch.fnmatchcase(name, pattern):
+            return sbp
+    return None
+
+
+def _box_grad_to_param(param):
+    if isinstance(param.grad, GlobalTensor) and param.grad.sbp != param.sbp:
+        with torch.no_grad():
+            param.grad = param.grad.to_global(sbp=param.sbp)
+
+
+def distribute_module(module: nn.Module, placement, plan: dict | None = None) -> nn.Module:
+    """Replace ``module``'s parameters and buffers by global tensors, in place; returns it."""
+    plan = dict(plan or {})
+    names = {n for n, _ in module.named_parameters()} | {n for n, _ in module.named_buffers()}
+    module_names = {n for n, _ in module.named_modules()}
+    for pattern in plan:
+        target, _, where = pattern.partition(":")
+        pool = module_names if where else names
+        if where not in ("", "input", "output"):
+            raise ValueError(f"plan key {pattern!r}: after ':' use 'input' or 'output'")
+        if not any(fnmatch.fnmatchcase(n, target) for n in pool):
+            kind = "module" if where else "parameter or buffer"
+            raise ValueError(f"plan key {pattern!r} matches no {kind} of {type(module).__name__}; "
+                             f"some names: {sorted(pool)[:8]}")
+    broadcast = tuple(Broadcast() for _ in placement.shape)
+    done: dict = {}  # id(old parameter) -> new one, so tied parameters stay one parameter
+    for mod_name, mod in module.named_modules(remove_duplicate=False):
+        prefix = f"{mod_name}." if mod_name else ""
+        for pname, param in list(mod.named_parameters(recurse=False)):
+            if id(param) in done:
+                setattr(mod, pname, done[id(param)])
+                continue
+            sbp = nd_sbp(_match(plan, prefix + pname) or broadcast, placement.ndim)
+            g = distribute(param.detach(), placement, sbp)
+            new = nn.Parameter(g, requires_grad=param.requires_grad)
+            if new.requires_grad:
+                new.register_post_accumulate_grad_hook(_box_grad_to_param)
+            done[id(param)] = new
+            setattr(mod, pname, new)
+        for bname, buf in list(mod.named_buffers(recurse=False)):
+            if buf is None:
+                continue
+            sbp = nd_sbp(_match(plan, prefix + bname) or broadcast, placement.ndim)
+            mod._buffers[bname] = distribute(buf, placement, sbp)
+        for where in ("input", "output"):
+            for pattern, sbp in plan.items():
+                if pattern.endswith(":" + where) and fnmatch.fnmatchcase(mod_name, pattern.rsplit(":", 1)[0]):
+                    _pin(mod, where, nd_sbp(sbp, placement.ndim))
+    return module
+
+
+def _pin(mod: nn.Module, where: str, sbp: tuple) -> None:
+    def box(x):
+        if isinstance(x, GlobalTensor) and x.sbp != sbp:
+            return x.to_global(sbp=sbp)
+        return x
+
+    if where == "input":
+        mod.register_forward_pre_hook(lambda m, args: (box(args[0]),) + tuple(args[1:]) if args else args)
+    else:
+        mod.register_forward_hook(lambda m, args, out: box(out) if isinstance(out, torch.Tensor) else out)
+
+
+def describe_plan(module: nn.Module) -> str:
+    """One line per global parameter: name, shape, SBP."""
+    return "\n".join(
+        f"{n:50s} {tuple(p.shape)} {format_sbp(p.sbp)}" for n, p in module.named_parameters() if isinstance(p, GlobalTensor)
+    )

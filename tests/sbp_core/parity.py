@@ -1,0 +1,72 @@
+"""Check that a function of global tensors equals the same function on one device.
+
+``check(fn, inputs, layouts, ranks)`` lays each full input tensor out as its
+N-d SBP on ``sc.placement("cpu", ranks)``, runs ``fn`` on the global
+tensors and on the plain tensors, and compares every output and (for
+floating inputs) every input gradient of ``sum(out * W)`` with fixed random
+``W``, to ``rtol`` relative to each tensor's largest magnitude. Runs on the
+shared 5-rank pool; ``fn`` must be a module-level function.
+"""
+from __future__ import annotations
+
+import torch
+
+import sbp_core as sc
+from toolkit.rank_pool import get_pool
+
+WORLD = 5
+
+
+def _flat(out):
+    return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+def _worker(fn, inputs, layouts, ranks, grad):
+    p = sc.placement("cpu", ranks)
+    me = torch.distributed.get_rank()
+    ref_in = [t.clone().requires_grad_(grad and t.is_floating_point()) for t in inputs]
+    glob = [sc.distribute(t, p, s, requires_grad=grad and t.is_floating_point()) for t, s in zip(inputs, layouts)]
+    ref_out = _flat(fn(*ref_in))
+    out = _flat(fn(*glob))
+    gen = torch.Generator().manual_seed(7)
+    weights = [torch.randn(o.shape, generator=gen) for o in ref_out]
+    errs = {}
+    if me not in p:
+        # Ranks outside still take part in every collective-free step; nothing to compare.
+        if grad:
+            loss = sum((o * sc.distribute(w, p, tuple(sc.sbp.broadcast for _ in o.sbp))).sum() for o, w in zip(out, weights))
+            loss.backward()
+        return None
+    for k, (o, r) in enumerate(zip(out, ref_out)):
+        got = o.full_tensor()
+        errs[f"out{k} {sc.sbp.format_sbp(o.sbp)}"] = _rel(got, r)
+    if grad:
+        ref_loss = sum((r * w).sum() for r, w in zip(ref_out, weights))
+        ref_loss.backward()
+        loss = sum((o * sc.distribute(w, p, tuple(sc.sbp.broadcast for _ in o.sbp))).sum() for o, w in zip(out, weights))
+        loss.backward()
+        for k, (g, r) in enumerate(zip(glob, ref_in)):
+            if r.grad is not None:
+                errs[f"grad{k} {sc.sbp.format_sbp(g.grad.sbp)}"] = _rel(g.grad.full_tensor(), r.grad)
+    return errs
+
+
+def _rel(got, want) -> float:
+    if got.shape != want.shape:
+        return float("inf")
+    if want.numel() == 0:
+        return 0.0
+    scale = want.abs().max().clamp_min(1e-12)
+    return ((got.double() - want.double()).abs().max() / scale).item()
+
+
+def check(fn, inputs, layouts, ranks, grad=True, rtol=1e-5):
+    """Assert ``fn`` on global tensors equals ``fn`` on one device (values and gradients)."""
+    layouts = [s if isinstance(s, tuple) else (s,) for s in layouts]
+    results = get_pool(WORLD).run(_worker, fn, inputs, layouts, ranks, grad)
+    bad = []
+    for rank, errs in enumerate(results):
+        for name, err in (errs or {}).items():
+            if not err <= rtol:
+                bad.append(f"rank {rank} {name}: rel err {err:.2e}")
+    assert not bad, f"{fn.__name__} with layouts {layouts} on {ranks}:\n" + "\n".join(bad)
