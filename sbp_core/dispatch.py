@@ -160,6 +160,7 @@ def dispatch(func, args, kwargs):
             key.append(a)
     if func is aten._local_scalar_dense.default:
         return _scalar(flat[gpos[0]])
+    key.append(placement)
     key = tuple(key)
     try:
         d = _cache.get(key)
