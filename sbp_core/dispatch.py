@@ -85,15 +85,14 @@ def _decide(func, flat, spec, gpos, placement) -> Decision:
     d.entry = entry
     d.inplace = torch.Tag.inplace in func.tags
     d.out_spec = out_spec
-    call = Call(func, rargs, rkwargs, metas, 1)
-    call.sbps = actual
+    call = Call(func, rargs, rkwargs, metas, 1, 0, placement.shape, actual)
     if entry.decompose_when is not None and entry.decompose_when(call):
         d.decompose = True
         return d
     d.decompose = False
     per_axis = []
-    for n in placement.shape:
-        call.p = n
+    for axis, n in enumerate(placement.shape):
+        call.p, call.axis = n, axis
         per_axis.append(entry.rule(call))
     best = None
     for sigs in itertools.product(*per_axis):

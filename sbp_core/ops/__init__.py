@@ -1,2 +1,3 @@
 """SBP signature rules for aten ops, one file per family; importing registers them."""
-from . import creation, matmul, pointwise, reductions  # noqa: F401
+from . import conv, creation, loss, matmul, nn, pointwise, reductions  # noqa: F401
+from . import indexing, joining, slicing, views  # noqa: F401  (shape, view and indexing rules)

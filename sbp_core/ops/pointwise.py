@@ -5,7 +5,8 @@ On each mesh axis:
 - ``S(d)`` on the output dim ``d``: inputs that have that dim (size > 1)
   are ``S`` on it, inputs broadcast along it are ``B``;
 - all ``B`` -> ``B``;
-- partial sums pass through ops that are linear in their partial inputs:
+- partial sums pass through ops that are linear in their partial inputs
+  (offered only where an input is partial on that axis):
   ``P + P``, ``P - P``, ``P * B``, ``B * P``, ``P / B``, ``-P``, ``lerp(P, P)``,
   ``where(B, P, P)``, casts and copies. An op with a plain number added to
   a partial value is not linear that way and gets no ``P`` signature.
@@ -49,6 +50,10 @@ def pointwise(call) -> list:
         sigs.append(Sig(tuple(ins), (Split(d),)))
     sigs.append(Sig((B,) * len(metas), (B,)))
     f = call.func
+    if not call.partial_here():
+        # S -> P and B -> P are free, so an unneeded P signature would win ties and
+        # leave the result partial; offer P only where an input already is.
+        return sigs
     if f in _ALL_PARTIAL and (f not in _BINARY or len(metas) == 2):
         sigs.append(Sig((P,) * len(metas), (P,)))
     elif f in _ONE_PARTIAL:
@@ -64,4 +69,5 @@ def pointwise(call) -> list:
 
 
 register_tag(torch.Tag.pointwise, pointwise)
-register(aten.clone.default, aten.alias.default, aten.detach.default, aten._to_copy.default)(pointwise)
+register(aten.clone.default, aten.alias.default, aten.detach.default, aten._to_copy.default,
+         aten.where.ScalarSelf, aten.where.ScalarOther)(pointwise)

@@ -51,6 +51,18 @@ class Call:
     kwargs: dict
     metas: list  # TensorMeta per global tensor input, in flattened argument order
     p: int = 1  # size of the mesh axis being decided
+    axis: int = 0  # which mesh axis is being decided
+    mesh_shape: tuple = (1,)
+    sbps: list = field(default_factory=list)  # the inputs' actual N-d SBP
+
+    def actual(self, j: int):
+        """Input ``j``'s actual SBP on the axis being decided."""
+        return self.sbps[j][self.axis] if self.sbps else None
+
+    def partial_here(self, *inputs) -> bool:
+        """True when one of ``inputs`` (all if none given) is partial on this axis."""
+        idx = inputs or range(len(self.metas))
+        return any((s := self.actual(j)) is not None and s.is_partial for j in idx)
 
     def arg(self, index: int, name: str, default=None):
         """Positional-or-keyword argument of the op's schema."""

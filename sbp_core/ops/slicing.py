@@ -1,0 +1,113 @@
+"""Slices, selects, pads and triangular masks: ops that cut or pad along dims.
+
+On one mesh axis, best first (``P(op) -> P(op)`` pass-through only for inputs
+partial on the axis):
+
+- ``slice.Tensor``: ``S(i)`` on another dim stays; ``S`` on the sliced dim
+  stays only when the slice is the whole dim with step 1 (any other slice
+  needs rows from other ranks, so the dispatcher boxes). All partial ops pass.
+- ``select.int``: ``S(i)`` on another dim shifts past the removed dim.
+- ``slice_backward``/``select_backward`` (zeros with the gradient written
+  in): the gradient's ``S(i)`` on a dim other than the sliced/selected one
+  stays (runs with this rank's local size); partial passes (the zero fill is
+  a zero in every term, so sum, max and min are exact).
+- ``constant_pad_nd``: ``S`` on an unpadded dim stays; ``P(max)``/``P(min)``
+  pass for any fill value (every term holds it), ``P(sum)`` only for 0.
+- ``tril``/``triu``: every split stays; a rank whose rows start at ``r0``
+  and columns at ``c0`` masks its shard with diagonal ``k + r0 - c0``.
+  Partial passes (masked entries are 0 in every term).
+- ``masked_fill.Tensor`` (value given as a tensor) follows the element-wise
+  rule, like ``masked_fill.Scalar``.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..layout import local_box
+from ..sbp import Partial, Split
+from .common import B
+from .per_axis import axis_of, sized_local
+from .pointwise import pointwise
+from .registry import Sig, register
+from .views import passthrough
+
+aten = torch.ops.aten
+
+register(aten.masked_fill.Tensor)(pointwise)
+
+
+def _whole(size: int, start, end, step) -> bool:
+    start = 0 if start is None else start + size if start < 0 else start
+    end = size if end is None else end + size if end < 0 else end
+    return step == 1 and start <= 0 and end >= size
+
+
+def _keep_others(ax, nd: int, cut: int, shift: int, keep_cut: bool = False) -> list:
+    """``B``, ``S(i) -> S(i ± shift)`` for ``i != cut`` (``S(cut)`` too when ``keep_cut``), partial."""
+    sigs = [Sig((B,), (B,))]
+    for i in range(nd):
+        if i != cut or keep_cut:
+            sigs.append(Sig((Split(i),), (Split(i + shift if i > cut else i),)))
+    return sigs + passthrough(ax, 0)
+
+
+@register(aten.slice.Tensor)
+def slice_(call):
+    ax = axis_of(call)
+    shape = call.metas[0].shape
+    dim = call.arg(1, "dim", 0) % len(shape)
+    whole = _whole(shape[dim], call.arg(2, "start"), call.arg(3, "end"), call.arg(4, "step", 1))
+    return _keep_others(ax, len(shape), dim, 0, keep_cut=whole)
+
+
+@register(aten.select.int)
+def select(call):
+    ax = axis_of(call)
+    nd = call.metas[0].ndim
+    return _keep_others(ax, nd, call.arg(1, "dim") % nd, -1)
+
+
+@register(aten.slice_backward.default, local=sized_local)
+def slice_backward(call):
+    ax = axis_of(call)
+    sizes = call.arg(1, "input_sizes")
+    dim = call.arg(2, "dim") % len(sizes)
+    whole = call.metas[0].shape[dim] == sizes[dim]
+    return _keep_others(ax, len(sizes), dim, 0, keep_cut=whole and call.arg(5, "step") == 1)
+
+
+@register(aten.select_backward.default, local=sized_local)
+def select_backward(call):
+    ax = axis_of(call)
+    sizes = call.arg(1, "input_sizes")
+    dim = call.arg(2, "dim") % len(sizes)
+    # The gradient lacks ``dim``: its dim i is the output's i + (i >= dim).
+    sigs = [Sig((B,), (B,))]
+    sigs += [Sig((Split(i),), (Split(i + (i >= dim)),)) for i in range(len(sizes) - 1)]
+    return sigs + passthrough(ax, 0)
+
+
+@register(aten.constant_pad_nd.default)
+def constant_pad_nd(call):
+    ax = axis_of(call)
+    nd = call.metas[0].ndim
+    pad = call.arg(1, "pad")
+    value = call.arg(2, "value", 0)
+    padded = {nd - 1 - k // 2 for k, n in enumerate(pad) if n != 0}
+    sigs = [Sig((B,), (B,))] + [Sig((Split(i),), (Split(i),)) for i in range(nd) if i not in padded]
+    ops = [op for op in ax.partial_ops(0) if op != "sum" or value == 0]
+    return sigs + [Sig((Partial(op),), (Partial(op),)) for op in ops]
+
+
+def _triangle_local(func, args, kwargs, ctx):
+    lay = ctx.in_layouts[0]
+    box = local_box(lay.shape, lay.placement.shape, lay.sbp, ctx.coords)
+    diagonal = args[1] if len(args) > 1 else kwargs.get("diagonal", 0)
+    return func(args[0], diagonal + box[-2][0] - box[-1][0])
+
+
+@register(aten.tril.default, aten.triu.default, local=_triangle_local)
+def triangle(call):
+    ax = axis_of(call)
+    nd = call.metas[0].ndim
+    return [Sig((B,), (B,))] + [Sig((Split(i),), (Split(i),)) for i in range(nd)] + passthrough(ax, 0)
