@@ -32,8 +32,12 @@ def _global_strides(shape, local: torch.Tensor) -> tuple:
     The wrapper reports strides like the local's, so ``is_contiguous`` and
     ``.contiguous()`` on the global tensor mean what they mean for its shards.
     """
-    if local.dim() != len(shape):
-        return torch.empty(shape, device="meta").stride()
+    if local.dim() != len(shape) or local.is_contiguous():
+        strides, step = [], 1
+        for n in reversed(shape):
+            strides.append(step)
+            step *= max(n, 1)
+        return tuple(reversed(strides))
     order = sorted(range(len(shape)), key=lambda d: (local.stride(d), local.shape[d]), reverse=True)
     strides = [0] * len(shape)
     step = 1
@@ -95,7 +99,12 @@ class GlobalTensor(torch.Tensor):
 
         placement = self.placement if placement is None else placement
         sbp = self.sbp if sbp is None else nd_sbp(sbp, placement.ndim)
-        return Boxing.apply(self, placement, sbp)
+        if self.requires_grad and torch.is_grad_enabled():
+            return Boxing.apply(self, placement, sbp)
+        from .boxing import box
+
+        dst = Layout(placement, sbp, self.shape, self.dtype)
+        return GlobalTensor(box(self._local, self._layout, dst), dst)
 
     def full_tensor(self) -> torch.Tensor:
         """The whole global tensor on every member rank (all-gather / all-reduce as needed)."""

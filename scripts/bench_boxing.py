@@ -1,6 +1,6 @@
 """Time same-placement boxing against bare ``torch.distributed`` and ``DTensor.redistribute``.
 
-    python scripts/bench_boxing.py [--ranks 2|4] [--size 1024] [--reps 40]
+    python scripts/bench_boxing.py [--ranks 2|4] [--size 1024] [--reps 50]
 
 Runs on a pool of local gloo ranks (CPU, one thread each). For every ordered
 pair of distinct 1-d SBPs among S(0), S(1), B, P(sum), P(max) on a 1-d
@@ -27,7 +27,10 @@ Timing: per pair, ``--warmup`` untimed calls of each implementation, then
 (the order rotates each repetition), each call preceded by a barrier and
 timed alone with ``time.perf_counter``. Each rank takes the **median** of its
 repetitions; the reported time is the **max over ranks of those medians**
-(the slowest rank bounds a collective step).
+(the slowest rank bounds a collective step). The ``90% CI`` column is a
+paired bootstrap interval of ours/bare (repetitions resampled alike for both
+and for every rank): on a small shared machine single gloo calls vary by 2-3x,
+so ratios within that interval of 1.0 are noise, not a slowdown.
 
 Summary line: ``boxing vs bare (worst)`` is the largest ours/bare ratio over
 the pairs where the bare sequence calls a collective (S->S, S->B, P->S, P->B,
@@ -42,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import statistics
 import sys
 import time
@@ -270,34 +274,50 @@ def worker(shapes: list, reps: int, warmup: int, seed: int) -> dict:
     return results
 
 
-def summarise(per_rank: list, shape, pairs) -> dict:
-    """``{pair: {impl: max over ranks of the rank's median seconds}}``."""
+def summarise(per_rank: list, shape, pairs, resamples: int = 300) -> dict:
+    """``{pair: {impl: max over ranks of the rank's median seconds, "ci": (lo, hi) of ours/bare}}``."""
+    rng = random.Random(0)
     out = {}
     for pair in pairs:
         key = (tuple(shape), pair)
         impls = per_rank[0][key].keys()
-        out[pair] = {i: max(statistics.median(r[key][i]) for r in per_rank) for i in impls}
+        row = {i: max(statistics.median(r[key][i]) for r in per_rank) for i in impls}
+        reps = len(per_rank[0][key]["ours"])
+        ratios = []
+        for _ in range(resamples):
+            idx = [rng.randrange(reps) for _ in range(reps)]
+            ours = max(statistics.median(r[key]["ours"][k] for k in idx) for r in per_rank)
+            bare = max(statistics.median(r[key]["bare"][k] for k in idx) for r in per_rank)
+            ratios.append(ours / bare)
+        ratios.sort()
+        row["ci"] = (ratios[int(0.05 * resamples)], ratios[int(0.95 * resamples) - 1])
+        out[pair] = row
     return out
 
 
-def print_table(title: str, stats: dict, n: int) -> tuple:
-    """Print one table; return ``(worst ours/bare, its pair, worst ours/DTensor, its pair, worst local)``."""
+def print_table(title: str, stats: dict) -> tuple:
+    """Print one table; return the worst ratios and their pairs.
+
+    ``(ours/bare over collective pairs, pair, ours/DTensor, pair, ours/bare over local pairs, pair)``.
+    """
     print(title)
-    head = f"{'pair':16s} {'ours us':>9s} {'grad us':>9s} {'bare us':>9s} {'DTensor us':>10s} {'ours/bare':>9s} {'ours/DT':>8s}"
+    head = (f"{'pair':16s} {'ours us':>9s} {'grad us':>9s} {'bare us':>9s} {'DTensor us':>10s} "
+            f"{'ours/bare':>9s} {'90% CI':>11s} {'ours/DT':>8s}")
     print(head)
     print("-" * len(head))
     worst_bare, worst_bare_pair = 0.0, None
     worst_local, worst_local_pair = 0.0, None
     worst_dt, worst_dt_pair = 0.0, None
     for (src, dst), t in stats.items():
-        us = {k: v * 1e6 for k, v in t.items()}
+        us = {k: v * 1e6 for k, v in t.items() if k != "ci"}
         rb = t["ours"] / t["bare"]
         dt = f"{us['dtensor']:10.1f}" if "dtensor" in t else f"{'n/a':>10s}"
         rd = f"{t['ours'] / t['dtensor']:7.2f}x" if "dtensor" in t else f"{'n/a':>8s}"
         local = is_local_pair(src, dst)
         flag = "  local" if local else ""
+        ci = f"{t['ci'][0]:.2f}-{t['ci'][1]:.2f}"
         print(f"{src + ' -> ' + dst:16s} {us['ours']:9.1f} {us['grad']:9.1f} {us['bare']:9.1f} {dt} "
-              f"{rb:8.2f}x {rd}{flag}")
+              f"{rb:8.2f}x {ci:>11s} {rd}{flag}")
         if local:
             if rb > worst_local:
                 worst_local, worst_local_pair = rb, (src, dst)
@@ -328,13 +348,16 @@ def main(argv=None) -> int:
     ap.add_argument("--ranks", type=int, default=2, choices=(2, 4), help="gloo ranks (default 2)")
     ap.add_argument("--size", type=_parse_size, default=(1024, 1024), help="global fp32 tensor, N or RxC (1024)")
     ap.add_argument("--small", type=_parse_size, default=(8, 8), help="overhead table's tensor (8); 0 skips")
-    ap.add_argument("--reps", type=int, default=40, help="timed repetitions per implementation and pair (40)")
+    ap.add_argument("--reps", type=int, default=None,
+                    help="timed repetitions per implementation and pair (50 on 2 ranks, 30 on 4)")
     ap.add_argument("--warmup", type=int, default=5, help="untimed calls first (5)")
     ap.add_argument("--worst-over", choices=("comm", "all"), default="comm",
                     help="pairs in the ours/bare worst: with a collective (default) or all")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     n = args.ranks
+    if args.reps is None:
+        args.reps = 50 if n == 2 else 30
     small = args.small
     if args.size is None:
         ap.error("--size must be positive")
@@ -359,10 +382,10 @@ def main(argv=None) -> int:
           "bare = torch.distributed calls; DTensor = redistribute under no_grad\n")
     if small:
         print_table(f"per-call overhead, {small[0]}x{small[1]} fp32 ({small[0] * small[1] * 4} B):",
-                    summarise(per_rank, small, PAIRS), n)
+                    summarise(per_rank, small, PAIRS))
     mb = args.size[0] * args.size[1] * 4 / 2**20
     wb, wbp, wd, wdp, wl, wlp = print_table(f"{args.size[0]}x{args.size[1]} fp32 ({mb:.1f} MiB):",
-                                            summarise(per_rank, args.size, PAIRS), n)
+                                            summarise(per_rank, args.size, PAIRS))
     fmt = lambda p: f"{p[0]} -> {p[1]}" if p else "-"  # noqa: E731
     print(f"worst ours/bare with a collective: {wb:.2f}x ({fmt(wbp)}); local-only pairs: {wl:.2f}x "
           f"({fmt(wlp)}); ours/DTensor: {wd:.2f}x ({fmt(wdp)})")

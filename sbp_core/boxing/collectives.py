@@ -98,6 +98,9 @@ def all_gather(local: torch.Tensor, ranks, dim: int, length: int) -> torch.Tenso
         buf = torch.empty((p,) + tuple(local.shape), dtype=local.dtype, device=local.device)
         _all_gather_flat(buf.view(-1), local.view(-1), group=group_of(ranks))
         order = _group_order(ranks)
+        if order == list(range(p)):
+            # buf[k] is piece k: along dim 0 the buffer already is the result (a view).
+            return buf.movedim(0, dim).flatten(dim, dim + 1)
         pieces = [None] * p
         for g, k in enumerate(order):
             pieces[k] = buf[g]
@@ -155,22 +158,47 @@ def all_reduce(t: torch.Tensor, ranks, op: str) -> torch.Tensor:
 @_by_ranks
 def all_to_all(local: torch.Tensor, ranks, split_dim: int, cat_dim: int, cat_length: int) -> torch.Tensor:
     """S(cat_dim) -> S(split_dim): cut ``local`` along ``split_dim``, send piece ``k`` to rank ``k``,
-    concatenate what arrives along ``cat_dim`` (whose gathered size is ``cat_length``)."""
+    concatenate what arrives along ``cat_dim`` (whose gathered size is ``cat_length``).
+
+    One copy into the send buffer (none when the pieces already lie in order
+    in memory) and none out of the receive buffer along dim 0.
+    """
     p = len(ranks)
     me = ranks.index(world_rank())
-    send = [t.contiguous() for t in torch.tensor_split(local, p, split_dim)]
+    send = torch.tensor_split(local, p, split_dim)
     ledger.record("all_to_all", p, _nbytes(local) - _nbytes(send[me]))
     if p == 1:
         return local
+    order = _group_order(ranks)
+    in_order = order == list(range(p))
+    if split_dim == 0 and in_order and local.is_contiguous():
+        inp = local.reshape(-1)
+    else:
+        inp = torch.empty(local.numel(), dtype=local.dtype, device=local.device)
+        off = 0
+        for k in order:
+            n = send[k].numel()
+            inp[off : off + n].view(send[k].shape).copy_(send[k])
+            off += n
     shapes = []
     for n in shard_sizes(cat_length, p):
         s = list(send[me].shape)
         s[cat_dim] = n
         shapes.append(s)
-    flat = _all_to_all_flat(send, [int(torch.Size(s).numel()) for s in shapes], ranks, local.dtype, local.device)
-    pieces = [f.view(s) for f, s in zip(flat, shapes)]
-    pieces[me] = send[me]
-    return torch.cat(pieces, cat_dim)
+    recv = [int(torch.Size(s).numel()) for s in shapes]
+    out = torch.empty(sum(recv), dtype=local.dtype, device=local.device)
+    dist.all_to_all_single(
+        out, inp,
+        output_split_sizes=[recv[k] for k in order],
+        input_split_sizes=[send[k].numel() for k in order],
+        group=group_of(ranks),
+    )
+    if cat_dim == 0 and in_order:
+        whole = list(send[me].shape)
+        whole[0] = cat_length
+        return out.view(whole)  # the pieces arrived concatenated along dim 0
+    got = dict(zip(order, out.split([recv[k] for k in order])))
+    return torch.cat([got[k].view(shapes[k]) for k in range(p)], cat_dim)
 
 
 @_collective(lambda sends, recvs: {r for r, *_ in sends} | {r for r, *_ in recvs})
