@@ -14,7 +14,9 @@ sum, max and min (offered only for inputs that are partial on the axis, see
   input dim ``a`` becomes ``S`` on its outermost output dim ``b`` when the
   pieces line up: ``shard_sizes(a, p) * (rest of input group) ==
   shard_sizes(b, p) * (rest of output group)`` (e.g. ``h % p == 0`` for
-  ``[c] -> [h, d]``), checked on the pieces earlier mesh axes may have cut.
+  ``[c] -> [h, d]``; a merge ``[3, 2] -> [6]`` on 2 ranks holds rows 2, 1
+  = 4, 2 elements, not 3, 3, so it is not kept), checked on the pieces
+  earlier mesh axes may have cut.
   Splits of inner group dims are never kept. Runs locally with this rank's
   output size.
 - ``t``, ``transpose.int``, ``permute``: ``S(i) -> S(perm⁻¹(i))``.
@@ -24,10 +26,11 @@ sum, max and min (offered only for inputs that are partial on the axis, see
 - ``expand``: ``S(i)`` on a dim that is not broadcast -> ``S`` on its output
   dim; runs locally with this rank's output size.
 - ``new_empty``/``new_zeros``/``new_ones``/``new_full``/``new_empty_strided``:
-  creation from a global tensor; the output is ``B`` (each rank fills the
-  whole tensor, no communication). ``B`` is the layout every other one boxes
-  from for free (``B -> S``, ``B -> P`` cost nothing), so no better layout is
-  obvious without knowing the consumer.
+  creation from a global tensor, no communication. A tensor of ``self``'s
+  own shape takes ``self``'s split or broadcast layout (partial becomes
+  ``B``): autograd makes gradient buffers this way (``new_empty_strided``
+  then ``copy_``), and a ``B`` buffer would all-gather a split gradient into
+  it. Any other shape is ``B``, which every layout boxes from for free.
 """
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ import math
 
 import torch
 
+from ..process_groups import world_rank
 from ..sbp import Partial, Split
 from .common import B
 from .per_axis import axis_of, local_out_shape, nested_aligned, sized_local
@@ -180,6 +184,23 @@ def expand(call):
 
 
 @register(aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default,
-          aten.new_full.default, aten.new_empty_strided.default)
+          aten.new_full.default, aten.new_empty_strided.default, local=lambda *a: _new_local(*a))
 def new_tensor(call):
+    size = tuple(call.arg(1, "size"))
+    here = call.actual(0)
+    if size == tuple(call.metas[0].shape) and here is not None and here.is_split:
+        return [Sig((here,), (here,)), Sig((None,), (B,))]
     return [Sig((None,), (B,))]
+
+
+def _new_local(func, args, kwargs, ctx):
+    """Create with this rank's local size (strides in the requested dim order)."""
+    shape = ctx.out_layouts[0].local_shape(world_rank())
+    if func is aten.new_empty_strided.default:
+        order = sorted(range(len(shape)), key=lambda d: args[2][d], reverse=True)
+        stride, step = [0] * len(shape), 1
+        for d in reversed(order):
+            stride[d] = step
+            step *= max(shape[d], 1)
+        return func(args[0], list(shape), stride, *args[3:], **kwargs)
+    return func(args[0], list(shape), *args[2:], **kwargs)
