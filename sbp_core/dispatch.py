@@ -42,7 +42,8 @@ class LocalContext:
 
 
 class Decision:
-    __slots__ = ("required", "out_layouts", "out_spec", "entry", "sigs", "decompose", "inplace", "cost", "in_layouts")
+    __slots__ = ("required", "out_layouts", "out_spec", "entry", "sigs", "decompose", "inplace", "cost",
+                 "in_layouts", "member", "boxes", "ctx")
 
 
 _cache: dict = {}
@@ -129,46 +130,156 @@ def _decide(func, flat, spec, gpos, placement) -> Decision:
     return d
 
 
-def dispatch(func, args, kwargs):
-    flat, spec = tree_flatten((args, kwargs))
-    gpos = []
-    key = [func, len(flat)]
+_CACHE_LIMIT = 1 << 16
+
+
+def _key_part(a):
+    """What of a non-tensor argument a decision may depend on.
+
+    Floats count only as zero or not: optimizers pass step-dependent floats
+    (``addcdiv_(value=-step_size)``), and no rule reads more of a float than
+    that, so keying on the value would re-decide every step and grow the
+    cache without bound.
+    """
+    if type(a) is float:
+        return (float, a == 0.0)
+    if isinstance(a, list):
+        return tuple(a)
+    return a
+
+
+class _Nested(Exception):
+    """An argument nests tensors (e.g. ``cat``'s list): take the pytree path."""
+
+
+def _scan(func, args, kwargs):
+    """The decision key and the global inputs, without pytree (the hot path)."""
+    key = [func, "flat"]
+    globals_ = []
     placement = None
-    for i, a in enumerate(flat):
+    for a in itertools.chain(args, kwargs.values()):
         if isinstance(a, GlobalTensor):
-            gpos.append(i)
             lay = a._layout
             if placement is None:
                 placement = lay.placement
             elif lay.placement != placement:
-                raise ValueError(
-                    f"{func} mixes global tensors on {placement} and {lay.placement}: "
-                    "box one of them with .to_global(placement=...) first"
-                )
+                _mixed(func, placement, lay.placement)
             key.append(lay.sbp)
             key.append(lay.shape)
             key.append(lay.dtype)
+            globals_.append(a)
         elif isinstance(a, torch.Tensor):
             if a.dim() != 0:
-                raise ValueError(
-                    f"{func} mixes a global tensor with a local {tuple(a.shape)} tensor: "
-                    "declare it with sc.to_global(local, placement, sbp) first"
-                )
+                _local_mixed(func, a)
             key.append(a.dtype)
+        elif isinstance(a, (list, tuple)):
+            if any(isinstance(v, torch.Tensor) for v in a):
+                raise _Nested
+            key.append(tuple(a))
         else:
-            key.append(a)
-    if func is aten._local_scalar_dense.default:
-        return _scalar(flat[gpos[0]])
+            key.append(_key_part(a))
+    key.extend(kwargs)
     key.append(placement)
-    key = tuple(key)
+    return tuple(key), globals_, placement
+
+
+def _mixed(func, p1, p2):
+    raise ValueError(
+        f"{func} mixes global tensors on {p1} and {p2}: box one of them with .to_global(placement=...) first"
+    )
+
+
+def _local_mixed(func, a):
+    raise ValueError(
+        f"{func} mixes a global tensor with a local {tuple(a.shape)} tensor: "
+        "declare it with sc.to_global(local, placement, sbp) first"
+    )
+
+
+def _decision(func, args, kwargs, key):
+    """The cached decision for ``key``, deciding (via pytree) on a miss."""
     try:
         d = _cache.get(key)
-    except TypeError:  # an unhashable argument: decide afresh
+    except TypeError:  # an unhashable argument: decide afresh, do not cache
         key, d = None, None
-    if d is None:
-        d = _decide(func, flat, spec, gpos, placement)
-        if key is not None:
-            _cache[key] = d
+    if d is not None:
+        return d
+    flat, spec = tree_flatten((args, kwargs))
+    gpos = [i for i, a in enumerate(flat) if isinstance(a, GlobalTensor)]
+    placement = flat[gpos[0]].placement
+    for i, a in enumerate(flat):
+        if isinstance(a, GlobalTensor) and a.placement != placement:
+            _mixed(func, placement, a.placement)
+        elif isinstance(a, torch.Tensor) and not isinstance(a, GlobalTensor) and a.dim() != 0:
+            _local_mixed(func, a)
+    d = _decide(func, flat, spec, gpos, placement)
+    d.member = world_rank() in placement
+    if not d.decompose:
+        globals_ = [flat[i] for i in gpos]
+        d.boxes = [r != x.sbp for r, x in zip(d.required, globals_)]
+        d.ctx = None
+        if d.member and d.entry.local is not None:
+            d.ctx = LocalContext(placement, d.sigs, d.in_layouts, [o[0] for o in d.out_layouts if o is not None])
+    if key is not None:
+        if len(_cache) >= _CACHE_LIMIT:
+            _cache.clear()
+        _cache[key] = d
+    return d
+
+
+def dispatch(func, args, kwargs):
+    if func is aten._local_scalar_dense.default:
+        return _scalar(args[0])
+    try:
+        key, globals_, placement = _scan(func, args, kwargs)
+    except _Nested:
+        return _dispatch_nested(func, args, kwargs)
+    d = _decision(func, args, kwargs, key)
+    if _explain:
+        _explain[-1].append((func, [x.sbp for x in globals_], d))
+    if d.decompose:
+        return d.entry.decompose(*args, **kwargs)
+    locals_ = [
+        box(x._local, x._layout, lay) if need else x._local
+        for x, need, lay in zip(globals_, d.boxes, d.in_layouts)
+    ]
+    if not d.member:
+        if d.inplace:
+            return args[0]
+        device = globals_[0]._local.device
+        out_flat = [None if o is None else torch.empty(0, dtype=o[0].dtype, device=device) for o in d.out_layouts]
+        return _wrap(out_flat, d)
+    it = iter(locals_)
+    largs = [next(it) if isinstance(a, GlobalTensor) else a for a in args]
+    lkwargs = {k: next(it) if isinstance(v, GlobalTensor) else v for k, v in kwargs.items()}
+    out = d.entry.local(func, largs, lkwargs, d.ctx) if d.ctx is not None else func(*largs, **lkwargs)
+    if d.inplace:
+        return args[0]
+    if isinstance(out, torch.Tensor):
+        lay, stride = d.out_layouts[0]
+        return GlobalTensor(out, lay, strides=stride)
+    return _wrap(tree_flatten(out)[0], d)
+
+
+def _wrap(out_flat, d):
+    res = [GlobalTensor(o, lay[0], strides=lay[1]) if lay is not None else o for o, lay in zip(out_flat, d.out_layouts)]
+    return tree_unflatten(res, d.out_spec)
+
+
+def _dispatch_nested(func, args, kwargs):
+    """Ops whose arguments nest tensors in lists (``cat``, ``index``): the pytree path."""
+    flat, spec = tree_flatten((args, kwargs))
+    key = [func, len(flat)]
+    for a in flat:
+        if isinstance(a, GlobalTensor):
+            key.extend((a._layout.sbp, a._layout.shape, a._layout.dtype, a._layout.placement))
+        elif isinstance(a, torch.Tensor):
+            key.append(a.dtype if a.dim() == 0 else ("local", tuple(a.shape)))
+        else:
+            key.append(_key_part(a))
+    key = tuple(key)
+    d = _decision(func, args, kwargs, key)
+    gpos = [i for i, a in enumerate(flat) if isinstance(a, GlobalTensor)]
     if _explain:
         _explain[-1].append((func, [flat[i].sbp for i in gpos], d))
     if d.decompose:
@@ -176,27 +287,17 @@ def dispatch(func, args, kwargs):
     local_flat = list(flat)
     for j, i in enumerate(gpos):
         x = flat[i]
-        req = d.required[j]
-        local_flat[i] = x._local if req == x._layout.sbp else box(x._local, x._layout, d.in_layouts[j])
-    if world_rank() in placement:
-        largs, lkwargs = tree_unflatten(local_flat, spec)
-        if d.entry.local is not None:
-            ctx = LocalContext(placement, d.sigs, d.in_layouts, [o[0] for o in d.out_layouts if o is not None])
-            out = d.entry.local(func, largs, lkwargs, ctx)
-        else:
-            out = func(*largs, **lkwargs)
+        local_flat[i] = box(x._local, x._layout, d.in_layouts[j]) if d.boxes[j] else x._local
+    if not d.member:
         if d.inplace:
             return args[0]
-        out_flat = tree_flatten(out)[0]
-    else:
-        if d.inplace:
-            return args[0]
-        out_flat = [None if o is None else torch.empty(0, dtype=o[0].dtype, device=flat[gpos[0]]._local.device) for o in d.out_layouts]
-    res = [
-        GlobalTensor(o, lay[0], strides=lay[1]) if lay is not None else o
-        for o, lay in zip(out_flat, d.out_layouts)
-    ]
-    return tree_unflatten(res, d.out_spec)
+        device = flat[gpos[0]]._local.device
+        return _wrap([None if o is None else torch.empty(0, dtype=o[0].dtype, device=device) for o in d.out_layouts], d)
+    largs, lkwargs = tree_unflatten(local_flat, spec)
+    out = d.entry.local(func, largs, lkwargs, d.ctx) if d.ctx is not None else func(*largs, **lkwargs)
+    if d.inplace:
+        return args[0]
+    return _wrap(tree_flatten(out)[0], d)
 
 
 def _scalar(x: GlobalTensor):

@@ -91,7 +91,9 @@ def layer_norm_backward(call):
 
     sigs = [sig((Split(d),) * 4, B, (Split(d), P, P)) for d in range(kept)]
     sigs.append(sig((B,) * 4, B, (B, B, B)))
-    if grad_p:
+    if grad_p and not (present[1] or present[2]):
+        # With weight/bias gradients, a partial pass-through would leave them partial:
+        # one small all-reduce each later, instead of reducing the incoming gradient once.
         sigs.append(sig((P, B, B, B), B, (P, P, P)))
     return sigs
 
