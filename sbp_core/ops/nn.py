@@ -89,7 +89,12 @@ def layer_norm_backward(call):
     def sig(act, params, outs):
         return Sig(act + (params,) * n_par, tuple(o for o, keep in zip(outs, present) if keep))
 
-    sigs = [sig((Split(d),) * 4, B, (Split(d), P, P)) for d in range(kept)]
+    # Split signatures leave weight/bias grads partial (one all-reduce each later), so
+    # offer them only where the forward input already was split that way (sequence
+    # parallel); otherwise reduce a partial gradient once to B, as Megatron does.
+    here = call.actual(1)
+    splits = [d for d in range(kept) if not (present[1] or present[2]) or here == Split(d)]
+    sigs = [sig((Split(d),) * 4, B, (Split(d), P, P)) for d in splits]
     sigs.append(sig((B,) * 4, B, (B, B, B)))
     if grad_p and not (present[1] or present[2]):
         # With weight/bias gradients, a partial pass-through would leave them partial:
