@@ -70,3 +70,58 @@ def check(fn, inputs, layouts, ranks, grad=True, rtol=1e-5):
             if not err <= rtol:
                 bad.append(f"rank {rank} {name}: rel err {err:.2e}")
     assert not bad, f"{fn.__name__} with layouts {layouts} on {ranks}:\n" + "\n".join(bad)
+
+
+def _run_cases(cases):
+    """Worker: run each ``(fn, inputs, layouts, ranks, grad)``; return its errors and output SBPs."""
+    results = []
+    for fn, inputs, layouts, ranks, grad in cases:
+        seen = []
+
+        def traced(*args, fn=fn, seen=seen):
+            out = fn(*args)
+            flat = _flat(out)
+            if isinstance(flat[0], sc.GlobalTensor):
+                seen.append([o.sbp for o in flat])
+            return out
+
+        try:
+            errs = _worker(traced, inputs, layouts, ranks, grad)
+        except Exception as e:  # noqa: BLE001  (reported per case; ranks fail alike)
+            errs = {"raised": f"{type(e).__name__}: {e}"}
+        results.append((errs, seen[0] if seen else None))
+    return results
+
+
+def _matches(got, want) -> bool:
+    """``want``: a predicate, or one N-d SBP per output (a bare SBP for 1-d, ``None`` to skip one)."""
+    if callable(want):
+        return want(got)
+    want = [w if isinstance(w, tuple) or w is None else (w,) for w in want]
+    return got is not None and len(got) == len(want) and all(w is None or g == w for g, w in zip(got, want))
+
+
+def check_cases(cases, rtol=1e-5):
+    """Many ``check``s in one pool call, optionally asserting the output layouts.
+
+    ``cases``: ``(fn, inputs, layouts, ranks[, expected output SBPs or None[, grad]])``.
+    """
+    norm = []
+    for c in cases:
+        fn, inputs, layouts, ranks = c[:4]
+        grad = c[5] if len(c) > 5 else True
+        norm.append((fn, inputs, [s if isinstance(s, tuple) else (s,) for s in layouts], ranks, grad))
+    results = get_pool(WORLD).run(_run_cases, norm)
+    bad = []
+    for i, (c, (fn, _, layouts, ranks, _)) in enumerate(zip(cases, norm)):
+        want = c[4] if len(c) > 4 else None
+        for rank, per_case in enumerate(results):
+            errs, sbps = per_case[i]
+            if errs is None:
+                continue
+            for name, err in errs.items():
+                if isinstance(err, str) or not err <= rtol:
+                    bad.append(f"{fn.__name__} {layouts} on {ranks}: rank {rank} {name}: {err}")
+            if want is not None and rank == 0 and not _matches(sbps, want):
+                bad.append(f"{fn.__name__} {layouts} on {ranks}: output sbp {sbps}, expected {want}")
+    assert not bad, "\n".join(bad)

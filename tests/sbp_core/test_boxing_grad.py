@@ -16,7 +16,7 @@ import torch
 
 import sbp_core as sc
 from sbp_core import sbp
-from sbp_core.layout import box_slices, local_box, take_local
+from sbp_core.layout import take_local
 from toolkit.rank_pool import get_pool
 
 WORLD = 5

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from sbp_core import sbp
 
-from .test_ops_nn import run
+from .parity import check_cases as run
 
 R2, R3, M22 = [0, 1], [0, 1, 2], [[0, 1], [2, 3]]
 S0, S1, S2 = sbp.split(0), sbp.split(1), sbp.split(2)

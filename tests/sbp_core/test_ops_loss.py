@@ -14,7 +14,7 @@ from sbp_core import sbp
 from toolkit.rank_pool import get_pool
 
 from . import parity
-from .test_ops_nn import fresh_decisions, run
+from .parity import check_cases as run
 
 R2, R3, M22 = [0, 1], [0, 1, 2], [[0, 1], [2, 3]]
 S0, S1, S2 = sbp.split(0), sbp.split(1), sbp.split(2)
@@ -168,7 +168,6 @@ def test_binary_cross_entropy_with_logits():
 
 
 def _vocab_parallel_traffic(n, v):
-    fresh_decisions()
     p = sc.placement("cpu", [0, 1, 2])
     torch.manual_seed(0)
     logits = sc.randn(n, v, placement=p, sbp=S1, requires_grad=True)

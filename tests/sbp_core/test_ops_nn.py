@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import sbp_core as sc
-from sbp_core import dispatch as sc_dispatch, sbp
+from sbp_core import sbp
 from toolkit.rank_pool import get_pool
 
 from . import parity
@@ -22,54 +22,7 @@ B, P = sbp.broadcast, sbp.partial_sum
 BB = (B, B)
 
 
-def fresh_decisions():
-    """Forget cached dispatch decisions: the cache key leaves out the placement, so a
-    case on ranks [0, 1, 2] would reuse decisions made for the same shapes on [0, 1]."""
-    sc_dispatch._cache.clear()
-
-
-def _run_cases(cases):
-    results = []
-    for fn, inputs, layouts, ranks, grad in cases:
-        fresh_decisions()
-        seen = []
-
-        def traced(*args, fn=fn, seen=seen):
-            out = fn(*args)
-            flat = parity._flat(out)
-            if isinstance(flat[0], sc.GlobalTensor):
-                seen.append([o.sbp for o in flat])
-            return out
-
-        try:
-            errs = parity._worker(traced, inputs, layouts, ranks, grad)
-        except Exception as e:  # noqa: BLE001  (reported per case; ranks fail alike)
-            errs = {"raised": f"{type(e).__name__}: {e}"}
-        results.append((errs, seen[0] if seen else None))
-    fresh_decisions()  # leave none behind for other tests
-    return results
-
-
-def run(cases):
-    """``cases``: ``(fn, inputs, layouts, ranks[, expected output SBPs[, grad]])``; one pool call."""
-    norm = []
-    for c in cases:
-        fn, inputs, layouts, ranks = c[:4]
-        grad = c[5] if len(c) > 5 else True
-        norm.append((fn, inputs, [s if isinstance(s, tuple) else (s,) for s in layouts], ranks, grad))
-    results = get_pool(parity.WORLD).run(_run_cases, norm)
-    bad = []
-    for i, (c, (fn, _, layouts, ranks, _)) in enumerate(zip(cases, norm)):
-        want = c[4] if len(c) > 4 else None
-        for rank, per_case in enumerate(results):
-            errs, sbps = per_case[i]
-            for name, err in (errs or {}).items():
-                if isinstance(err, str) or not err <= 1e-5:
-                    bad.append(f"{fn.__name__} {layouts} on {ranks}: rank {rank} {name}: {err}")
-            if want is not None and rank == 0 and errs is not None:
-                if sbps != [w if isinstance(w, tuple) else (w,) for w in want]:
-                    bad.append(f"{fn.__name__} {layouts} on {ranks}: output sbp {sbps}, expected {want}")
-    assert not bad, "\n".join(bad)
+run = parity.check_cases
 
 
 g = torch.Generator().manual_seed(0)
@@ -178,7 +131,6 @@ def test_dropout_and_gelu():
 
 def _dropout_exact(ranks, layout):
     """Bit-exact mask and output vs one device, and every rank's generator in step afterwards."""
-    fresh_decisions()
     x = torch.randn(7, 9, generator=torch.Generator().manual_seed(3))
     torch.manual_seed(5)
     want = F.dropout(x, 0.3)
@@ -244,7 +196,6 @@ def test_embedding():
 
 
 def _vocab_parallel_grad_layout():
-    fresh_decisions()
     p = sc.placement("cpu", [[0, 1], [2, 3]])
     w = sc.distribute(torch.randn(11, 6), p, (B, S0), requires_grad=True)
     i = sc.distribute(torch.randint(0, 11, (4, 5)), p, (S0, B))

@@ -10,9 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-import sbp_core as sc
 from sbp_core import sbp
-from toolkit.rank_pool import get_pool
 
 from . import parity
 
@@ -22,54 +20,7 @@ B, P, PMAX, PMIN = sbp.broadcast, sbp.partial_sum, sbp.partial_max, sbp.partial_
 ANY = None  # no expectation on the output layout
 
 
-def _run_cases(cases):
-    """Worker: run each ``(fn, inputs, layouts, ranks, grad)``; return its errors and output SBPs."""
-    results = []
-    for fn, inputs, layouts, ranks, grad in cases:
-        seen = []
-
-        def traced(*args, fn=fn, seen=seen):
-            out = fn(*args)
-            flat = parity._flat(out)
-            if isinstance(flat[0], sc.GlobalTensor):
-                seen.append([o.sbp for o in flat])
-            return out
-
-        errs = parity._worker(traced, inputs, layouts, ranks, grad)
-        results.append((errs, seen[0] if seen else None))
-    return results
-
-
-def run(cases):
-    """``cases``: ``(fn, inputs, layouts, ranks, expected output SBPs or None[, grad])``."""
-    norm = []
-    for c in cases:
-        fn, inputs, layouts, ranks, want = c[:5]
-        grad = c[5] if len(c) > 5 else True
-        norm.append((fn, inputs, [s if isinstance(s, tuple) else (s,) for s in layouts], ranks, grad))
-    results = get_pool(parity.WORLD).run(_run_cases, norm)
-    bad = []
-    for i, (c, (fn, _, layouts, ranks, _)) in enumerate(zip(cases, norm)):
-        want = c[4]
-        for rank, per_case in enumerate(results):
-            errs, sbps = per_case[i]
-            if errs is None:
-                continue
-            for name, err in errs.items():
-                if isinstance(err, str) or not err <= 1e-5:
-                    bad.append(f"{fn.__name__} {layouts} on {ranks}: rank {rank} {name}: {err}")
-            if want is not None and rank == 0:
-                if not _matches(sbps, want):
-                    bad.append(f"{fn.__name__} {layouts} on {ranks}: output sbp {sbps}, expected {want}")
-    assert not bad, "\n".join(bad)
-
-
-def _matches(got, want) -> bool:
-    """``want``: a predicate, or one N-d SBP per output (a bare SBP for 1-d, ``ANY`` to skip one)."""
-    if callable(want):
-        return want(got)
-    want = [w if isinstance(w, tuple) or w is None else (w,) for w in want]
-    return got is not None and len(got) == len(want) and all(w is None or g == w for g, w in zip(got, want))
+run = parity.check_cases
 
 
 def _not(*sbps):
