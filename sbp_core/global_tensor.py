@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .layout import Layout
+from .layout import Layout, strides_in_order
 from .sbp import format_sbp, nd_sbp
 
 
@@ -27,24 +27,15 @@ def _describe(x):
 
 
 def _global_strides(shape, local: torch.Tensor) -> tuple:
-    """Contiguous strides for ``shape`` in the dim order of ``local``'s memory layout.
+    """Dense strides for ``shape`` in the dim order of ``local``'s memory layout.
 
     The wrapper reports strides like the local's, so ``is_contiguous`` and
     ``.contiguous()`` on the global tensor mean what they mean for its shards.
     """
     if local.dim() != len(shape) or local.is_contiguous():
-        strides, step = [], 1
-        for n in reversed(shape):
-            strides.append(step)
-            step *= max(n, 1)
-        return tuple(reversed(strides))
+        return strides_in_order(shape, range(len(shape)))
     order = sorted(range(len(shape)), key=lambda d: (local.stride(d), local.shape[d]), reverse=True)
-    strides = [0] * len(shape)
-    step = 1
-    for d in reversed(order):
-        strides[d] = step
-        step *= max(shape[d], 1)
-    return tuple(strides)
+    return strides_in_order(shape, order)
 
 
 class GlobalTensor(torch.Tensor):

@@ -14,6 +14,15 @@ import torch
 from .sbp import Broadcast
 
 
+def strides_in_order(shape, order) -> tuple:
+    """Dense strides for ``shape`` with dims laid out outermost-first as in ``order``."""
+    strides, step = [0] * len(shape), 1
+    for d in reversed(order):
+        strides[d] = step
+        step *= max(shape[d], 1)
+    return tuple(strides)
+
+
 def shard_bounds(size: int, parts: int, index: int) -> tuple:
     """``(start, length)`` of piece ``index`` of ``torch.tensor_split(range(size), parts)``."""
     q, r = divmod(size, parts)

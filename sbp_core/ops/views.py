@@ -38,6 +38,7 @@ import math
 
 import torch
 
+from ..layout import strides_in_order
 from ..process_groups import world_rank
 from ..sbp import Partial, Split
 from .common import B
@@ -183,24 +184,20 @@ def expand(call):
     return _map_dims(ax, mapping)
 
 
+def _new_local(func, args, kwargs, ctx):
+    """Create with this rank's local size (strides in the requested dim order)."""
+    shape = ctx.out_layouts[0].local_shape(world_rank())
+    if func is aten.new_empty_strided.default:
+        order = sorted(range(len(shape)), key=lambda d: args[2][d], reverse=True)
+        return func(args[0], list(shape), list(strides_in_order(shape, order)), *args[3:], **kwargs)
+    return func(args[0], list(shape), *args[2:], **kwargs)
+
+
 @register(aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default,
-          aten.new_full.default, aten.new_empty_strided.default, local=lambda *a: _new_local(*a))
+          aten.new_full.default, aten.new_empty_strided.default, local=_new_local)
 def new_tensor(call):
     size = tuple(call.arg(1, "size"))
     here = call.actual(0)
     if size == tuple(call.metas[0].shape) and here is not None and here.is_split:
         return [Sig((here,), (here,)), Sig((None,), (B,))]
     return [Sig((None,), (B,))]
-
-
-def _new_local(func, args, kwargs, ctx):
-    """Create with this rank's local size (strides in the requested dim order)."""
-    shape = ctx.out_layouts[0].local_shape(world_rank())
-    if func is aten.new_empty_strided.default:
-        order = sorted(range(len(shape)), key=lambda d: args[2][d], reverse=True)
-        stride, step = [0] * len(shape), 1
-        for d in reversed(order):
-            stride[d] = step
-            step *= max(shape[d], 1)
-        return func(args[0], list(shape), stride, *args[3:], **kwargs)
-    return func(args[0], list(shape), *args[2:], **kwargs)
