@@ -3,8 +3,8 @@
 A plan maps name patterns (``fnmatch``, matched against dotted names) to an
 N-d SBP:
 
-- parameter and buffer names, e.g. ``"*.c_attn.weight": (B, S(1))``;
-  unmatched parameters and buffers are ``B`` on every axis;
+- parameter and buffer names, e.g. ``"*.c_attn.weight": (B, S(1))``; the
+  first matching pattern wins; unmatched ones are ``B`` on every axis;
 - ``"<module pattern>:input"`` / ``":output"``: the module's first tensor
   input / its tensor output is boxed to that layout (a forward hook calling
   ``to_global``, differentiable). This is how a plan pins activation
