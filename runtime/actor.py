@@ -1,0 +1,81 @@
+"""An actor: in registers it reads, out registers it owns, and the state machine between.
+
+Counters decide everything: an actor acts when every input edge holds a
+readable register (``req`` arrived) and one of its own out registers is
+free (every consumer ``ack``-ed it). Out registers are a fixed pool of
+``quota``, so a producer whose consumers lag stops — back pressure — and
+never holds more live registers than its quota. Consumers on the same
+process read the producer's register object itself (zero copy).
+"""
+from __future__ import annotations
+
+from collections import deque
+
+
+class Register:
+    """One out register: a value and how many consumers still have to ack it."""
+
+    __slots__ = ("owner", "value", "piece", "pending")
+
+    def __init__(self, owner):
+        self.owner = owner
+        self.value = None
+        self.piece = -1
+        self.pending = 0
+
+
+class Actor:
+    __slots__ = ("aid", "spec", "remaining", "inputs", "free", "consumers", "max_live", "actions", "next_piece")
+
+    def __init__(self, aid: int, spec, pieces: int):
+        self.aid = aid
+        self.spec = spec
+        self.remaining = pieces
+        self.next_piece = 0
+        self.inputs = [deque() for _ in spec.inputs]  # readable registers per input edge, FIFO
+        self.free = [Register(self) for _ in range(spec.quota)]
+        self.consumers: list = []  # (consumer actor, input edge index)
+        self.max_live = 0
+        self.actions = 0
+
+    @property
+    def live(self) -> int:
+        return self.spec.quota - len(self.free)
+
+    def ready(self) -> bool:
+        return self.remaining > 0 and bool(self.free) and all(self.inputs)
+
+    def act(self, send):
+        """Run one piece: read one register per input, fill a free out register, send req and ack.
+
+        ``send(kind, register, actor, edge)`` delivers a message to ``actor``.
+        """
+        piece = self.next_piece
+        regs = [q.popleft() for q in self.inputs]
+        reg = self.free.pop()
+        out = reg.value = self.spec.action(piece, *(r.value for r in regs))
+        reg.piece = piece
+        reg.pending = len(self.consumers)
+        self.max_live = max(self.max_live, self.live)
+        self.remaining -= 1
+        self.next_piece += 1
+        self.actions += 1
+        if not self.consumers:
+            self.release(reg)
+        for consumer, edge in self.consumers:
+            send("req", reg, consumer, edge)
+        for r in regs:
+            send("ack", r, r.owner, None)
+        return out
+
+    def on_req(self, reg, edge: int) -> None:
+        self.inputs[edge].append(reg)
+
+    def on_ack(self, reg) -> None:
+        reg.pending -= 1
+        if reg.pending == 0:
+            self.release(reg)
+
+    def release(self, reg) -> None:
+        reg.value = None
+        self.free.append(reg)

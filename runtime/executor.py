@@ -1,0 +1,202 @@
+"""Running a plan: one OS thread per hardware queue, each a FIFO of messages.
+
+Each queue thread owns the actors placed on it and touches only them. It
+drains its messages (``req``: a register became readable; ``ack``: a
+consumer is done with one), then lets the highest-priority ready actor act
+once, and repeats; with nothing ready it blocks on its inbox. Messages
+between actors of one thread go through a local deque and skip the inbox.
+There is no scheduler besides these state machines.
+
+An exception in any action stops every thread and re-raises in the caller
+naming the actor and piece; if no actor can act for ``timeout`` seconds the
+run stops with an error listing what each waiting actor lacks.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from .actor import Actor
+from .ids import actor_id, thread_of
+from .plan import QUEUES, Plan, PlanError
+
+
+class RuntimeFailure(RuntimeError):
+    """An action raised, or the run stopped making progress."""
+
+
+@dataclass
+class ActorStats:
+    actions: int
+    max_live: int
+    quota: int
+
+
+@dataclass
+class RunResult:
+    stats: dict  # actor name -> ActorStats
+    outputs: dict  # sink actor name -> its outputs in piece order
+
+
+class QueueThread(threading.Thread):
+    def __init__(self, index: int, name: str, run):
+        super().__init__(name=f"sbp-{name}", daemon=True)
+        self.index = index
+        self.queue_name = name
+        self.run_state = run
+        self.inbox = queue.SimpleQueue()
+        self.local: deque = deque()
+        self.actors: list = []
+
+    def send(self, kind, reg, actor, edge):
+        target = self.run_state.threads[thread_of(actor.aid)]
+        msg = (kind, reg, actor, edge)
+        if target is self:
+            self.local.append(msg)
+        else:
+            target.inbox.put(msg)
+
+    def _handle(self, msg) -> None:
+        kind, reg, actor, edge = msg
+        if kind == "req":
+            actor.on_req(reg, edge)
+        else:
+            actor.on_ack(reg)
+
+    def _drain(self) -> None:
+        while self.local:
+            self._handle(self.local.popleft())
+        while True:
+            try:
+                msg = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            if msg is None:
+                return
+            self._handle(msg)
+
+    def _pick(self):
+        best = None
+        for a in self.actors:
+            if a.ready() and (best is None or a.spec.priority > best.spec.priority):
+                best = a
+        return best
+
+    def run(self) -> None:
+        st = self.run_state
+        actor = None
+        try:
+            while not st.stopping:
+                self._drain()
+                actor = self._pick()
+                if actor is not None:
+                    start = time.perf_counter()
+                    piece = actor.next_piece
+                    st.running += 1
+                    out = actor.act(self.send)
+                    st.running -= 1
+                    if st.trace is not None:
+                        st.trace.record(actor.spec.name, self.index, start, time.perf_counter(), piece)
+                    if not actor.consumers:
+                        st.outputs[actor.spec.name].append(out)
+                    st.progress += 1
+                    continue
+                actor = None
+                if all(a.remaining == 0 for a in self.actors):
+                    return
+                try:
+                    msg = self.inbox.get(timeout=0.05)
+                except queue.Empty:
+                    continue
+                if msg is not None:
+                    self._handle(msg)
+        except BaseException as exc:  # noqa: BLE001  (re-raised in the caller)
+            st.fail(actor, exc)
+
+
+class _Run:
+    def __init__(self, trace):
+        self.threads: dict = {}
+        self.stopping = False
+        self.error = None
+        self.progress = 0
+        self.running = 0  # actions under way (a long action is not a stall)
+        self.trace = trace
+        self.outputs: dict = {}
+
+    def fail(self, actor, exc) -> None:
+        if self.error is None:
+            self.error = (actor, exc)
+        self.stopping = True
+        for t in self.threads.values():
+            t.inbox.put(None)
+
+
+def run(plan: Plan, pieces: int, timeout: float = 60.0, trace=None, rank: int = 0) -> RunResult:
+    """Run every actor of ``plan`` ``pieces`` times; returns per-actor stats and the sinks' outputs."""
+    plan.validate()
+    if pieces < 0:
+        raise PlanError(f"pieces must be >= 0, got {pieces}")
+    st = _Run(trace)
+    used = [q for q in QUEUES if any(a.queue == q for a in plan.actors)]
+    for i, q in enumerate(used):
+        st.threads[i] = QueueThread(i, q, st)
+        if trace is not None:
+            trace.threads[i] = q
+    actors = {}
+    for k, spec in enumerate(plan.actors):
+        t = st.threads[used.index(spec.queue)]
+        a = Actor(actor_id(rank, t.index, k), spec, pieces)
+        t.actors.append(a)
+        actors[spec.name] = a
+    for spec in plan.actors:
+        for edge, src in enumerate(spec.inputs):
+            actors[src].consumers.append((actors[spec.name], edge))
+    for spec in plan.actors:
+        for edge, src in enumerate(spec.inputs):
+            if src in spec.initial:
+                producer = actors[src]
+                if not producer.free:
+                    raise PlanError(f"actor {src!r} has quota {producer.spec.quota}, too few for its initial registers")
+                reg = producer.free.pop()
+                reg.value, reg.piece, reg.pending = spec.initial[src], -1, 1
+                actors[spec.name].on_req(reg, edge)
+    for a in actors.values():
+        a.max_live = a.live
+        if not a.consumers:
+            st.outputs[a.spec.name] = []
+    for t in st.threads.values():
+        t.start()
+    last, since = -1, time.monotonic()
+    while any(t.is_alive() for t in st.threads.values()):
+        for t in st.threads.values():
+            t.join(0.02)
+        if st.error is not None:
+            break
+        if st.progress != last or st.running:
+            last, since = st.progress, time.monotonic()
+        elif time.monotonic() - since > timeout:
+            st.stopping = True
+            waiting = [_why(a) for a in actors.values() if a.remaining]
+            raise RuntimeFailure(f"no actor could act for {timeout:g} s; waiting: " + "; ".join(waiting))
+    for t in st.threads.values():
+        t.join()
+    if st.error is not None:
+        actor, exc = st.error
+        where = f"actor {actor.spec.name!r} failed on piece {actor.next_piece}" if actor else "a queue thread failed"
+        raise RuntimeFailure(f"{where}: {type(exc).__name__}: {exc}") from exc
+    stats = {n: ActorStats(a.actions, a.max_live, a.spec.quota) for n, a in actors.items()}
+    return RunResult(stats, st.outputs)
+
+
+def _why(a: Actor) -> str:
+    lacks = [a.spec.inputs[k] for k, q in enumerate(a.inputs) if not q]
+    need = []
+    if lacks:
+        need.append(f"input from {lacks}")
+    if not a.free:
+        need.append("a free out register")
+    return f"{a.spec.name} (piece {a.next_piece}) needs {' and '.join(need) or 'its thread'}"

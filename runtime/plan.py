@@ -1,0 +1,96 @@
+"""Plans: the declarative description of actors, queues, register quotas and edges.
+
+Higher layers (the pipeline executor, the data pipeline) build a ``Plan``;
+``validate`` rejects, before anything runs, an input naming no actor, a
+quota below 1, an unknown queue, and a cycle that no pre-filled register
+breaks (every actor on it would wait for another forever).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+QUEUES = ("compute", "copy", "network", "data")
+
+
+@dataclass
+class ActorSpec:
+    """One actor.
+
+    ``action(piece, *inputs) -> output`` runs once per piece; ``inputs`` names
+    the producers whose outputs it reads, in argument order. ``quota`` is the
+    number of out registers (its memory): it acts only when one is free.
+    ``initial`` maps some of its producers to a value that is readable before
+    that producer ran (the producer's piece ``k`` then feeds piece ``k + 1``):
+    this is how a cycle (e.g. parameters updated by the optimizer and read by
+    the next step) starts. ``priority``: among ready actors on one thread the
+    highest acts first.
+    """
+
+    name: str
+    action: Callable
+    inputs: tuple = ()
+    queue: str = "compute"
+    quota: int = 2
+    priority: int = 0
+    initial: dict = field(default_factory=dict)
+
+
+class PlanError(ValueError):
+    """A plan that cannot run, found before it runs."""
+
+
+@dataclass
+class Plan:
+    actors: list
+
+    def by_name(self) -> dict:
+        return {a.name: a for a in self.actors}
+
+    def consumers(self) -> dict:
+        out = {a.name: [] for a in self.actors}
+        for a in self.actors:
+            for k, src in enumerate(a.inputs):
+                out[src].append((a.name, k))
+        return out
+
+    def validate(self) -> None:
+        names = [a.name for a in self.actors]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise PlanError(f"actor names must be unique: {dup} repeat")
+        known = set(names)
+        for a in self.actors:
+            if a.queue not in QUEUES:
+                raise PlanError(f"actor {a.name!r}: queue {a.queue!r} is not one of {QUEUES}")
+            if not isinstance(a.quota, int) or a.quota < 1:
+                raise PlanError(f"actor {a.name!r}: quota {a.quota!r} must be an int >= 1 (its out registers)")
+            for src in a.inputs:
+                if src not in known:
+                    raise PlanError(f"actor {a.name!r} reads from {src!r}, which is no actor; actors: {sorted(known)}")
+            for src in a.initial:
+                if src not in a.inputs:
+                    raise PlanError(f"actor {a.name!r}: initial value for {src!r}, which is not one of its inputs {list(a.inputs)}")
+        self._check_cycles()
+
+    def _check_cycles(self) -> None:
+        """Every cycle of edges must pass an edge with an initial register."""
+        blocking = {a.name: [s for s in a.inputs if s not in a.initial] for a in self.actors}
+        state: dict = {}
+
+        def visit(n, path):
+            state[n] = 1
+            for src in blocking[n]:
+                if state.get(src) == 1:
+                    cycle = path[path.index(src):] + [src] if src in path else [n, src]
+                    raise PlanError(
+                        f"cycle {' <- '.join(cycle)} has no initial register to break it: "
+                        "give one of its consumers an initial value for its producer"
+                    )
+                if state.get(src) is None:
+                    visit(src, path + [src])
+            state[n] = 2
+
+        for a in self.actors:
+            if a.name not in state:
+                visit(a.name, [a.name])

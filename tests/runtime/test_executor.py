@@ -1,0 +1,139 @@
+"""The actor runtime on one process: completion, quotas, ordering, errors, plan checks."""
+from __future__ import annotations
+
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from runtime.executor import RuntimeFailure, run
+from runtime.ids import actor_id, index_of, rank_of, thread_of
+from runtime.plan import QUEUES, ActorSpec, Plan, PlanError
+from runtime.trace import Trace
+
+
+def _recorder(name, delay):
+    def action(piece, *inputs):
+        if delay:
+            time.sleep(delay)
+        return (name, piece, tuple(x[1] for x in inputs))
+
+    return action
+
+
+@st.composite
+def dag_plans(draw):
+    n = draw(st.integers(2, 7))
+    specs = []
+    for i in range(n):
+        srcs = draw(st.lists(st.integers(0, i - 1), unique=True, max_size=3)) if i else []
+        specs.append(ActorSpec(
+            f"a{i}", _recorder(f"a{i}", draw(st.sampled_from([0, 0, 0.0005, 0.002]))),
+            inputs=tuple(f"a{j}" for j in srcs),
+            queue=draw(st.sampled_from(QUEUES)),
+            quota=draw(st.integers(1, 3)),
+            priority=draw(st.integers(0, 2)),
+        ))
+    return Plan(specs), draw(st.integers(1, 6))
+
+
+@settings(max_examples=60, deadline=None)
+@given(dag_plans())
+def test_random_dags_complete_within_quota_in_order(case):
+    plan, pieces = case
+    res = run(plan, pieces, timeout=20)
+    for spec in plan.actors:
+        s = res.stats[spec.name]
+        assert s.actions == pieces
+        assert s.max_live <= spec.quota
+    for name, outs in res.outputs.items():
+        # Every consumer read its producers' outputs of the same piece (FIFO registers).
+        assert [o[1] for o in outs] == list(range(pieces))
+        for o in outs:
+            assert all(p == o[1] for p in o[2])
+
+
+def test_two_movers_two_computations_one_fits():
+    """OneFlow paper, Figure 2: memory for one computation's output at a time still completes."""
+    plan = Plan([
+        ActorSpec("mover_a", lambda k: k, queue="copy", quota=1),
+        ActorSpec("mover_b", lambda k: -k, queue="copy", quota=1),
+        ActorSpec("comp_a", lambda k, x: x * 2, inputs=("mover_a",), quota=1),
+        ActorSpec("comp_b", lambda k, x: x * 3, inputs=("mover_b",), quota=1),
+        ActorSpec("join", lambda k, a, b: a + b, inputs=("comp_a", "comp_b"), quota=1),
+    ])
+    res = run(plan, 20, timeout=10)
+    assert res.outputs["join"] == [-k for k in range(20)]
+    assert all(s.max_live <= 1 for s in res.stats.values())
+
+
+def test_back_pressure_stops_a_fast_producer():
+    seen = []
+
+    def slow(k, x):
+        time.sleep(0.002)
+        seen.append(k)
+        return x
+
+    plan = Plan([ActorSpec("fast", lambda k: k, queue="data", quota=2), ActorSpec("slow", slow, inputs=("fast",))])
+    res = run(plan, 30)
+    assert res.stats["fast"].max_live == 2 and res.outputs["slow"] == list(range(30))
+
+
+def test_a_cycle_starts_from_an_initial_register():
+    plan = Plan([
+        ActorSpec("grad", lambda k, w: k, inputs=("update",), initial={"update": 0.0}),
+        ActorSpec("update", lambda k, g: g, inputs=("grad",), quota=1),
+        ActorSpec("log", lambda k, w: w, inputs=("update",)),
+    ])
+    assert run(plan, 5).outputs["log"] == [0, 1, 2, 3, 4]
+
+
+def test_priority_prefers_the_higher_actor():
+    order = []
+    plan = Plan([
+        ActorSpec("src", lambda k: k, quota=4),
+        ActorSpec("low", lambda k, x: order.append("low"), inputs=("src",), priority=0),
+        ActorSpec("high", lambda k, x: order.append("high"), inputs=("src",), priority=1),
+    ])
+    run(plan, 3)
+    assert order.index("high") < order.index("low")
+
+
+def test_an_exception_stops_everything_and_names_the_actor():
+    def boom(k, x):
+        if k == 3:
+            raise ValueError("bad batch")
+        return x
+
+    plan = Plan([ActorSpec("load", lambda k: k, queue="data"), ActorSpec("step", boom, inputs=("load",))])
+    with pytest.raises(RuntimeFailure, match=r"actor 'step' failed on piece 3: ValueError: bad batch"):
+        run(plan, 10)
+
+
+@pytest.mark.parametrize("actors,words", [
+    ([ActorSpec("a", lambda k, x: x, inputs=("ghost",))], "reads from 'ghost', which is no actor"),
+    ([ActorSpec("a", lambda k: k, quota=0)], "quota 0 must be an int >= 1"),
+    ([ActorSpec("a", lambda k, x: x, inputs=("b",)), ActorSpec("b", lambda k, x: x, inputs=("a",))],
+     "has no initial register to break it"),
+    ([ActorSpec("a", lambda k: k, queue="gpu")], "queue 'gpu' is not one of"),
+])
+def test_bad_plans_are_refused_before_running(actors, words):
+    with pytest.raises(PlanError, match=words):
+        run(Plan(actors), 1)
+
+
+def test_actor_ids_encode_rank_thread_index():
+    aid = actor_id(3, 2, 12345)
+    assert (rank_of(aid), thread_of(aid), index_of(aid)) == (3, 2, 12345)
+    assert aid < 1 << 64
+
+
+def test_trace_has_one_event_per_action_and_named_threads():
+    trace = Trace(rank=0)
+    plan = Plan([ActorSpec("load", lambda k: k, queue="data"), ActorSpec("step", lambda k, x: x, inputs=("load",))])
+    run(plan, 4, trace=trace)
+    events = trace.chrome_events()
+    assert sum(e["ph"] == "X" for e in events) == 8
+    assert {e["args"]["name"] for e in events if e["name"] == "thread_name"} == {"compute", "data"}
