@@ -44,7 +44,7 @@ def table_same(a, b, p, T, shape):
         return T - sum(r * c for r, c in zip(rows, cols)) * other
     return {
         ("S", "B"): (p - 1) * T, ("S", "P"): 0, ("B", "S"): 0, ("B", "P"): 0,
-        ("P", "S"): (p - 1) * T, ("P", "B"): 2 * (p - 1) * T, ("P", "P"): 2 * (p - 1) * T,
+        ("P", "S"): (p - 1) * T, ("P", "B"): 2 * (p - 1) * T, ("P", "P"): (p - 1) * T,
     }[(ka, kb)]
 
 

@@ -8,6 +8,7 @@ communication ledger (see ``ledger.py`` for the byte convention):
 - all-gather: ``(p-1)`` copies of the local piece;
 - reduce-scatter: every piece but its own;
 - all-reduce (ring): reduce-scatter plus all-gather of its own piece;
+- reduce: every rank but the root sends its tensor once;
 - all-to-all: every piece but its own;
 - point-to-point: the bytes of each send.
 
@@ -152,6 +153,21 @@ def all_reduce(t: torch.Tensor, ranks, op: str) -> torch.Tensor:
     out = t.clone(memory_format=torch.contiguous_format)
     if p > 1:
         dist.all_reduce(out, op=_REDUCE[op], group=group_of(ranks))
+    return out
+
+
+@_by_ranks
+def reduce(t: torch.Tensor, ranks, op: str) -> torch.Tensor:
+    """Reduce the ranks' tensors with ``op`` onto ``ranks[0]`` (tree: every other rank sends once).
+
+    Returns the reduced tensor on ``ranks[0]``; elsewhere a buffer of no meaning.
+    """
+    p = len(ranks)
+    me = ranks.index(world_rank())
+    ledger.record("reduce", p, 0 if me == 0 else _nbytes(t))
+    out = t.clone(memory_format=torch.contiguous_format)
+    if p > 1:
+        dist.reduce(out, dst=ranks[0], op=_REDUCE[op], group=group_of(ranks))
     return out
 
 

@@ -21,7 +21,9 @@ def same_placement(a, b, p: int, nbytes: float) -> float:
         return 0.0  # B -> S slices, B -> P keeps the first rank's copy
     if b.is_split:
         return (p - 1) * nbytes  # reduce-scatter
-    return 2 * (p - 1) * nbytes  # all-reduce (P -> B, and P -> other P via B)
+    if b.is_partial:
+        return (p - 1) * nbytes  # P(op1) -> P(op2): reduce onto the first rank
+    return 2 * (p - 1) * nbytes  # all-reduce
 
 
 def disjoint(a, b, p1: int, p2: int, nbytes: float) -> float:

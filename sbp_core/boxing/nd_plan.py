@@ -7,7 +7,8 @@ the later axes do not get in its way:
 - no later axis splits a tensor dim that the step splits or gathers;
 - reducing a ``P(op)`` needs every later partial axis to use the same ``op``
   (sum and max do not commute), and creating a ``P(op)`` likewise;
-- ``P(op1) -> P(op2)`` goes through ``B``.
+- ``P(op1) -> P(op2)`` reduces onto the first rank, whose value the others'
+  identity terms leave unchanged under ``op2``.
 
 Among all valid step sequences the planner returns the one with the fewest
 bytes (Dijkstra over N-d states; meshes are small, so the graph is too).
@@ -25,8 +26,6 @@ from . import cost
 def step_is_valid(state: tuple, axis: int, new) -> bool:
     old = state[axis]
     if old == new:
-        return False
-    if old.is_partial and new.is_partial:
         return False
     dims = {s.axis for s in (old, new) if s.is_split}
     later = state[axis + 1 :]

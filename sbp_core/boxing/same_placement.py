@@ -11,6 +11,7 @@ B -> S                slice (no communication)
 B -> P(op)            first rank keeps the value, the others ``op``'s identity
 P(op) -> S            reduce-scatter with ``op``
 P(op) -> B            all-reduce with ``op``
+P(op) -> P(op2)       reduce with ``op`` onto the first rank, ``op2``'s identity elsewhere
 ====================  =========================================
 """
 from __future__ import annotations
@@ -49,6 +50,9 @@ def box_axis(local: torch.Tensor, placement, state: tuple, axis: int, new, shape
         return torch.full_like(local, reduce_identity(new.op, local.dtype))
     if new.is_split:
         return collectives.reduce_scatter(local, ranks, new.axis, old.op)
+    if new.is_partial:
+        out = collectives.reduce(local, ranks, old.op)
+        return out if index == 0 else torch.full_like(local, reduce_identity(new.op, local.dtype))
     return collectives.all_reduce(local, ranks, old.op)
 
 
