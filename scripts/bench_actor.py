@@ -1,0 +1,89 @@
+"""Runtime overhead per action and per message, and actions per second.
+
+    python scripts/bench_actor.py
+
+- one thread: a chain of trivial actors on the compute queue (every action
+  sends one ``req`` and one ``ack``);
+- two threads: the same chain alternating between the data and compute
+  queues (every message crosses threads);
+- overhead = run time minus the same actions called directly, per action.
+
+It compares the overhead with the forward+backward time of one micro-batch
+of the tiny GPT-2 (``scripts/verify_parity.GPT_CFG``, batch 8 x 32 tokens)
+on one device. Cross-rank transfers are not in the runtime yet, so there is
+no two-rank row.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from runtime.executor import run  # noqa: E402
+from runtime.plan import ActorSpec, Plan  # noqa: E402
+
+
+def _noop(k, *xs):
+    return k
+
+
+def _chain(length, queues):
+    specs = [ActorSpec("a0", _noop, queue=queues[0])]
+    for i in range(1, length):
+        specs.append(ActorSpec(f"a{i}", _noop, inputs=(f"a{i - 1}",), queue=queues[i % len(queues)]))
+    return Plan(specs)
+
+
+def _per_action(plan, pieces, repeat=5):
+    n = len(plan.actors) * pieces
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.perf_counter()
+        run(plan, pieces)
+        best = min(best, time.perf_counter() - t)
+    t = time.perf_counter()
+    for k in range(n):
+        _noop(k, k)
+    direct = time.perf_counter() - t
+    return (best - direct) / n * 1e6, n / best
+
+
+def _gpt_stage_ms():
+    from recipes.gpt2.model import GPT2LMHeadModel
+    from scripts.verify_parity import GPT_CFG
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT_CFG)
+    ids = torch.randint(0, GPT_CFG.vocab_size, (8, 32))
+    times = []
+    for _ in range(12):
+        t = time.perf_counter()
+        model(ids, ids)[1].backward()
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2] * 1e3
+
+
+def main():
+    torch.set_num_threads(1)
+    rows = []
+    for label, queues in (("one thread", ("compute",)), ("two threads", ("data", "compute"))):
+        plan = _chain(8, queues)
+        us, per_s = _per_action(plan, 500)
+        rows.append((label, us, per_s))
+    print(f"{'setting':14s} {'overhead us/action':>20s} {'us/message':>12s} {'actions/s':>12s}")
+    for label, us, per_s in rows:
+        print(f"{label:14s} {us:20.1f} {us / 2:12.1f} {per_s:12.0f}")
+    stage = _gpt_stage_ms()
+    worst = max(r[1] for r in rows)
+    # A pipeline stage runs a forward and a backward actor per micro-batch, plus ~2 transfers.
+    share = 4 * worst / (stage * 1e3) * 100
+    print(f"tiny GPT-2 fwd+bwd per micro-batch: {stage:.1f} ms; 4 actions of overhead = {share:.2f}% of it")
+    print(f"actor overhead per action: {worst:.0f} us")
+
+
+if __name__ == "__main__":
+    main()
