@@ -17,11 +17,16 @@ import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+import torch
+
+from sbp_core.boxing import collectives
+from sbp_core.process_groups import channel_group, world_rank, world_size
 
 from .actor import Actor
 from .ids import actor_id, thread_of
-from .plan import QUEUES, Plan, PlanError
+from .plan import QUEUES, ActorSpec, Plan, PlanError
 
 
 class RuntimeFailure(RuntimeError):
@@ -100,8 +105,9 @@ class QueueThread(threading.Thread):
                     st.running -= 1
                     if st.trace is not None:
                         st.trace.record(actor.spec.name, self.index, start, time.perf_counter(), piece)
-                    if not actor.consumers:
-                        st.outputs[actor.spec.name].append(out)
+                    sink = st.outputs.get(actor.spec.name)
+                    if sink is not None:
+                        sink.append(out)
                     st.progress += 1
                     continue
                 actor = None
@@ -135,27 +141,82 @@ class _Run:
             t.inbox.put(None)
 
 
-def run(plan: Plan, pieces: int, timeout: float = 60.0, trace=None, rank: int = 0) -> RunResult:
-    """Run every actor of ``plan`` ``pieces`` times; returns per-actor stats and the sinks' outputs."""
-    plan.validate()
+def run(plan: Plan, pieces: int, timeout: float = 60.0, trace=None) -> RunResult:
+    """Run every actor of ``plan`` ``pieces`` times; returns this rank's stats and sinks' outputs.
+
+    Called on every rank with the same plan; each rank runs the actors placed
+    on it. Across ranks the consumer pulls: its receive actor posts a receive
+    only when it has a free register (credit), and the producer's send actor
+    holds the producer's register until the transfer is done (back pressure).
+    """
+    me, world = world_rank(), world_size()
+    plan.validate(world)
     if pieces < 0:
         raise PlanError(f"pieces must be >= 0, got {pieces}")
+    specs = _local_specs(plan, me)
+    return _execute(specs, pieces, timeout, trace, me, {s.name for s in plan.actors})
+
+
+def _local_specs(plan: Plan, me: int) -> list:
+    """This rank's actors, with a send/receive actor pair for every edge that crosses ranks."""
+    ranks = {s.name: s.rank for s in plan.actors}
+    channels = []  # (producer, producer rank, consumer rank), the same order on every rank
+    for s in plan.actors:
+        for src in s.inputs:
+            ch = (src, ranks[src], s.rank)
+            if ranks[src] != s.rank and ch not in channels:
+                channels.append(ch)
+    local = [s for s in plan.actors if s.rank == me]
+    for c, (src, a, b) in enumerate(channels):
+        group = channel_group(f"{src}:{a}->{b}", (a, b))
+        queue_name = f"network:{c}"
+        if me == a:
+            local.append(ActorSpec(f"send:{src}->{b}", _sender(b, group), inputs=(src,), queue=queue_name, quota=1))
+        if me == b:
+            recv = f"recv:{src}"
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+            local.append(ActorSpec(recv, _receiver(a, group, device), queue=queue_name, quota=2))
+            local = [
+                replace(s, inputs=tuple(recv if i == src else i for i in s.inputs),
+                        initial={(recv if k == src else k): v for k, v in s.initial.items()})
+                if s.rank == me and src in s.inputs else s
+                for s in local
+            ]
+    return local
+
+
+def _sender(dst, group):
+    def send(piece, value):
+        collectives.send_object(value, dst, group)
+
+    return send
+
+
+def _receiver(src, group, device):
+    def recv(piece):
+        return collectives.recv_object(src, group, device)
+
+    return recv
+
+
+def _execute(specs, pieces, timeout, trace, rank, user_names) -> RunResult:
     st = _Run(trace)
-    used = [q for q in QUEUES if any(a.queue == q for a in plan.actors)]
+    used = [q for q in QUEUES if any(a.queue == q for a in specs)]
+    used += sorted({a.queue for a in specs} - set(QUEUES))
     for i, q in enumerate(used):
         st.threads[i] = QueueThread(i, q, st)
         if trace is not None:
             trace.threads[i] = q
     actors = {}
-    for k, spec in enumerate(plan.actors):
+    for k, spec in enumerate(specs):
         t = st.threads[used.index(spec.queue)]
         a = Actor(actor_id(rank, t.index, k), spec, pieces)
         t.actors.append(a)
         actors[spec.name] = a
-    for spec in plan.actors:
+    for spec in specs:
         for edge, src in enumerate(spec.inputs):
             actors[src].consumers.append((actors[spec.name], edge))
-    for spec in plan.actors:
+    for spec in specs:
         for edge, src in enumerate(spec.inputs):
             if src in spec.initial:
                 producer = actors[src]
@@ -166,7 +227,7 @@ def run(plan: Plan, pieces: int, timeout: float = 60.0, trace=None, rank: int = 
                 actors[spec.name].on_req(reg, edge)
     for a in actors.values():
         a.max_live = a.live
-        if not a.consumers:
+        if not a.consumers and a.spec.name in user_names:
             st.outputs[a.spec.name] = []
     for t in st.threads.values():
         t.start()
@@ -182,12 +243,12 @@ def run(plan: Plan, pieces: int, timeout: float = 60.0, trace=None, rank: int = 
             st.stopping = True
             waiting = [_why(a) for a in actors.values() if a.remaining]
             raise RuntimeFailure(f"no actor could act for {timeout:g} s; waiting: " + "; ".join(waiting))
-    for t in st.threads.values():
-        t.join()
     if st.error is not None:
         actor, exc = st.error
         where = f"actor {actor.spec.name!r} failed on piece {actor.next_piece}" if actor else "a queue thread failed"
-        raise RuntimeFailure(f"{where}: {type(exc).__name__}: {exc}") from exc
+        raise RuntimeFailure(f"rank {rank}: {where}: {type(exc).__name__}: {exc}") from exc
+    for t in st.threads.values():
+        t.join()
     stats = {n: ActorStats(a.actions, a.max_live, a.spec.quota) for n, a in actors.items()}
     return RunResult(stats, st.outputs)
 

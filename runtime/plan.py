@@ -24,7 +24,9 @@ class ActorSpec:
     that producer ran (the producer's piece ``k`` then feeds piece ``k + 1``):
     this is how a cycle (e.g. parameters updated by the optimizer and read by
     the next step) starts. ``priority``: among ready actors on one thread the
-    highest acts first.
+    highest acts first. ``rank``: the process it runs on; an edge between
+    ranks becomes a send actor on the producer's rank and a receive actor on
+    the consumer's, each on a network queue of its own.
     """
 
     name: str
@@ -34,6 +36,7 @@ class ActorSpec:
     quota: int = 2
     priority: int = 0
     initial: dict = field(default_factory=dict)
+    rank: int = 0
 
 
 class PlanError(ValueError):
@@ -54,7 +57,7 @@ class Plan:
                 out[src].append((a.name, k))
         return out
 
-    def validate(self) -> None:
+    def validate(self, world_size: int = 1) -> None:
         names = [a.name for a in self.actors]
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
@@ -63,6 +66,8 @@ class Plan:
         for a in self.actors:
             if a.queue not in QUEUES:
                 raise PlanError(f"actor {a.name!r}: queue {a.queue!r} is not one of {QUEUES}")
+            if not 0 <= a.rank < world_size:
+                raise PlanError(f"actor {a.name!r}: rank {a.rank} is not in the world: valid ranks are 0..{world_size - 1}")
             if not isinstance(a.quota, int) or a.quota < 1:
                 raise PlanError(f"actor {a.name!r}: quota {a.quota!r} must be an int >= 1 (its out registers)")
             for src in a.inputs:

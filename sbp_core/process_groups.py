@@ -72,3 +72,18 @@ def group_of(ranks) -> "dist.ProcessGroup | None":
             "so construct every placement on every rank"
         )
     return g
+
+
+def channel_group(name, ranks):
+    """A group of its own for one point-to-point channel (``name`` unique per channel).
+
+    Collective over the world like ``ensure``: every rank asks for the same
+    channels in the same order. Separate groups keep traffic of different
+    threads apart, so gloo never sees two threads' messages on one group.
+    """
+    key = ("channel", name, tuple(sorted(ranks)))
+    g = _groups.get(key)
+    if g is None:
+        g = dist.new_group(sorted(ranks), timeout=datetime.timedelta(seconds=_timeout_s))
+        _groups[key] = g
+    return g

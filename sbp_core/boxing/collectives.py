@@ -18,6 +18,7 @@ split sizes, so no padding is ever sent.
 from __future__ import annotations
 
 import functools
+import pickle
 
 import torch
 import torch.distributed as dist
@@ -252,3 +253,42 @@ def all_gather_object(obj, ranks) -> list:
         res[k] = out[g]
     ledger.record("all_gather_object", p, 0)
     return res
+
+
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+           torch.int16, torch.int8, torch.uint8, torch.bool]
+_HEADER = 16  # kind, dtype code, ndim, shape...
+
+
+@_collective(lambda obj, dst, group: {dst})
+def send_object(obj, dst: int, group) -> None:
+    """Send a tensor (header, then its data) or any picklable object to ``dst`` on ``group``.
+
+    Blocking; for the runtime's channels, each on a group and thread of its own.
+    """
+    header = torch.zeros(_HEADER, dtype=torch.int64)
+    if isinstance(obj, torch.Tensor) and obj.dtype in _DTYPES and obj.dim() <= _HEADER - 3:
+        payload = obj.detach().contiguous()
+        header[0], header[1], header[2] = 0, _DTYPES.index(obj.dtype), obj.dim()
+        header[3 : 3 + obj.dim()] = torch.tensor(obj.shape, dtype=torch.int64)
+    else:
+        data = pickle.dumps(obj)
+        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+        header[0], header[1], header[2], header[3] = 1, _DTYPES.index(torch.uint8), 1, len(data)
+    ledger.record("send", 2, _nbytes(payload))
+    dist.send(header, dst=dst, group=group)
+    if payload.numel():
+        dist.send(payload, dst=dst, group=group)
+
+
+@_collective(lambda src, group, device=None: {src})
+def recv_object(src: int, group, device=None):
+    """Receive what ``send_object`` sent from ``src`` on ``group``."""
+    header = torch.empty(_HEADER, dtype=torch.int64)
+    dist.recv(header, src=src, group=group)
+    kind, code, ndim = int(header[0]), int(header[1]), int(header[2])
+    shape = [int(n) for n in header[3 : 3 + ndim]]
+    buf = torch.empty(shape, dtype=_DTYPES[code], device=device)
+    if buf.numel():
+        dist.recv(buf, src=src, group=group)
+    return buf if kind == 0 else pickle.loads(buf.numpy().tobytes())

@@ -1,0 +1,65 @@
+"""Actors on different ranks: the consumer's receive actor pulls, within its quota."""
+from __future__ import annotations
+
+import torch
+
+from runtime.executor import RuntimeFailure, run
+from runtime.plan import ActorSpec, Plan
+from runtime.trace import Trace
+from toolkit.rank_pool import get_pool
+
+
+def _square(k, x):
+    return x * x
+
+
+def _plan():
+    return Plan([
+        ActorSpec("load", lambda k: torch.full((3,), float(k)), queue="data", rank=0),
+        ActorSpec("square", _square, inputs=("load",), rank=1),
+        ActorSpec("cube", lambda k, x, y: x * y, inputs=("square", "load"), rank=2),
+        ActorSpec("log", lambda k, x: {"piece": k, "value": x.sum().item()}, inputs=("cube",), rank=0),
+    ])
+
+
+def _round_trip(pieces):
+    trace = Trace(rank=torch.distributed.get_rank())
+    res = run(_plan(), pieces, timeout=30, trace=trace)
+    return res.outputs, {n: (s.actions, s.max_live, s.quota) for n, s in res.stats.items()}, trace.chrome_events()
+
+
+def test_three_ranks_pass_tensors_and_objects_in_order():
+    out = get_pool(5).run(_round_trip, 12)
+    outputs, stats, events = out[0]
+    assert [o["value"] for o in outputs["log"]] == [3.0 * k ** 3 for k in range(12)]
+    for rank in range(3):
+        for name, (actions, live, quota) in out[rank][1].items():
+            assert actions == 12 and live <= quota, (rank, name)
+    assert "recv:square" in out[2][1] and "send:load->1" in out[0][1] and "send:load->2" in out[0][1]
+    # Every rank traced its own threads, each network channel on a thread of its own.
+    names = {e["args"]["name"] for e in out[2][2] if e["name"] == "thread_name"}
+    assert names == {"compute", "network:1", "network:2", "network:3"}
+
+
+def _failing(timeout):
+    from sbp_core import process_groups
+
+    def boom(k, x):
+        if k == 2:
+            raise ValueError("bad piece")
+        return x
+
+    process_groups.set_timeout(timeout)
+    plan = Plan([
+        ActorSpec("load", lambda k: torch.ones(2), rank=0),
+        ActorSpec("step", boom, inputs=("load",), rank=1),
+        ActorSpec("log", lambda k, x: x, inputs=("step",), rank=0),
+    ])
+    run(plan, 6, timeout=30)
+
+
+def test_an_error_on_one_rank_ends_every_rank():
+    pool = get_pool(2, timeout=5.0)
+    outs = pool.outcomes(_failing, 5.0)
+    assert not outs[1].ok and "actor 'step' failed on piece 2: ValueError: bad piece" in outs[1].message
+    assert not outs[0].ok and outs[0].exc_type == "RuntimeFailure"
