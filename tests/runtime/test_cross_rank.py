@@ -1,6 +1,8 @@
 """Actors on different ranks: the consumer's receive actor pulls, within its quota."""
 from __future__ import annotations
 
+import json
+
 import torch
 
 from runtime.executor import RuntimeFailure, run
@@ -39,6 +41,19 @@ def test_three_ranks_pass_tensors_and_objects_in_order():
     # Every rank traced its own threads, each network channel on a thread of its own.
     names = {e["args"]["name"] for e in out[2][2] if e["name"] == "thread_name"}
     assert names == {"compute", "network:1", "network:2", "network:3"}
+
+
+def test_a_three_rank_trace_is_chrome_json_with_a_track_per_rank_and_thread(tmp_path):
+    from scripts.plot_trace import load_trace, render, validate
+
+    out = get_pool(5).run(_round_trip, 4)
+    events = [e for rank in range(3) for e in out[rank][2]]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+    validate(load_trace(str(path)))
+    drawn = render(str(path), str(tmp_path / "trace.png"))
+    # rank 0: data, compute, 3 channels; rank 1: compute, 2 channels; rank 2: compute, 3 channels.
+    assert len(drawn["tracks"]) == 12 and drawn["events"] == sum(e["ph"] == "X" for e in events)
 
 
 def _failing(timeout):
