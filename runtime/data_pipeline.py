@@ -1,0 +1,145 @@
+"""The data pipeline as actors: read -> decode -> collate -> to_device.
+
+``data_stages`` builds four actors to append to a ``Plan``; the training step
+(or any consumer) lists the last one, ``stages[-1].name``, as an input:
+
+- ``{prefix}.read``      queue "data": ``read(piece) -> raw`` (file I/O);
+- ``{prefix}.decode``    queue "data": ``decode(piece, raw) -> samples``;
+- ``{prefix}.collate``   queue "data": ``collate(piece, samples) -> batch``;
+- ``{prefix}.to_device`` queue "copy": every tensor of the (nested dict /
+  list / tuple) batch pinned and copied with ``non_blocking=True`` when the
+  device is CUDA; the batch itself, unchanged, otherwise.
+
+Each stage owns ``quota`` out registers, so at most ``quota`` raw reads,
+decoded sample lists, batches and device batches are alive per stage, and a
+slow step stops the reader (back pressure) instead of prefetching without
+bound. There is no separate prefetch thread: the data and copy queue threads
+of the executor run these actors alongside the compute thread. An exception in
+a stage stops the run and names the stage's actor and the piece (batch index).
+
+``TokenFile`` is a small file-backed dataset for it: fixed-length sequences of
+token ids stored as raw int32/uint16 bytes, read with ``seek``/``read`` and
+decoded with ``torch.frombuffer`` (random access, no pickles, no numpy).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .plan import ActorSpec
+
+STAGES = ("read", "decode", "collate", "to_device")
+
+
+def to_device(batch, device):
+    """``batch`` with every tensor moved to ``device`` (dicts, lists, tuples recursed).
+
+    CUDA: ``pin_memory()`` then ``.to(device, non_blocking=True)`` on the
+    calling thread's current stream (the copy queue's; the caching host
+    allocator keeps the pinned buffer alive until the copy is done). Any
+    other device or ``None``: returns ``batch`` itself, no copy.
+    """
+    if device is None or torch.device(device).type != "cuda":
+        return batch
+    device = torch.device(device)
+
+    def move(x):
+        if isinstance(x, torch.Tensor):
+            return x.pin_memory().to(device, non_blocking=True)
+        if isinstance(x, dict):
+            return {k: move(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return type(x)(move(v) for v in x)
+        return x
+
+    return move(batch)
+
+
+def data_stages(read, decode, collate, device=None, quota: int = 2, prefix: str = "data") -> list:
+    """The four pipeline actors, in order; consume ``stages[-1].name`` (``f"{prefix}.to_device"``).
+
+    ``read(piece) -> raw``, ``decode(piece, raw) -> samples`` and
+    ``collate(piece, samples) -> batch`` run on the "data" queue, the copy to
+    ``device`` on the "copy" queue; every stage has ``quota`` out registers.
+    Piece ``k`` of every stage is batch ``k``: the consumer sees batches in
+    order, exactly ``collate(k, decode(k, read(k)))``.
+    """
+    def n(stage):
+        return f"{prefix}.{stage}"
+
+    return [
+        ActorSpec(n("read"), read, queue="data", quota=quota),
+        ActorSpec(n("decode"), decode, inputs=(n("read"),), queue="data", quota=quota),
+        ActorSpec(n("collate"), collate, inputs=(n("decode"),), queue="data", quota=quota),
+        ActorSpec(n("to_device"), lambda piece, batch: to_device(batch, device),
+                  inputs=(n("collate"),), queue="copy", quota=quota),
+    ]
+
+
+def write_tokens(path: str, tokens: torch.Tensor, dtype=torch.int32) -> None:
+    """Write a ``[N, T]`` tensor of token ids to ``path`` as raw ``dtype`` bytes, row-major."""
+    t = tokens.to(dtype).contiguous()
+    with open(path, "wb") as f:
+        f.write(bytes(t.untyped_storage())[: t.numel() * t.element_size()])
+
+
+class TokenFile:
+    """Batches of fixed-length token sequences read from a raw binary file.
+
+    The file holds ``N`` sequences of ``seq_len`` ids of ``dtype`` (int32 or
+    uint16), back to back. Batch ``piece`` is sequences
+    ``[b * batch_size, (b + 1) * batch_size)`` with ``b = piece % len(self)``
+    (so a run may loop over the file). ``read``/``decode``/``collate`` have the
+    actor signatures of ``data_stages``; ``self[piece]`` does all three (for a
+    map-style ``torch.utils.data.Dataset`` with ``batch_size=None``). The file
+    handle is opened lazily per process, so the object pickles to workers.
+    """
+
+    def __init__(self, path: str, seq_len: int, batch_size: int, dtype=torch.int32):
+        if dtype not in (torch.int32, torch.uint16):
+            raise ValueError(f"dtype must be torch.int32 or torch.uint16, got {dtype}")
+        self.path, self.seq_len, self.batch_size, self.dtype = path, seq_len, batch_size, dtype
+        self.seq_bytes = seq_len * torch.empty((), dtype=dtype).element_size()
+        n_seq = os.path.getsize(path) // self.seq_bytes
+        self.n_batches = n_seq // batch_size
+        if self.n_batches < 1:
+            raise ValueError(f"{path}: {n_seq} sequences of {seq_len} tokens, fewer than one batch of {batch_size}")
+        self._file, self._pid = None, None
+
+    def __len__(self) -> int:
+        return self.n_batches
+
+    def __getstate__(self):
+        return {**self.__dict__, "_file": None, "_pid": None}
+
+    def _handle(self):
+        if self._file is None or self._pid != os.getpid():
+            self._file, self._pid = open(self.path, "rb", buffering=0), os.getpid()
+        return self._file
+
+    def read(self, piece: int) -> bytes:
+        """The raw bytes of batch ``piece``'s sequences (they are contiguous: one seek and one read)."""
+        f, first = self._handle(), (piece % self.n_batches) * self.batch_size
+        size = self.batch_size * self.seq_bytes
+        f.seek(first * self.seq_bytes)
+        raw = f.read(size)
+        if len(raw) != size:
+            raise IOError(f"{self.path}: short read of batch {piece}: {len(raw)} of {size} bytes")
+        return raw
+
+    def decode(self, piece: int, raw: bytes) -> list:
+        """Each sequence of ``raw`` as an int64 tensor of ``seq_len`` token ids."""
+        ids = torch.frombuffer(bytearray(raw), dtype=self.dtype).to(torch.int64)
+        return list(ids.view(self.batch_size, self.seq_len).unbind(0))
+
+    def collate(self, piece: int, samples: list) -> dict:
+        """``{"input_ids": [batch_size, seq_len]}`` int64."""
+        return {"input_ids": torch.stack(samples)}
+
+    def __getitem__(self, piece: int) -> dict:
+        return self.collate(piece, self.decode(piece, self.read(piece)))
+
+    def stages(self, device=None, quota: int = 2, prefix: str = "data") -> list:
+        """``data_stages`` over this file's ``read``, ``decode`` and ``collate``."""
+        return data_stages(self.read, self.decode, self.collate, device, quota, prefix)

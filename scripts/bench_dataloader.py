@@ -1,0 +1,120 @@
+"""Training throughput with data from the actor pipeline, DataLoader, or memory.
+
+    python scripts/bench_dataloader.py
+
+Trains the tiny GPT-2 (``recipes/gpt2`` with ``scripts/verify_parity.GPT_CFG``,
+batch 16 x 32 tokens, AdamW) for ``STEPS`` steps four ways, each from the same
+seed and over the same batches:
+
+- actor pipeline: ``runtime.data_pipeline`` stages (read -> decode -> collate
+  on the data queue, to_device on the copy queue, 2 registers each) reading a
+  raw token file on disk, and the training step as an actor on the compute
+  queue consuming the last stage (``run(plan, STEPS)``);
+- DataLoader with 1 and with 2 worker processes over the same ``TokenFile``
+  as a map-style dataset (``batch_size=None``: each item is one batch made by
+  the same read, decode and collate calls);
+- synthetic: the same batches built in memory beforehand, a plain step loop.
+
+The training step runs with ``torch.set_num_threads(1)`` (DataLoader workers
+use one thread each too) so that on a 2-core machine data loading has a core
+to overlap with instead of competing with intra-op threads. Each time is the
+whole loop, start-up included (executor threads; DataLoader worker
+processes), median of ``REPEATS`` runs interleaved across the four ways.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from recipes.gpt2.model import GPT2LMHeadModel  # noqa: E402
+from runtime.data_pipeline import TokenFile, write_tokens  # noqa: E402
+from runtime.executor import run  # noqa: E402
+from runtime.plan import ActorSpec, Plan  # noqa: E402
+from scripts.verify_parity import GPT_CFG  # noqa: E402
+
+STEPS, BATCH, SEQ, REPEATS = 60, 16, 32, 5
+
+
+def _trainer():
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT_CFG)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step(batch) -> float:
+        ids = batch["input_ids"]
+        loss = model(ids, ids)[1]
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    return step
+
+
+def actor_pipeline(data: TokenFile) -> list:
+    step = _trainer()
+    plan = Plan(data.stages(device=None, quota=2) + [
+        ActorSpec("train.step", lambda k, batch: step(batch), inputs=("data.to_device",), queue="compute"),
+    ])
+    return run(plan, STEPS, timeout=60).outputs["train.step"]
+
+
+def dataloader(data: TokenFile, workers: int) -> list:
+    step = _trainer()
+    loader = DataLoader(data, batch_size=None, shuffle=False, num_workers=workers, prefetch_factor=2)
+    return [step(b) for b in loader]
+
+
+def synthetic(batches: list) -> list:
+    step = _trainer()
+    return [step(b) for b in batches]
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "tokens.bin")
+        torch.manual_seed(1)
+        write_tokens(path, torch.randint(0, GPT_CFG.vocab_size, (STEPS * BATCH, SEQ)))
+        data = TokenFile(path, SEQ, BATCH)
+        assert len(data) == STEPS
+        batches = [data[k] for k in range(STEPS)]
+        ways = {
+            "actor pipeline": lambda: actor_pipeline(data),
+            "DataLoader (1 worker)": lambda: dataloader(data, 1),
+            "DataLoader (2 workers)": lambda: dataloader(data, 2),
+            "synthetic (in memory)": lambda: synthetic(batches),
+        }
+        synthetic(batches[:10])  # warm up allocator and kernels before any timing
+        times = {name: [] for name in ways}
+        losses = {}
+        for _ in range(REPEATS):
+            for name, fn in ways.items():
+                t = time.perf_counter()
+                losses[name] = fn()
+                times[name].append(time.perf_counter() - t)
+    ref = losses["synthetic (in memory)"]
+    print(f"tiny GPT-2 {GPT_CFG.n_layer} layers, batch {BATCH} x {SEQ}, {STEPS} steps, "
+          f"torch threads 1, median of {REPEATS}, {os.cpu_count()} cores")
+    rate = {}
+    for name in ways:
+        med = statistics.median(times[name])
+        rate[name] = STEPS / med
+        same = "same losses" if losses[name] == ref else "LOSSES DIFFER"
+        print(f"  {name:24s} {med * 1e3:8.1f} ms (min {min(times[name]) * 1e3:7.1f})  "
+              f"{rate[name]:6.1f} steps/s  ({same} as synthetic)")
+    actor = rate["actor pipeline"]
+    best_dl = max(rate["DataLoader (1 worker)"], rate["DataLoader (2 workers)"])
+    print(f"actor pipeline / synthetic: {actor / rate['synthetic (in memory)']:.2f}; vs best DataLoader: {actor / best_dl:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
