@@ -55,6 +55,7 @@ class QueueThread(threading.Thread):
         self.inbox = queue.SimpleQueue()
         self.local: deque = deque()
         self.actors: list = []
+        self.busy = False  # an action is under way (a long action is not a stall)
 
     def send(self, kind, reg, actor, edge):
         target = self.run_state.threads[thread_of(actor.aid)]
@@ -100,9 +101,9 @@ class QueueThread(threading.Thread):
                 if actor is not None:
                     start = time.perf_counter()
                     piece = actor.next_piece
-                    st.running += 1
+                    self.busy = True
                     out = actor.act(self.send)
-                    st.running -= 1
+                    self.busy = False
                     if st.trace is not None:
                         st.trace.record(actor.spec.name, self.index, start, time.perf_counter(), piece)
                     sink = st.outputs.get(actor.spec.name)
@@ -129,7 +130,6 @@ class _Run:
         self.stopping = False
         self.error = None
         self.progress = 0
-        self.running = 0  # actions under way (a long action is not a stall)
         self.trace = trace
         self.outputs: dict = {}
 
@@ -237,7 +237,7 @@ def _execute(specs, pieces, timeout, trace, rank, user_names) -> RunResult:
             t.join(0.02)
         if st.error is not None:
             break
-        if st.progress != last or st.running:
+        if st.progress != last or any(t.busy for t in st.threads.values()):
             last, since = st.progress, time.monotonic()
         elif time.monotonic() - since > timeout:
             st.stopping = True
