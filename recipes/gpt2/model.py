@@ -10,7 +10,7 @@ than ``[all q | all k | all v]``, so that a column split of ``c_attn`` gives
 each tensor-parallel rank whole heads (Megatron's layout). Checkpoint
 conversion permutes those columns.
 
-No ``torch.distributed`` here: parallel layouts come from a plan.
+No communication here: parallel layouts come from a plan.
 """
 from __future__ import annotations
 
