@@ -18,14 +18,6 @@ class NoSbpRule(NotImplementedError):
     """An op was called on global tensors and no SBP signature rule covers it."""
 
 
-def _describe(x):
-    if isinstance(x, GlobalTensor):
-        return f"{tuple(x.shape)} {format_sbp(x.sbp)} on {x.placement}"
-    if isinstance(x, torch.Tensor):
-        return f"local {tuple(x.shape)}"
-    return repr(x)
-
-
 def _global_strides(shape, local: torch.Tensor) -> tuple:
     """Dense strides for ``shape`` in the dim order of ``local``'s memory layout.
 

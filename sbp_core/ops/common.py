@@ -15,11 +15,6 @@ def every_sbp(ndim: int) -> list:
     return [Split(d) for d in range(ndim)] + [B, P, PMAX, PMIN]
 
 
-def same_layout(call, n_in: int = 1) -> list:
-    """``x, x, ... -> x`` for every SBP of the first input (layout-preserving ops)."""
-    return [Sig((s,) * n_in, (s,)) for s in every_sbp(call.metas[0].ndim)]
-
-
 def split_or_broadcast(call, n_out: int = 1) -> list:
     """``S(d) -> S(d)`` for every dim and ``B -> B`` (ops that act row by row on any dim)."""
     nd = call.metas[0].ndim

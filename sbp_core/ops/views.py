@@ -39,7 +39,6 @@ import math
 import torch
 
 from ..layout import strides_in_order
-from ..process_groups import world_rank
 from ..sbp import Partial, Split
 from .common import B
 from .per_axis import axis_of, local_out_shape, nested_aligned, sized_local
@@ -186,7 +185,7 @@ def expand(call):
 
 def _new_local(func, args, kwargs, ctx):
     """Create with this rank's local size (strides in the requested dim order)."""
-    shape = ctx.out_layouts[0].local_shape(world_rank())
+    shape = local_out_shape(ctx)
     if func is aten.new_empty_strided.default:
         order = sorted(range(len(shape)), key=lambda d: args[2][d], reverse=True)
         return func(args[0], list(shape), list(strides_in_order(shape, order)), *args[3:], **kwargs)
