@@ -21,7 +21,7 @@ from .declare import distribute, to_global
 from .dispatch import explain, format_explain
 from .global_tensor import GlobalTensor, NoSbpRule
 from .grad_clip import clip_grad_norm_
-from .module import describe_plan, distribute_module
+from .module import box_grads, defer_grad_boxing, describe_plan, distribute_module
 from .layout import Layout
 from .ledger import CommLedger, comm_ledger
 from .placement import Placement, placement
@@ -31,5 +31,5 @@ __all__ = [
     "sbp", "placement", "Placement", "GlobalTensor", "Layout", "NoSbpRule",
     "to_global", "distribute", "randn", "rand", "zeros", "ones",
     "comm_ledger", "CommLedger", "explain", "format_explain", "set_timeout", "get_timeout",
-    "boxing_plan", "clip_grad_norm_", "distribute_module", "describe_plan", "same_placement_cost", "disjoint_cost",
+    "boxing_plan", "clip_grad_norm_", "distribute_module", "describe_plan", "defer_grad_boxing", "box_grads", "same_placement_cost", "disjoint_cost",
 ]

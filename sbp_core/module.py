@@ -16,11 +16,15 @@ initial values): each parameter's global value is the rank's own full
 value, and a rank keeps only its shard (no communication). Gradients are
 boxed to their parameter's layout as soon as backward accumulates them
 (``P -> B`` all-reduce for data parallel), so ``torch.optim`` steps local
-shards without communicating.
+shards without communicating. Under ``defer_grad_boxing()`` (gradient
+accumulation over micro-batches) gradients stay in the layout they arrive
+in — partial terms add locally, no traffic — and ``box_grads(module)``
+boxes them once, after the last micro-batch.
 """
 from __future__ import annotations
 
 import fnmatch
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -37,10 +41,33 @@ def _match(plan: dict, name: str):
     return None
 
 
+# Process-wide, not per thread: CUDA runs backward hooks on the autograd
+# engine's device threads, not on the thread that called backward.
+_deferred = [0]
+
+
+@contextmanager
+def defer_grad_boxing():
+    """Inside (any thread of this process), backward leaves gradients in the layout they arrive in."""
+    _deferred[0] += 1
+    try:
+        yield
+    finally:
+        _deferred[0] -= 1
+
+
 def _box_grad_to_param(param):
+    if _deferred[0]:
+        return
     if isinstance(param.grad, GlobalTensor) and param.grad.sbp != param.sbp:
         with torch.no_grad():
             param.grad = param.grad.to_global(sbp=param.sbp)
+
+
+def box_grads(module: nn.Module) -> None:
+    """Box every accumulated gradient of ``module`` to its parameter's layout (e.g. one ``P -> B`` all-reduce each)."""
+    for p in module.parameters():
+        _box_grad_to_param(p)
 
 
 def distribute_module(module: nn.Module, placement, plan: dict | None = None) -> nn.Module:
