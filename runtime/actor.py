@@ -25,14 +25,19 @@ class Register:
 
 
 class Actor:
-    __slots__ = ("aid", "spec", "remaining", "inputs", "free", "consumers", "max_live", "actions", "next_piece")
+    __slots__ = ("aid", "spec", "remaining", "inputs", "need", "free", "consumers", "max_live", "actions", "next_piece")
 
-    def __init__(self, aid: int, spec, pieces: int):
+    # An edge read ``need > 1`` registers per action is an accumulating edge
+    # (OneFlow's acc actor): each register's value is taken and acked as it
+    # arrives, so the producer's quota does not have to cover ``need``.
+
+    def __init__(self, aid: int, spec, pieces: int, need=None):
         self.aid = aid
         self.spec = spec
-        self.remaining = pieces
+        self.remaining = pieces // spec.every
         self.next_piece = 0
         self.inputs = [deque() for _ in spec.inputs]  # readable registers per input edge, FIFO
+        self.need = list(need or [1] * len(spec.inputs))  # registers read per action, per input edge
         self.free = [Register(self) for _ in range(spec.quota)]
         self.consumers: list = []  # (consumer actor, input edge index)
         self.max_live = 0
@@ -43,7 +48,7 @@ class Actor:
         return self.spec.quota - len(self.free)
 
     def ready(self) -> bool:
-        return self.remaining > 0 and bool(self.free) and all(self.inputs)
+        return self.remaining > 0 and bool(self.free) and all(len(q) >= n for q, n in zip(self.inputs, self.need))
 
     def act(self, send):
         """Run one piece: read one register per input, fill a free out register, send req and ack.
@@ -51,9 +56,10 @@ class Actor:
         ``send(kind, register, actor, edge)`` delivers a message to ``actor``.
         """
         piece = self.next_piece
-        regs = [q.popleft() for q in self.inputs]
+        taken = [[q.popleft() for _ in range(n)] for q, n in zip(self.inputs, self.need)]
         reg = self.free.pop()
-        out = reg.value = self.spec.action(piece, *(r.value for r in regs))
+        values = (rs[0].value if n == 1 else rs for rs, n in zip(taken, self.need))
+        out = reg.value = self.spec.action(piece, *values)
         reg.piece = piece
         reg.pending = len(self.consumers)
         self.max_live = max(self.max_live, self.live)
@@ -64,12 +70,18 @@ class Actor:
             self.release(reg)
         for consumer, edge in self.consumers:
             send("req", reg, consumer, edge)
-        for r in regs:
-            send("ack", r, r.owner, None)
+        for rs, n in zip(taken, self.need):
+            if n == 1:
+                send("ack", rs[0], rs[0].owner, None)
         return out
 
-    def on_req(self, reg, edge: int) -> None:
+    def on_req(self, reg, edge: int) -> bool:
+        """Queue a readable register; ``True`` when it was taken at once and must be acked now."""
+        if self.need[edge] > 1:
+            self.inputs[edge].append(reg.value)
+            return True
         self.inputs[edge].append(reg)
+        return False
 
     def on_ack(self, reg) -> None:
         reg.pending -= 1

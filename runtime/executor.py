@@ -5,7 +5,10 @@ drains its messages (``req``: a register became readable; ``ack``: a
 consumer is done with one), then lets the highest-priority ready actor act
 once, and repeats; with nothing ready it blocks on its inbox. Messages
 between actors of one thread go through a local deque and skip the inbox.
-There is no scheduler besides these state machines.
+There is no scheduler besides these state machines. In a lockstep gang
+(the ranks of one pipeline stage, whose actions call collectives with each
+other) the gang's first rank picks as above and its compute thread
+broadcasts each pick; the others act in that order.
 
 An exception in any action stops every thread and re-raises in the caller
 naming the actor and piece; if no actor can act for ``timeout`` seconds the
@@ -56,6 +59,7 @@ class QueueThread(threading.Thread):
         self.local: deque = deque()
         self.actors: list = []
         self.busy = False  # an action is under way (a long action is not a stall)
+        self.gang = None  # (group, leader rank, roles in sorted order) on a ganged compute queue
 
     def send(self, kind, reg, actor, edge):
         target = self.run_state.threads[thread_of(actor.aid)]
@@ -68,7 +72,8 @@ class QueueThread(threading.Thread):
     def _handle(self, msg) -> None:
         kind, reg, actor, edge = msg
         if kind == "req":
-            actor.on_req(reg, edge)
+            if actor.on_req(reg, edge):
+                self.send("ack", reg, reg.owner, None)
         else:
             actor.on_ack(reg)
 
@@ -85,6 +90,38 @@ class QueueThread(threading.Thread):
             self._handle(msg)
 
     def _pick(self):
+        if self.gang is not None:
+            return self._pick_in_gang()
+        return self._pick_ready()
+
+    def _pick_in_gang(self):
+        """The leader's pick, the same on every rank of the gang (the leader broadcasts it)."""
+        group, leader, roles = self.gang
+        me = world_rank()
+        if me == leader:
+            actor = self._pick_ready()
+            if actor is None:
+                return None
+            collectives.broadcast_ints([roles.index(actor.spec.key)], leader, group)
+            return actor
+        if all(a.remaining == 0 for a in self.actors):
+            return None
+        (k,) = collectives.broadcast_ints([0], leader, group)
+        actor = next(a for a in self.actors if a.spec.key == roles[k])
+        while not actor.ready():  # the leader saw its inputs already; ours are on the way
+            if self.run_state.stopping:
+                return None
+            try:
+                msg = self.inbox.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            if msg is None:
+                return None
+            self._handle(msg)
+            self._drain()
+        return actor
+
+    def _pick_ready(self):
         best = None
         for a in self.actors:
             if a.ready() and (best is None or a.spec.priority > best.spec.priority):
@@ -101,7 +138,8 @@ class QueueThread(threading.Thread):
                 if actor is not None:
                     start = time.perf_counter()
                     piece = actor.next_piece
-                    self.busy = True
+                    # A network thread blocks on its peer: waiting, not work, for stall detection.
+                    self.busy = not self.queue_name.startswith("network")
                     out = actor.act(self.send)
                     self.busy = False
                     if st.trace is not None:
@@ -153,8 +191,13 @@ def run(plan: Plan, pieces: int, timeout: float = 60.0, trace=None) -> RunResult
     plan.validate(world)
     if pieces < 0:
         raise PlanError(f"pieces must be >= 0, got {pieces}")
+    uneven = [a.name for a in plan.actors if pieces % a.every]
+    if uneven:
+        raise PlanError(f"{pieces} pieces are not a multiple of every= of actors {uneven}")
     specs = _local_specs(plan, me)
-    return _execute(specs, pieces, timeout, trace, me, {s.name for s in plan.actors})
+    gangs = [(channel_group(f"gang:{tuple(g)}", g), min(g)) for g in plan.lockstep]
+    gang = next(((grp, lead) for (grp, lead), g in zip(gangs, plan.lockstep) if me in g), None)
+    return _execute(specs, pieces, timeout, trace, me, {s.name for s in plan.actors}, gang)
 
 
 def _local_specs(plan: Plan, me: int) -> list:
@@ -170,12 +213,14 @@ def _local_specs(plan: Plan, me: int) -> list:
     for c, (src, a, b) in enumerate(channels):
         group = channel_group(f"{src}:{a}->{b}", (a, b))
         queue_name = f"network:{c}"
+        every = plan.by_name()[src].every
         if me == a:
-            local.append(ActorSpec(f"send:{src}->{b}", _sender(b, group), inputs=(src,), queue=queue_name, quota=1))
+            local.append(ActorSpec(f"send:{src}->{b}", _sender(b, group), inputs=(src,), queue=queue_name, quota=1,
+                                   every=every))
         if me == b:
             recv = f"recv:{src}"
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-            local.append(ActorSpec(recv, _receiver(a, group, device), queue=queue_name, quota=2))
+            local.append(ActorSpec(recv, _receiver(a, group, device), queue=queue_name, quota=2, every=every))
             local = [
                 replace(s, inputs=tuple(recv if i == src else i for i in s.inputs),
                         initial={(recv if k == src else k): v for k, v in s.initial.items()})
@@ -199,7 +244,7 @@ def _receiver(src, group, device):
     return recv
 
 
-def _execute(specs, pieces, timeout, trace, rank, user_names) -> RunResult:
+def _execute(specs, pieces, timeout, trace, rank, user_names, gang=None) -> RunResult:
     st = _Run(trace)
     used = [q for q in QUEUES if any(a.queue == q for a in specs)]
     used += sorted({a.queue for a in specs} - set(QUEUES))
@@ -207,10 +252,15 @@ def _execute(specs, pieces, timeout, trace, rank, user_names) -> RunResult:
         st.threads[i] = QueueThread(i, q, st)
         if trace is not None:
             trace.threads[i] = q
+    if gang is not None and "compute" in used:
+        compute = st.threads[used.index("compute")]
+        compute.gang = (gang[0], gang[1], sorted(a.key for a in specs if a.queue == "compute"))
+    every = {s.name: s.every for s in specs}
     actors = {}
     for k, spec in enumerate(specs):
         t = st.threads[used.index(spec.queue)]
-        a = Actor(actor_id(rank, t.index, k), spec, pieces)
+        need = [spec.every // every[src] for src in spec.inputs]
+        a = Actor(actor_id(rank, t.index, k), spec, pieces, need)
         t.actors.append(a)
         actors[spec.name] = a
     for spec in specs:

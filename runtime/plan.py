@@ -27,6 +27,13 @@ class ActorSpec:
     highest acts first. ``rank``: the process it runs on; an edge between
     ranks becomes a send actor on the producer's rank and a receive actor on
     the consumer's, each on a network queue of its own.
+
+    ``every``: the actor acts once per ``every`` pieces of the run, reading
+    ``every // producer.every`` registers from each input per action (a
+    list of values when that is more than one): gradient reduction and the
+    optimizer update act once per step over ``m`` micro-batch pieces.
+    ``role``: the actor's name within a lockstep gang (see ``Plan``);
+    defaults to ``name``.
     """
 
     name: str
@@ -37,6 +44,12 @@ class ActorSpec:
     priority: int = 0
     initial: dict = field(default_factory=dict)
     rank: int = 0
+    every: int = 1
+    role: str = ""
+
+    @property
+    def key(self) -> str:
+        return self.role or self.name
 
 
 class PlanError(ValueError):
@@ -45,7 +58,17 @@ class PlanError(ValueError):
 
 @dataclass
 class Plan:
+    """Actors, and the lockstep gangs among their ranks.
+
+    A gang is a tuple of ranks whose compute queues must act in one order —
+    the ranks of a pipeline stage run collectives with each other inside
+    their actions, and a collective pairs calls by order. Each rank of a gang
+    has compute actors with the same roles; the gang's first rank picks by
+    readiness and priority as usual and the others follow its picks.
+    """
+
     actors: list
+    lockstep: list = field(default_factory=list)
 
     def by_name(self) -> dict:
         return {a.name: a for a in self.actors}
@@ -76,7 +99,31 @@ class Plan:
             for src in a.initial:
                 if src not in a.inputs:
                     raise PlanError(f"actor {a.name!r}: initial value for {src!r}, which is not one of its inputs {list(a.inputs)}")
+            if not isinstance(a.every, int) or a.every < 1:
+                raise PlanError(f"actor {a.name!r}: every={a.every!r} must be an int >= 1")
+        by = self.by_name()
+        for a in self.actors:
+            for src in a.inputs:
+                if a.every % by[src].every:
+                    raise PlanError(f"actor {a.name!r} (every {a.every}) reads {src!r} (every {by[src].every}): "
+                                    "a consumer's every must be a multiple of its producers'")
+                if src in a.initial and a.every != by[src].every:
+                    raise PlanError(f"actor {a.name!r}: an initial register needs the same every as {src!r}")
+        self._check_gangs(world_size)
         self._check_cycles()
+
+    def _check_gangs(self, world_size: int) -> None:
+        seen = set()
+        for gang in self.lockstep:
+            if len(set(gang)) != len(gang) or not all(0 <= r < world_size for r in gang) or seen & set(gang):
+                raise PlanError(f"lockstep gang {gang} must list distinct ranks of the world, in no other gang")
+            seen |= set(gang)
+            roles = {r: sorted(a.key for a in self.actors if a.rank == r and a.queue == "compute") for r in gang}
+            if any(v != roles[gang[0]] for v in roles.values()):
+                raise PlanError(f"lockstep gang {gang}: ranks have different compute roles: {roles}")
+            for r in gang:
+                if len(set(roles[r])) != len(roles[r]):
+                    raise PlanError(f"lockstep gang {gang}: rank {r} repeats a compute role: {roles[r]}")
 
     def _check_cycles(self) -> None:
         """Every cycle of edges must pass an edge with an initial register."""

@@ -13,6 +13,7 @@ class Trace:
     def __init__(self, rank: int = 0):
         self.rank = rank
         self.t0 = time.perf_counter()
+        self.wall0 = time.time()  # the same instant on the wall clock, to line up local ranks' traces
         self.events: list = []  # (name, thread index, start s, end s, piece)
         self.threads: dict = {}  # thread index -> queue name
 
@@ -29,6 +30,11 @@ class Trace:
                 "ts": (start - self.t0) * 1e6, "dur": (end - start) * 1e6, "args": {"piece": piece},
             })
         return out
+
+    def wall_events(self) -> list:
+        """``(name, start, end, piece)`` with wall-clock seconds, comparable across processes of one machine."""
+        shift = self.wall0 - self.t0
+        return [(name, start + shift, end + shift, piece) for name, _, start, end, piece in self.events]
 
     def save(self, path: str, more_events=()) -> str:
         """Write this trace (plus other ranks' ``chrome_events()``) as one Chrome-trace file."""

@@ -4,14 +4,19 @@ Written with global-tensor ops, so the layouts decide the communication:
 a split gradient's squared sum is a partial sum over its shards (one small
 all-reduce), a broadcast gradient's is counted once, and a partial gradient
 is first reduced (reduce-scatter to a split, cheaper than an all-reduce)
-before squaring. Gradients on different placements (pipeline stages) send
-their scalar to the first gradient's placement.
+before squaring. Gradients on different placements send their scalar to
+the first gradient's placement. In a pipeline each rank holds only its
+stage's parameters: ``stages`` (every stage's placement) makes each stage's
+scalar cross to every rank, so all stages clip by the same global norm.
 """
 from __future__ import annotations
 
 import torch
 
 from .global_tensor import GlobalTensor
+from .layout import Layout
+from .placement import placement as make_placement
+from .process_groups import world_rank
 from .sbp import Broadcast, Split
 
 
@@ -27,12 +32,29 @@ def _without_partial(g: GlobalTensor) -> GlobalTensor:
     return g.to_global(sbp=tuple(to if s.is_partial else s for s in g.sbp))
 
 
+def _across_stages(total: GlobalTensor, stages: list, norm_type) -> GlobalTensor:
+    """Combine each stage's scalar into one, broadcast on the union of the stages (every rank calls this)."""
+    ranks = sorted({r for p in stages for r in p.ranks})
+    union = make_placement(stages[0].device_type, ranks)
+    b = (Broadcast(),)
+    out = None
+    me = world_rank()
+    for p in stages:
+        term = total if me in p else GlobalTensor(
+            torch.empty(0, dtype=total.dtype, device=total.device), Layout(p, _broadcast(p), torch.Size(), total.dtype))
+        term = term.to_global(placement=union, sbp=b)
+        out = term if out is None else (out + term if norm_type == 2 else torch.maximum(out, term))
+    return out
+
+
 @torch.no_grad()
-def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0) -> GlobalTensor:
+def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, stages=None) -> GlobalTensor:
     """Scale gradients in place so their global ``norm_type``-norm is at most ``max_norm``.
 
-    Returns the total norm before clipping, broadcast on the first gradient's placement.
-    ``norm_type`` is 2 or ``inf``.
+    Returns the total norm before clipping, broadcast on the first gradient's placement
+    (on the union of ``stages`` when given). ``norm_type`` is 2 or ``inf``. ``stages``:
+    every pipeline stage's placement; each rank passes its own stage's parameters
+    and every rank of every stage must call.
     """
     if norm_type not in (2, 2.0, float("inf")):
         raise ValueError(f"norm_type {norm_type!r} is not one of (2, inf)")
@@ -52,6 +74,9 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0) -> Glob
             total = term
         else:
             total = total + term if norm_type == 2 else torch.maximum(total, term)
+    if stages is not None:
+        total = _across_stages(total, list(stages), norm_type)
+        home = total.placement
     total = total.sqrt() if norm_type == 2 else total
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
     for g in grads:

@@ -10,7 +10,10 @@ than ``[all q | all k | all v]``, so that a column split of ``c_attn`` gives
 each tensor-parallel rank whole heads (Megatron's layout). Checkpoint
 conversion permutes those columns.
 
-No communication here: parallel layouts come from a plan.
+No communication here: parallel layouts come from a plan. A pipeline stage
+is this model with the modules of other stages set to ``None`` (blocks of
+``transformer.h`` included), torchtitan-style: ``forward`` skips what is
+absent, so a stage's parameter names stay the full model's.
 """
 from __future__ import annotations
 
@@ -103,7 +106,12 @@ class Transformer(nn.Module):
 
 
 class GPT2LMHeadModel(nn.Module):
-    """``forward(input_ids, labels=None) -> (logits, loss)``; ``loss`` is next-token cross-entropy when ``labels`` is given."""
+    """``forward(input_ids, labels=None) -> (logits, loss)``; ``loss`` is next-token cross-entropy when ``labels`` is given.
+
+    As a pipeline stage: without ``transformer.wte`` the first argument is
+    the previous stage's hidden states ``[b, t, n_embd]``; without
+    ``lm_head`` it returns ``(hidden states, None)``.
+    """
 
     def __init__(self, cfg: GPT2Config):
         super().__init__()
@@ -130,10 +138,15 @@ class GPT2LMHeadModel(nn.Module):
     def forward(self, input_ids, labels=None):
         t = input_ids.shape[1]
         tr = self.transformer
-        # Positions 0..t-1 are the first t rows of wpe (same values and gradients as wpe(arange(t))).
-        x = tr.drop(tr.wte(input_ids) + tr.wpe.weight[:t])
+        x = input_ids
+        if tr.wte is not None:
+            # Positions 0..t-1 are the first t rows of wpe (same values and gradients as wpe(arange(t))).
+            x = tr.drop(tr.wte(input_ids) + tr.wpe.weight[:t])
         for block in tr.h:
-            x = block(x)
+            if block is not None:
+                x = block(x)
+        if self.lm_head is None:
+            return x, None
         logits = self.lm_head(tr.ln_f(x))
         loss = None
         if labels is not None:

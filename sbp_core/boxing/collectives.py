@@ -261,6 +261,16 @@ _HEADER = 16  # kind, dtype code, ndim, shape...
 
 
 @_collective(lambda obj, dst, group: {dst})
+@_collective(lambda values, src, group: {src})
+def broadcast_ints(values, src: int, group) -> list:
+    """``src``'s list of ints, on every rank of ``group`` (the others pass a list of the same length)."""
+    t = torch.tensor(values, dtype=torch.int64)
+    if world_rank() == src:
+        ledger.record("broadcast", 2, _nbytes(t))
+    dist.broadcast(t, src=src, group=group)
+    return t.tolist()
+
+
 def send_object(obj, dst: int, group) -> None:
     """Send a tensor (header, then its data) or any picklable object to ``dst`` on ``group``.
 

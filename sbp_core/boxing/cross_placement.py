@@ -90,6 +90,31 @@ def transfers(src_pl, src: tuple, dst_pl, dst: tuple, shape) -> list:
     return out
 
 
+def transfer_slices(src, dst) -> list:
+    """The point-to-point pieces of boxing layout ``src`` to ``dst`` (``Layout``s, no partial source).
+
+    ``[(src_rank, dst_rank, src_local_slices, dst_local_slices)]``, the same
+    on every rank: ``src_rank`` sends ``its_local[src_local_slices]`` and
+    ``dst_rank`` writes it to ``new_local[dst_local_slices]`` (a local piece
+    when the two ranks are one). For callers that run the two sides as
+    separate actors (pipeline stage boundaries); ``box_cross_placement``
+    runs both sides in one call. Bytes are DESIGN.md's disjoint-devices row.
+    """
+    if any(s.is_partial for s in src.sbp):
+        raise ValueError(f"transfer_slices needs a split/broadcast source, got {src.sbp}: reduce it inside its placement first")
+    if any(s.is_partial for s in dst.sbp):
+        raise ValueError(f"transfer_slices needs a split/broadcast destination, got {dst.sbp}")
+    if tuple(src.shape) != tuple(dst.shape):
+        raise ValueError(f"shapes differ: {list(src.shape)} -> {list(dst.shape)}")
+    shape = tuple(src.shape)
+    out = []
+    for i, j, b in transfers(src.placement, src.sbp, dst.placement, dst.sbp, shape):
+        have = local_box(shape, src.placement.shape, src.sbp, src.placement.coords(i))
+        want = local_box(shape, dst.placement.shape, dst.sbp, dst.placement.coords(j))
+        out.append((i, j, _relative(b, have), _relative(b, want)))
+    return out
+
+
 def box_cross_placement(local, src_pl, src: tuple, dst_pl, dst: tuple, shape, dtype) -> torch.Tensor:
     """Box this rank's ``local`` (ignored off ``src_pl``) to ``dst`` on ``dst_pl``.
 

@@ -1,0 +1,9 @@
+"""Pipeline parallelism on the actor runtime: stages are placements, 1F1B comes from quotas.
+
+``PipelineStep`` turns one training step into actors per stage (forward,
+backward, boundary transfers, gradient reduction, optimizer update);
+``timeline`` reads a step's trace back (micro-batches held per stage, bubble).
+"""
+from .step import SCHEDULES, PipelineConfig, PipelineStep
+
+__all__ = ["PipelineConfig", "PipelineStep", "SCHEDULES"]

@@ -1,0 +1,68 @@
+"""Stage boundaries as actors: cross-placement boxing split into its two sides.
+
+A tensor that leaves stage ``s`` (laid out ``src`` on its placement) for
+stage ``s+1`` (``dst`` on the next placement) is boxed by the transfer plan
+of ``sbp_core.boxing.cross_placement.transfer_slices``: every source rank
+has a *cut* actor per destination rank it feeds (it slices its local shard),
+and every destination rank an *assemble* actor that reads the cuts of all
+its sources — the runtime turns those cross-rank edges into send/receive
+actors on channels of their own — and writes them into its new local shard.
+Gradients go back the same way with the two layouts swapped. Bytes are
+DESIGN.md's disjoint-placement row (``S→S`` |T|, ``B→B`` p2·|T|).
+"""
+from __future__ import annotations
+
+import torch
+
+from sbp_core import GlobalTensor, Layout
+from sbp_core.boxing.cross_placement import transfer_slices
+
+from ..plan import ActorSpec
+
+
+def _cut(slices, select):
+    def cut(piece, value):
+        value = select(value)
+        local = value.to_local() if isinstance(value, GlobalTensor) else value
+        return local.detach()[slices].contiguous()
+
+    return cut
+
+
+def _assemble(layout: Layout, rank: int, pieces, requires_grad: bool, device):
+    """Build ``rank``'s local shard from the received cuts; a ``GlobalTensor`` (a leaf when ``requires_grad``)."""
+    shape = layout.local_shape(rank)
+
+    def assemble(piece, *cuts):
+        out = torch.empty(shape, dtype=layout.dtype, device=device)
+        for slices, cut in zip(pieces, cuts):
+            out[slices] = cut
+        return GlobalTensor(out, layout, requires_grad=requires_grad)
+
+    return assemble
+
+
+def boundary_actors(name: str, producer: dict, src: Layout, dst: Layout, requires_grad: bool, device,
+                    select=lambda value: value) -> tuple:
+    """Actors boxing ``producer[rank]``'s output (laid out ``src``) to ``dst``; returns ``(actors, assembler)``.
+
+    ``producer`` maps each rank of ``src.placement`` to the actor whose
+    output (a ``GlobalTensor`` or its local) is sent. ``assembler`` maps each
+    rank of ``dst.placement`` to its assemble actor's name, whose output is
+    the ``GlobalTensor`` laid out ``dst``. ``select(output)`` picks the
+    tensor from a producer's output (e.g. the boundary tensor of a stash).
+    """
+    plan = transfer_slices(src, dst)
+    actors, assembler = [], {}
+    for j in dst.placement.ranks:
+        mine = [(k, i, ss, ds) for k, (i, jj, ss, ds) in enumerate(plan) if jj == j]
+        cuts = []
+        for k, i, ss, _ in mine:
+            cut = f"{name}.cut{k}@{i}"
+            actors.append(ActorSpec(cut, _cut(ss, select), inputs=(producer[i],), queue="copy", quota=1, rank=i))
+            cuts.append(cut)
+        asm = f"{name}.assemble@{j}"
+        actors.append(ActorSpec(asm, _assemble(dst, j, [ds for *_, ds in mine], requires_grad, device),
+                                inputs=tuple(cuts), queue="copy", quota=2, rank=j))
+        assembler[j] = asm
+    return actors, assembler

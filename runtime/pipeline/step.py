@@ -1,0 +1,235 @@
+"""One pipelined training step as actors; 1F1B or GPipe from the activation stash's quota.
+
+Every rank builds the same plan from the stages' placements and runs its
+own actors. For stage ``s`` of ``pp`` on each of its ranks ``r``:
+
+- ``s{s}.data@r`` (data queue; first and last stage): micro-batch ``k``'s
+  token ids, a global tensor laid out ``data_sbp`` (no communication);
+- ``s{s}.F@r`` (compute): the stage's forward of micro-batch ``k``; its out
+  register is the *activation stash* (the input leaf, the output and the
+  autograd graph between them). Its quota is ``pp - s`` under 1F1B and
+  ``m`` under GPipe: stage ``s`` cannot start a forward while that many
+  micro-batches await their backward;
+- ``s{s}.B@r`` (compute, higher priority than F): backward of micro-batch
+  ``k`` (``loss / m`` on the last stage, the received output gradient
+  elsewhere); gradients accumulate in the layout they arrive in
+  (``defer_grad_boxing``: partial sums add locally, no traffic); its output
+  is the gradient of the stage's input boxed to the boundary layout;
+- boundary actors (``runtime.pipeline.boundary``) carry activations from
+  stage ``s`` to ``s + 1`` and gradients back, by cross-placement boxing;
+- ``s{s}.reduce@r`` (compute, once per step): boxes every gradient to its
+  parameter's layout (one ``P -> B`` all-reduce over data parallel per
+  parameter per step) and sums tied parameters' gradients across stages;
+- ``s{s}.update@r`` (compute, once per step): global-norm clipping over all
+  stages, the optimizer and LR scheduler step, ``zero_grad``; returns the
+  step's mean loss on the last stage.
+
+Nothing here orders forwards and backwards: with the stash full a stage can
+only run a backward, and a backward wins when both are ready, so stage
+``s`` runs ``pp - s`` forwards, then alternates — 1F1B. The ranks of a stage
+form a lockstep gang (their actions call collectives with each other), so
+they act in the order their first rank picks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+import sbp_core as sc
+from sbp_core import GlobalTensor, Layout
+from sbp_core.process_groups import world_rank
+
+from ..executor import run
+from ..plan import ActorSpec, Plan
+from .boundary import boundary_actors
+from .tied import TiedGrads
+
+SCHEDULES = ("1f1b", "gpipe")
+
+
+@dataclass
+class Stash:
+    """One micro-batch's activations held between its forward and its backward."""
+
+    inputs: object  # the stage's input leaf (None on the first stage)
+    output: object  # the boundary output, or the loss on the last stage
+
+
+@dataclass
+class PipelineConfig:
+    """Everything every rank must agree on. ``act_shape``: a micro-batch's boundary activation (global)."""
+
+    placements: list
+    micro_batches: int
+    data_shape: tuple
+    act_shape: tuple
+    data_sbp: tuple
+    act_sbp: tuple
+    schedule: str = "1f1b"
+    max_grad_norm: float | None = None
+    tied: list = field(default_factory=list)  # [(first-stage name, last-stage name)]
+    timeout: float = 120.0
+
+    def check(self) -> None:
+        pp, m = len(self.placements), self.micro_batches
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"pp_schedule {self.schedule!r} is not one of {SCHEDULES}")
+        if not isinstance(m, int) or m < pp:
+            raise ValueError(f"{m} micro-batches for {pp} stages: a pipeline needs at least as many "
+                             f"micro-batches as stages (raise gradient accumulation to >= {pp})")
+        seen = set()
+        for s, p in enumerate(self.placements):
+            if seen & set(p.ranks):
+                raise ValueError(f"stage {s}'s placement {p} shares ranks with an earlier stage; stages must be disjoint")
+            seen |= set(p.ranks)
+
+    def stash_quota(self, stage: int) -> int:
+        return len(self.placements) - stage if self.schedule == "1f1b" else self.micro_batches
+
+
+class PipelineStep:
+    """Runs training steps of one model split into stages, on every rank.
+
+    Every rank of the world constructs it and calls ``step`` (building the
+    plan's channels is collective); ``module`` and ``optimizer`` are this
+    rank's stage's, ``None`` on a rank in no stage (which then only joins
+    those collectives). ``forward(module, x,
+    labels)`` returns the stage output (``labels`` is ``None`` before the
+    last stage) or the loss (last stage). ``batches(step, k)`` returns this
+    rank's local rows of micro-batch ``k`` (token ids; also the labels on the
+    last stage). ``step(i)`` returns the step's loss on the last stage's
+    ranks and on rank 0, ``None`` elsewhere.
+    """
+
+    def __init__(self, cfg: PipelineConfig, module, optimizer, forward: Callable, batches: Callable,
+                 scheduler=None, trace_factory=None):
+        cfg.check()
+        self.cfg, self.module, self.optimizer, self.scheduler = cfg, module, optimizer, scheduler
+        self.forward, self.batches = forward, batches
+        self.trace_factory = trace_factory
+        me = world_rank()
+        self.stage = next((s for s, p in enumerate(cfg.placements) if me in p), None)
+        if self.stage is not None and module is None:
+            raise ValueError(f"rank {me} is in stage {self.stage} but got no module")
+        self.pp = len(cfg.placements)
+        # Built here, on every rank, because a placement's groups are built collectively;
+        # global-norm clipping across stages meets on it.
+        sc.placement(cfg.placements[0].device_type, sorted(r for p in cfg.placements for r in p.ranks))
+        self.tied = TiedGrads(cfg.tied, module, cfg.placements, self.stage)
+        self.step_index = 0
+        self._losses = []
+        self.last_trace, self.last_loss, self.grad_norm = None, None, None
+        self.plan = self._plan()
+
+    # -- actions ---------------------------------------------------------------------------
+
+    def _data(self, stage):
+        layout = Layout(self.cfg.placements[stage], tuple(self.cfg.data_sbp), torch.Size(self.cfg.data_shape), torch.int64)
+
+        def data(k):
+            return GlobalTensor(self.batches(self.step_index, k), layout)
+
+        return data
+
+    def _forward(self, k, *inputs):
+        s, last = self.stage, self.stage == self.pp - 1
+        x = inputs[0]
+        labels = inputs[1] if last and len(inputs) > 1 else None
+        out = self.forward(self.module, x, labels)
+        if not last:
+            out = out.to_global(sbp=self.cfg.act_sbp)
+        return Stash(x if s > 0 else None, out)
+
+    def _backward(self, k, stash: Stash, grad=None):
+        with sc.defer_grad_boxing():
+            if grad is None:
+                (stash.output / self.cfg.micro_batches).backward()
+            else:
+                stash.output.backward(grad)
+        if self.stage == self.pp - 1:
+            self._losses.append(stash.output.detach())
+        if stash.inputs is None:
+            return None
+        return stash.inputs.grad.to_global(sbp=self.cfg.act_sbp)
+
+    def _reduce(self, k, outs):
+        sc.box_grads(self.module)
+        self.tied.sum_grads()
+        if self.stage != self.pp - 1:
+            return None
+        losses, self._losses = self._losses, []
+        total = losses[0]
+        for x in losses[1:]:
+            total = total + x
+        total = total / len(losses)
+        return float(total.full_tensor())
+
+    def _update(self, k, loss):
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        norm = None
+        if self.cfg.max_grad_norm is not None:
+            norm = sc.clip_grad_norm_(params, self.cfg.max_grad_norm, stages=self.cfg.placements)
+        self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.grad_norm = None if norm is None else float(norm.to_local())
+        self.last_loss = loss
+        return loss
+
+    # -- plan ------------------------------------------------------------------------------
+
+    def _plan(self) -> Plan:
+        cfg, pp, m = self.cfg, self.pp, self.cfg.micro_batches
+        device = cfg.placements[0].device()
+        actors, lockstep = [], []
+        act = [Layout(p, tuple(cfg.act_sbp), torch.Size(cfg.act_shape), torch.float32) for p in cfg.placements]
+        fwd_in, bwd_in = {}, {}
+        for s in range(pp - 1):
+            acts, asm = boundary_actors(f"s{s}.act", {r: f"s{s}.F@{r}" for r in cfg.placements[s].ranks},
+                                        act[s], act[s + 1], True, device, select=lambda st: st.output)
+            grads, gasm = boundary_actors(f"s{s + 1}.grad", {r: f"s{s + 1}.B@{r}" for r in cfg.placements[s + 1].ranks},
+                                          act[s + 1], act[s], False, device)
+            actors += acts + grads
+            fwd_in.update(asm)
+            bwd_in.update(gasm)
+        for s, p in enumerate(cfg.placements):
+            if len(p.ranks) > 1:
+                lockstep.append(tuple(p.ranks))
+            for r in p.ranks:
+                first, last = s == 0, s == pp - 1
+                mine = self.stage == s and world_rank() == r
+                if first or last:
+                    actors.append(ActorSpec(f"s{s}.data@{r}", self._data(s) if mine else None, queue="data", rank=r))
+                f_in = (f"s{s}.data@{r}",) if first else (fwd_in[r],)
+                if last:
+                    f_in += (f"s{s}.data@{r}",)
+                b_in = (f"s{s}.F@{r}",) if last else (f"s{s}.F@{r}", bwd_in[r])
+                actors += [
+                    ActorSpec(f"s{s}.F@{r}", self._forward, inputs=f_in, quota=cfg.stash_quota(s), rank=r, role="F"),
+                    ActorSpec(f"s{s}.B@{r}", self._backward, inputs=b_in, quota=2, priority=1, rank=r, role="B"),
+                    ActorSpec(f"s{s}.reduce@{r}", self._reduce, inputs=(f"s{s}.B@{r}",), quota=1, priority=2,
+                              rank=r, every=m, role="reduce"),
+                    ActorSpec(f"s{s}.update@{r}", self._update, inputs=(f"s{s}.reduce@{r}",), quota=1, priority=3,
+                              rank=r, every=m, role="update"),
+                ]
+        last_leader = cfg.placements[-1].ranks[0]
+        if 0 not in cfg.placements[-1]:
+            actors.append(ActorSpec("loss@0", lambda k, loss: loss, inputs=(f"s{pp - 1}.update@{last_leader}",),
+                                    queue="data", rank=0, every=m))
+        return Plan(actors, lockstep)
+
+    def step(self, index: int | None = None):
+        """One optimizer step over ``micro_batches`` micro-batches; the mean loss where known, else ``None``."""
+        if index is not None:
+            self.step_index = index
+        trace = self.trace_factory() if self.trace_factory else None
+        self.last_loss = None
+        res = run(self.plan, self.cfg.micro_batches, timeout=self.cfg.timeout, trace=trace)
+        self.last_trace, self.last_stats = trace, res.stats
+        self.step_index += 1
+        if "loss@0" in res.outputs:
+            return res.outputs["loss@0"][0]
+        return self.last_loss

@@ -1,0 +1,67 @@
+"""Tied parameters across pipeline stages stay tied: both copies step with the summed gradient.
+
+GPT-2's token embedding (first stage) and LM head (last stage) are one
+parameter in the full model; split into stages they are two copies with
+equal initial values. After each step's gradient reduction the two copies'
+gradients are exchanged by cross-placement boxing (each side's gradient
+boxed to the other's layout: the disjoint-placement row of DESIGN.md's
+table, |T| each way for splits) and added, so both hold ``g_first +
+g_last`` — bit-identical, since addition commutes — and the optimizers,
+starting from equal states, keep the copies equal.
+"""
+from __future__ import annotations
+
+import torch
+
+from sbp_core import GlobalTensor, Layout
+from sbp_core.boxing import collectives
+from sbp_core.process_groups import world_rank, world_size
+
+
+class TiedGrads:
+    def __init__(self, tied: list, module, placements: list, stage: int):
+        self.pairs = []
+        pp = len(placements)
+        if pp == 1 or not tied:
+            return
+        me = world_rank()
+        params = dict(module.named_parameters()) if module is not None else {}
+        stage = -1 if stage is None else stage
+        metas = []
+        for first, last in tied:
+            name = first if stage == 0 else last if stage == pp - 1 else None
+            p = params.get(name) if name else None
+            if name and p is None:
+                raise ValueError(f"tied parameter {name!r} is not on stage {stage}; its parameters: {sorted(params)[:8]}")
+            lead = me == placements[stage].ranks[0]
+            metas.append((stage, p.sbp, tuple(p.shape), str(p.dtype)) if p is not None and lead else None)
+        gathered = collectives.all_gather_object(metas, list(range(world_size())))
+        for k, (first, last) in enumerate(tied):
+            layouts = {}
+            for rank_metas in gathered:
+                meta = rank_metas[k]
+                if meta is not None:
+                    s, sbp, shape, dtype = meta
+                    layouts[s] = Layout(placements[s], sbp, torch.Size(shape), getattr(torch, dtype.split(".")[-1]))
+            if set(layouts) != {0, pp - 1}:
+                raise ValueError(f"tied pair ({first!r}, {last!r}) must live on the first and last stage")
+            name = first if stage == 0 else last if stage == pp - 1 else None
+            self.pairs.append((params.get(name), layouts[0], layouts[pp - 1]))
+
+    @torch.no_grad()
+    def sum_grads(self) -> None:
+        """On the first and last stage's ranks: both copies' gradients become their sum."""
+        for p, first, last in self.pairs:
+            if p is None:
+                continue
+            here_first = world_rank() in first.placement
+            g_first = p.grad if here_first else _absent(first)
+            g_last = p.grad if not here_first else _absent(last)
+            to_last = g_first.to_global(placement=last.placement, sbp=last.sbp)
+            to_first = g_last.to_global(placement=first.placement, sbp=first.sbp)
+            p.grad.add_(to_first if here_first else to_last)
+
+
+def _absent(layout: Layout) -> GlobalTensor:
+    """The other stage's tensor as seen from here: its layout, no data."""
+    return GlobalTensor(torch.empty(0, dtype=layout.dtype, device=layout.placement.device()), layout)
