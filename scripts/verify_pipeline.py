@@ -70,10 +70,10 @@ def build(dp: int, tp: int, pp: int, micro: int = MICRO, schedule: str = "1f1b",
     return PipelineStep(pcfg, module, opt, stage_forward, batches, trace_factory=trace), module
 
 
-def run_pipeline(name: str, steps: int = STEPS, schedule: str = "1f1b", micro: int = MICRO):
-    """Worker: per step, the loss (where known), the stage leader's full gradients, and the trace."""
+def run_pipeline(name: str, steps: int = STEPS, schedule: str = "1f1b", micro: int = MICRO, max_grad_norm=None):
+    """Worker: per step, the loss (where known), the stage leader's full gradients (as the optimizer sees them), the trace."""
     dp, tp, pp = LAYOUTS[name]
-    step, module = build(dp, tp, pp, micro, schedule, traced=True)
+    step, module = build(dp, tp, pp, micro, schedule, traced=True, max_grad_norm=max_grad_norm)
     grads = []
     if module is not None:
         opt_step = step.optimizer.step
@@ -97,8 +97,11 @@ def _rel(a, b) -> float:
     return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-12)).item()
 
 
-def compare(per_rank: list, steps: int = STEPS) -> tuple:
-    """``(worst loss, worst grad)`` relative differences against one device, stepping it with the pipeline's grads."""
+def compare(per_rank: list, steps: int = STEPS, max_grad_norm=None) -> tuple:
+    """``(worst loss, worst grad)`` relative differences against one device, stepping it with the pipeline's grads.
+
+    With ``max_grad_norm`` the single device clips too, so clipped gradients are compared.
+    """
     torch.manual_seed(0)
     ref = GPT2LMHeadModel(CFG)
     opt = torch.optim.AdamW(ref.parameters(), **ADAMW)
@@ -107,6 +110,8 @@ def compare(per_rank: list, steps: int = STEPS) -> tuple:
         ids = global_batch(i)
         loss = ref(ids, ids)[1]
         loss.backward()
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), max_grad_norm)
         losses = [r[i]["loss"] for r in per_rank if r[i]["loss"] is not None]
         assert losses, "no rank reported the loss"
         worst_loss = max(worst_loss, max(abs(x - loss.item()) / abs(loss.item()) for x in losses))

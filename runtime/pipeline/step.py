@@ -167,10 +167,16 @@ class PipelineStep:
         return float(total.full_tensor())
 
     def _update(self, k, loss):
-        params = [p for p in self.module.parameters() if p.requires_grad]
         norm = None
         if self.cfg.max_grad_norm is not None:
+            # The last stage's tied copies hold the same summed gradient as the first stage's:
+            # counted once in the norm, scaled like the rest.
+            copies = {id(p) for p in self.tied.copies()}
+            params = [p for p in self.module.parameters() if p.requires_grad and id(p) not in copies]
             norm = sc.clip_grad_norm_(params, self.cfg.max_grad_norm, stages=self.cfg.placements)
+            coef = min(1.0, self.cfg.max_grad_norm / (float(norm.to_local()) + 1e-6))
+            for p in self.tied.copies():
+                p.grad.mul_(coef)
         self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()

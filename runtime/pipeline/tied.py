@@ -48,6 +48,10 @@ class TiedGrads:
             name = first if stage == 0 else last if stage == pp - 1 else None
             self.pairs.append((params.get(name), layouts[0], layouts[pp - 1]))
 
+    def copies(self) -> list:
+        """This rank's last-stage copies (their gradients duplicate the first stage's after ``sum_grads``)."""
+        return [p for p, first, _ in self.pairs if p is not None and world_rank() not in first.placement]
+
     @torch.no_grad()
     def sum_grads(self) -> None:
         """On the first and last stage's ranks: both copies' gradients become their sum."""

@@ -1,0 +1,116 @@
+"""Pipelined GPT-2 equals one device; 1F1B and GPipe follow from the stash quota; bad input and dead ranks."""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from runtime.pipeline import PipelineConfig
+from runtime.pipeline.timeline import bubble, peak_held, theory
+from scripts.verify_pipeline import LAYOUTS, MICRO, compare, run_pipeline, schedule_report
+from toolkit.rank_pool import get_pool
+from toolkit.stages import stage_ranges
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_matches_one_device(name):
+    res = get_pool(8).run(run_pipeline, name)
+    loss, grads = compare(res)
+    assert loss <= 1e-5 and grads <= 1e-5, (loss, grads)
+
+
+def test_global_norm_clipping_spans_every_stage():
+    res = get_pool(8).run(run_pipeline, "tp2_pp2", 2, "1f1b", MICRO, 0.05)
+    loss, grads = compare(res, 2, max_grad_norm=0.05)
+    assert loss <= 1e-5 and grads <= 1e-5, (loss, grads)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_held_micro_batches_follow_the_stash_quota(schedule):
+    res = get_pool(8).run(run_pipeline, "pp4", 1, schedule)
+    held, bub = schedule_report(res, 4, MICRO)
+    if schedule == "1f1b":
+        # Stage s holds at most pp - s micro-batches, and the quota is reached: that is 1F1B's warm-up.
+        assert held == {0: 4, 1: 3, 2: 2, 3: 1}, held
+    else:
+        assert held[0] == MICRO and all(h <= MICRO for h in held.values()), held
+    assert set(bub) == {0, 1, 2, 3} and all(0.0 <= b < 1.0 for b in bub.values())
+
+
+def test_timeline_counts_held_micro_batches_and_idle_time():
+    ev = [("s0.F@0", 0.0, 1.0, 0), ("s0.F@0", 1.0, 2.0, 1), ("s0.B@0", 3.0, 4.0, 0), ("s0.B@0", 4.0, 5.0, 1),
+          ("s1.F@1", 1.0, 2.0, 0), ("s1.B@1", 2.0, 3.0, 0), ("s1.F@1", 3.0, 4.0, 1), ("s1.B@1", 4.0, 5.0, 1)]
+    assert peak_held([e for e in ev if "@0" in e[0]]) == 2
+    assert peak_held([e for e in ev if "@1" in e[0]]) == 1
+    b = bubble({0: [e for e in ev if "@0" in e[0]], 1: [e for e in ev if "@1" in e[0]]})
+    assert b == {0: pytest.approx(0.2), 1: pytest.approx(0.2)}
+    assert theory(2, 4) == pytest.approx(0.2)
+
+
+def test_bad_pipeline_input_is_refused_before_anything_runs():
+    with pytest.raises(ValueError, match="at least as many micro-batches as stages"):
+        PipelineConfig([object()] * 4, 2, (2, 4), (2, 4, 8), (), ()).check()
+    with pytest.raises(ValueError, match="pp_schedule 'zb' is not one of"):
+        PipelineConfig([], 2, (2, 4), (2, 4, 8), (), (), schedule="zb").check()
+    with pytest.raises(ValueError, match="cannot be split uniformly into pp=3"):
+        stage_ranges(4, 3)
+    with pytest.raises(ValueError, match="every stage needs at least one layer"):
+        stage_ranges(4, 2, [4, 0])
+    with pytest.raises(ValueError, match="sum to 3"):
+        stage_ranges(4, 2, [1, 2])
+    assert [list(r) for r in stage_ranges(5, 2, [2, 3])] == [[0, 1], [2, 3, 4]]
+
+
+def _dies_mid_step(rank, world, port, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    from sbp_core import process_groups
+    from scripts import verify_pipeline as vp
+
+    process_groups.set_timeout(10.0)
+    start = time.monotonic()
+    try:
+        step, module = vp.build(1, 2, 2)
+        if rank == 3:
+            forward = step.forward
+
+            def die(m, x, labels):
+                if step.step_index == 1:
+                    os._exit(17)
+                return forward(m, x, labels)
+
+            step.forward = die
+        for i in range(3):
+            step.step(i)
+        msg = "finished"
+    except Exception as exc:  # noqa: BLE001  (what the rank ended with is the result)
+        msg = f"{type(exc).__name__}: {exc}"
+    with open(os.path.join(out_dir, f"rank{rank}"), "w") as f:
+        f.write(f"{time.monotonic() - start:.1f}\n{msg}")
+    os._exit(0)
+
+
+def test_a_rank_that_dies_mid_step_ends_every_rank_with_an_error(tmp_path):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_dies_mid_step, args=(r, 4, port, str(tmp_path))) for r in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.kill()
+    assert not alive, "a rank hung after its peer died"
+    assert procs[3].exitcode == 17
+    for r in range(3):
+        secs, msg = (tmp_path / f"rank{r}").read_text().split("\n", 1)
+        assert msg != "finished" and ("Failure" in msg or "Error" in msg), (r, msg)
