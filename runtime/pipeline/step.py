@@ -32,7 +32,7 @@ they act in the order their first rank picks.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -97,10 +97,16 @@ class PipelineStep:
     rank's stage's, ``None`` on a rank in no stage (which then only joins
     those collectives). ``forward(module, x,
     labels)`` returns the stage output (``labels`` is ``None`` before the
-    last stage) or the loss (last stage). ``batches(step, k)`` returns this
-    rank's local rows of micro-batch ``k`` (token ids; also the labels on the
-    last stage). ``step(i)`` returns the step's loss on the last stage's
-    ranks and on rank 0, ``None`` elsewhere.
+    last stage) or the loss (last stage). ``batches`` gives this rank's
+    local rows of micro-batch ``k`` (token ids; also the labels on the last
+    stage): either a callable ``batches(step, k)``, or an object with the
+    runtime data pipeline's ``read/decode/collate`` actions behind
+    ``stages(device, quota, prefix)`` and a settable ``step`` (piece ``k``
+    of a run is micro-batch ``k`` of step ``step``), as
+    ``toolkit.data.MicroBatches``. ``step(i)`` returns the step's loss on
+    the last stage's ranks and on rank 0, ``None`` elsewhere;
+    ``evaluate(batches, m)`` the mean loss of ``m`` micro-batches, forward
+    only, likewise.
     """
 
     def __init__(self, cfg: PipelineConfig, module, optimizer, forward: Callable, batches: Callable,
@@ -121,26 +127,58 @@ class PipelineStep:
         self.step_index = 0
         self._losses = []
         self.last_trace, self.last_loss, self.grad_norm = None, None, None
-        self.plan = self._plan()
+        self.plan = self._plan(self.batches, cfg.micro_batches, train=True)
+        self._eval_plans: dict = {}
 
     # -- actions ---------------------------------------------------------------------------
 
-    def _data(self, stage):
-        layout = Layout(self.cfg.placements[stage], tuple(self.cfg.data_sbp), torch.Size(self.cfg.data_shape), torch.int64)
+    def _data_actors(self, batches, s: int, r: int, mine: bool) -> tuple:
+        """``(actors, name of the last)`` producing rank ``r``'s local micro-batches."""
+        prefix = f"s{s}.data@{r}"
+        if hasattr(batches, "stages"):
+            device = self.cfg.placements[s].device() if self.cfg.placements[s].device_type == "cuda" else None
+            specs = [replace(a, rank=r) for a in batches.stages(device=device, prefix=prefix)]
+            return specs, specs[-1].name
 
         def data(k):
-            return GlobalTensor(self.batches(self.step_index, k), layout)
+            return batches(self.step_index, k)
 
-        return data
+        return [ActorSpec(prefix, data if mine else None, queue="data", rank=r)], prefix
 
-    def _forward(self, k, *inputs):
+    def _global_ids(self, local):
+        if isinstance(local, dict):
+            local = local["input_ids"]
+        layout = Layout(self.cfg.placements[self.stage], tuple(self.cfg.data_sbp), torch.Size(self.cfg.data_shape),
+                        torch.int64)
+        return GlobalTensor(local, layout)
+
+    def _forward(self, k, x, labels=None):
         s, last = self.stage, self.stage == self.pp - 1
-        x = inputs[0]
-        labels = inputs[1] if last and len(inputs) > 1 else None
+        if s == 0:
+            x = self._global_ids(x)
+        if last:
+            labels = self._global_ids(labels)
         out = self.forward(self.module, x, labels)
         if not last:
             out = out.to_global(sbp=self.cfg.act_sbp)
         return Stash(x if s > 0 else None, out)
+
+    def _eval_forward(self, k, x, labels=None):
+        with torch.no_grad():
+            st = self._forward(k, x, labels)
+        if self.stage == self.pp - 1:
+            self._losses.append(st.output)
+        return st
+
+    def _eval_loss(self, k, _):
+        losses, self._losses = self._losses, []
+        if self.stage != self.pp - 1:
+            return None
+        total = losses[0]
+        for x in losses[1:]:
+            total = total + x
+        self.last_loss = float((total / len(losses)).full_tensor())
+        return self.last_loss
 
     def _backward(self, k, stash: Stash, grad=None):
         with sc.defer_grad_boxing():
@@ -187,31 +225,41 @@ class PipelineStep:
 
     # -- plan ------------------------------------------------------------------------------
 
-    def _plan(self) -> Plan:
-        cfg, pp, m = self.cfg, self.pp, self.cfg.micro_batches
+    def _plan(self, batches, m: int, train: bool) -> Plan:
+        """The actors of one training step (``train``) or one forward-only evaluation of ``m`` micro-batches."""
+        cfg, pp = self.cfg, self.pp
         device = cfg.placements[0].device()
         actors, lockstep = [], []
         act = [Layout(p, tuple(cfg.act_sbp), torch.Size(cfg.act_shape), torch.float32) for p in cfg.placements]
         fwd_in, bwd_in = {}, {}
         for s in range(pp - 1):
             acts, asm = boundary_actors(f"s{s}.act", {r: f"s{s}.F@{r}" for r in cfg.placements[s].ranks},
-                                        act[s], act[s + 1], True, device, select=lambda st: st.output)
-            grads, gasm = boundary_actors(f"s{s + 1}.grad", {r: f"s{s + 1}.B@{r}" for r in cfg.placements[s + 1].ranks},
-                                          act[s + 1], act[s], False, device)
-            actors += acts + grads
+                                        act[s], act[s + 1], train, device, select=lambda st: st.output)
+            actors += acts
             fwd_in.update(asm)
-            bwd_in.update(gasm)
+            if train:
+                grads, gasm = boundary_actors(f"s{s + 1}.grad", {r: f"s{s + 1}.B@{r}" for r in cfg.placements[s + 1].ranks},
+                                              act[s + 1], act[s], False, device)
+                actors += grads
+                bwd_in.update(gasm)
         for s, p in enumerate(cfg.placements):
             if len(p.ranks) > 1:
                 lockstep.append(tuple(p.ranks))
             for r in p.ranks:
                 first, last = s == 0, s == pp - 1
-                mine = self.stage == s and world_rank() == r
+                f_in = () if first else (fwd_in[r],)
                 if first or last:
-                    actors.append(ActorSpec(f"s{s}.data@{r}", self._data(s) if mine else None, queue="data", rank=r))
-                f_in = (f"s{s}.data@{r}",) if first else (fwd_in[r],)
-                if last:
-                    f_in += (f"s{s}.data@{r}",)
+                    specs, data = self._data_actors(batches, s, r, self.stage == s and world_rank() == r)
+                    actors += specs
+                    f_in = (data,) + f_in if first else f_in
+                    f_in += (data,) if last else ()
+                if not train:
+                    actors += [
+                        ActorSpec(f"s{s}.F@{r}", self._eval_forward, inputs=f_in, quota=2, rank=r, role="F"),
+                        ActorSpec(f"s{s}.loss@{r}", self._eval_loss, inputs=(f"s{s}.F@{r}",), quota=1, priority=2,
+                                  rank=r, every=m, role="loss"),
+                    ]
+                    continue
                 b_in = (f"s{s}.F@{r}",) if last else (f"s{s}.F@{r}", bwd_in[r])
                 actors += [
                     ActorSpec(f"s{s}.F@{r}", self._forward, inputs=f_in, quota=cfg.stash_quota(s), rank=r, role="F"),
@@ -223,19 +271,36 @@ class PipelineStep:
                 ]
         last_leader = cfg.placements[-1].ranks[0]
         if 0 not in cfg.placements[-1]:
-            actors.append(ActorSpec("loss@0", lambda k, loss: loss, inputs=(f"s{pp - 1}.update@{last_leader}",),
-                                    queue="data", rank=0, every=m))
+            final = f"s{pp - 1}.{'update' if train else 'loss'}@{last_leader}"
+            actors.append(ActorSpec("loss@0", lambda k, loss: loss, inputs=(final,), queue="data", rank=0, every=m))
         return Plan(actors, lockstep)
+
+    def _run(self, plan, pieces: int, batches):
+        if hasattr(batches, "stages"):
+            batches.step = self.step_index
+        trace = self.trace_factory() if self.trace_factory else None
+        self.last_loss = None
+        res = run(plan, pieces, timeout=self.cfg.timeout, trace=trace)
+        self.last_trace, self.last_stats = trace, res.stats
+        if "loss@0" in res.outputs:
+            return res.outputs["loss@0"][0]
+        return self.last_loss
+
+    def evaluate(self, batches, micro_batches: int, index: int = 0):
+        """Mean loss of ``micro_batches`` micro-batches of ``batches`` (step ``index``), forward only."""
+        key = (id(batches), micro_batches)
+        if key not in self._eval_plans:
+            self._eval_plans[key] = self._plan(batches, micro_batches, train=False)
+        saved, self.step_index = self.step_index, index
+        try:
+            return self._run(self._eval_plans[key], micro_batches, batches)
+        finally:
+            self.step_index = saved
 
     def step(self, index: int | None = None):
         """One optimizer step over ``micro_batches`` micro-batches; the mean loss where known, else ``None``."""
         if index is not None:
             self.step_index = index
-        trace = self.trace_factory() if self.trace_factory else None
-        self.last_loss = None
-        res = run(self.plan, self.cfg.micro_batches, timeout=self.cfg.timeout, trace=trace)
-        self.last_trace, self.last_stats = trace, res.stats
+        loss = self._run(self.plan, self.cfg.micro_batches, self.batches)
         self.step_index += 1
-        if "loss@0" in res.outputs:
-            return res.outputs["loss@0"][0]
-        return self.last_loss
+        return loss
