@@ -1,0 +1,203 @@
+"""``validate``: every rule fails with the field, the value and what would be valid."""
+from __future__ import annotations
+
+import pytest
+
+from toolkit.config import ConfigError, ConfigWarning, compose, validate
+from toolkit.config.validate import layouts_for
+
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+               "SLURM_PROCID", "SLURM_LOCALID", "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS_PER_NODE")
+
+
+@pytest.fixture(autouse=True)
+def _not_launched(monkeypatch):
+    """Tests start from a plain (non-torchrun, non-Slurm) environment."""
+    for key in LAUNCH_VARS:
+        monkeypatch.delenv(key, raising=False)
+
+
+def cfg_of(*overrides):
+    return compose(list(overrides), run_dir="/tmp/run")
+
+
+def problems(*overrides, world_size=None):
+    with pytest.raises(ConfigError) as info:
+        validate(cfg_of(*overrides), world_size=world_size)
+    assert isinstance(info.value, ValueError)
+    return "\n".join(info.value.problems)
+
+
+@pytest.mark.parametrize("layout, world, accumulation, stages", [
+    ("single", 1, 8, (4,)),
+    ("dp2", 2, 4, (4,)),
+    ("dp2_tp2_pp2", 8, 4, (2, 2)),
+    ("dp2_tp4_pp2", 16, 4, (2, 2)),
+    ("dp4_zero2", 4, 2, (4,)),
+    ("tp4_pp4", 16, 8, (1, 1, 1, 1)),
+])
+def test_valid_layouts(layout, world, accumulation, stages):
+    job = validate(cfg_of(f"parallel={layout}"))
+    assert (job.name, job.world_size, job.accumulation, job.stage_layers) == (layout, world, accumulation, stages)
+    assert job.device == "cpu" and job.launched is None
+    assert job.tokens_per_step == 32 * 256
+
+
+def test_world_size_must_match():
+    text = problems("parallel=dp2_tp2", world_size=8)
+    assert "dp*tp*pp = 2*2*1 = 4 processes, but 8 are available" in text
+    assert "dp8" in text and "dp2_tp4" in text  # layouts that would fit
+
+
+def test_world_size_from_torchrun_environment(monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    assert validate(cfg_of("parallel=dp2")).launched == "torchrun"
+    text = problems("parallel=dp4")
+    assert "torchrun's WORLD_SIZE is 2" in text
+
+
+def test_world_size_from_slurm_environment(monkeypatch):
+    for key, value in dict(SLURM_PROCID="1", SLURM_LOCALID="1", SLURM_STEP_NUM_TASKS="4",
+                           SLURM_STEP_NODELIST="node[01-02]", SLURM_JOB_ID="77").items():
+        monkeypatch.setenv(key, value)
+    assert validate(cfg_of("parallel=tp2_pp2")).launched == "slurm"
+    assert "Slurm's SLURM_STEP_NUM_TASKS is 4" in problems("parallel=dp2")
+
+
+def test_heads_and_vocab_divide_by_tp():
+    text = problems("parallel=tp3")
+    assert "model.n_head=4: must divide by parallel.tp=3" in text and "valid tp: [1, 2, 4]" in text
+    assert "model.vocab_size=8192: must divide by parallel.tp=3" in text
+    assert "model.vocab_size=8448" in text  # the padded suggestion (multiple of 128 * 3)
+
+
+def test_gpt2_vocab_needs_padding_for_tp():
+    text = problems("model=gpt2", "parallel=tp2")
+    assert "model.vocab_size=50257" in text and "model.vocab_size=50432" in text
+    assert validate(cfg_of("model=gpt2", "parallel=tp2", "model.vocab_size=50432")).tp == 2
+
+
+def test_layers_divide_by_pp_or_stage_layers():
+    text = problems("parallel=pp3", "trainer.global_batch_size=48")
+    assert "model.n_layer=4: does not divide into parallel.pp*pp_virtual=3" in text
+    assert "parallel.stage_layers" in text
+    job = validate(cfg_of("parallel=pp3", "trainer.global_batch_size=48", "parallel.stage_layers=[2,1,1]"))
+    assert job.stage_layers == (2, 1, 1)
+
+
+@pytest.mark.parametrize("stages", ["[2,2,0]", "[1,1]", "[2,2,2]"])
+def test_bad_stage_layers(stages):
+    text = problems("parallel=pp3", "trainer.global_batch_size=48", f"parallel.stage_layers={stages}")
+    assert "parallel.stage_layers=" in text and "needs 3 (pp*pp_virtual) entries" in text
+
+
+def test_pp_virtual():
+    job = validate(cfg_of("parallel=pp2", "parallel.pp_virtual=2"))
+    assert job.stage_layers == (1, 1, 1, 1)
+    assert "interleaving needs parallel.pp > 1" in problems("parallel.pp_virtual=2")
+
+
+def test_global_batch_divides_by_micro_times_dp():
+    text = problems("parallel=dp3")
+    assert "trainer.global_batch_size=32: must divide by trainer.micro_batch_size*parallel.dp = 4*3 = 12" in text
+    assert "e.g. 24 or 36" in text
+
+
+def test_accumulation_at_least_pp():
+    text = problems("parallel=dp2_pp2", "trainer.global_batch_size=8")
+    assert "gives 1 micro-batches per step" in text and "fewer than parallel.pp=2" in text
+    assert "global_batch_size >= 16" in text
+
+
+def test_zero_with_dp1_warns_and_is_ignored():
+    with pytest.warns(ConfigWarning, match="zero=2 with parallel.dp=1"):
+        job = validate(cfg_of("parallel=tp2_zero2"))
+    assert job.zero == 0
+    assert validate(cfg_of("parallel=dp4_zero2")).zero == 2
+
+
+def test_zero_out_of_range_in_field_form():
+    assert "parallel.zero=5: unknown choice; valid: 0, 1, 2, 3" in problems("parallel.zero=5")
+
+
+def test_seq_len_within_positions():
+    text = problems("data.seq_len=512")
+    assert "data.seq_len=512: exceeds model.n_positions=256; valid: 2..256" in text
+
+
+def test_data_vocab_within_model_vocab():
+    assert "data.vocab_size=9000" in problems("data.vocab_size=9000")
+    assert validate(cfg_of("data.vocab_size=5000")).world_size == 1
+
+
+def test_sequence_parallel_needs_seq_len_multiple_of_tp():
+    assert validate(cfg_of("parallel=tp2", "parallel.sequence_parallel=true")).tp == 2
+    text = problems("parallel=tp4", "parallel.sequence_parallel=true", "data.seq_len=130")
+    assert "data.seq_len=130: sequence_parallel splits it over parallel.tp=4" in text
+
+
+@pytest.mark.parametrize("override, fragment", [
+    ("recipe.name=bert", "recipe.name='bert': unknown choice; valid: gpt2"),
+    ("device=tpu", "device='tpu': unknown choice; valid: auto, cpu, cuda"),
+    ("parallel.pp_schedule=zb", "parallel.pp_schedule='zb': unknown choice; valid: 1f1b, gpipe"),
+    ("trainer.precision=fp16", "trainer.precision='fp16': unknown choice; valid: fp32, bf16"),
+    ("trainer.resume=latest", "trainer.resume='latest': unknown choice; valid: none, auto"),
+    ("data.source=web", "data.source='web': unknown choice; valid: stdlib, text"),
+    ("logger.backend=tb", "logger.backend='tb': unknown choice; valid: wandb, none"),
+    ("logger.mode=sometimes", "logger.mode='sometimes': unknown choice"),
+    ("model.n_head=3", "model.n_embd=128: must divide by model.n_head=3"),
+    ("model.dropout=1.0", "model.dropout=1.0: must be in [0, 1)"),
+    ("trainer.min_lr=1.0", "trainer.min_lr=1.0: must be in [0, trainer.lr=0.0006]"),
+    ("trainer.warmup_steps=500", "trainer.warmup_steps=500: must be in [0, trainer.max_steps=200]"),
+    ("trainer.betas=[0.9]", "trainer.betas=[0.9]: must be two numbers in [0, 1)"),
+    ("trainer.micro_batch_size=0", "trainer.micro_batch_size=0: must be >= 1"),
+    ("trainer.grad_clip=-1", "trainer.grad_clip=-1.0: must be >= 0.0 (0 disables clipping)"),
+    ("trainer.peak_tflops=0", "trainer.peak_tflops=0.0: must be > 0, or null to measure it"),
+    ("data.val_fraction=1", "data.val_fraction=1.0: must be in [0, 1)"),
+    ("data.val_fraction=0", "data.val_fraction=0.0: holds out nothing, but trainer.eval_every=50"),
+    ("trainer.init_from=gpt2", "trainer.init_from='gpt2': the checkpoint has"),
+])
+def test_choices_and_ranges(override, fragment):
+    assert fragment in problems(override)
+
+
+def test_text_data_needs_a_path():
+    assert "data.path=None: data.source=text needs a path" in problems("data=text")
+    assert validate(cfg_of("data.val_fraction=0", "trainer.eval_every=0")).world_size == 1
+
+
+def test_init_from_matching_preset_is_valid():
+    assert validate(cfg_of("model=gpt2", "trainer.init_from=gpt2")).world_size == 1
+
+
+def test_all_problems_are_reported_at_once():
+    with pytest.raises(ConfigError) as info:
+        validate(cfg_of("parallel=tp3", "trainer.precision=fp8", "data.seq_len=999"))
+    assert len(info.value.problems) >= 4
+    assert str(info.value).startswith(f"{len(info.value.problems)} configuration problems:")
+
+
+def test_device_cuda_without_cuda():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    assert "device='cuda': 2 local ranks need as many visible CUDA devices, found 0" in problems(
+        "device=cuda", "parallel=dp2")
+
+
+def test_validate_accepts_plain_dicts_and_does_not_modify():
+    cfg = cfg_of("parallel=dp4_zero2")
+    before = cfg.copy()
+    validate(cfg)
+    assert cfg == before
+    assert validate({"parallel": {"dp": 2}, "data": {"seq_len": 128}}).world_size == 2
+
+
+def test_layouts_for():
+    assert layouts_for(4) == ["dp4", "pp4", "tp4", "dp2_pp2", "dp2_tp2", "tp2_pp2"]
+    assert layouts_for(1) == ["single"]

@@ -1,0 +1,48 @@
+"""FLOPs per token, TFLOP/s, MFU and the measured peak."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from toolkit.config import compose
+from toolkit.flops import (flops_per_token, gpt2_param_count, measured_peak_tflops, mfu, model_flops_per_token,
+                           tflops)
+
+
+def test_param_count_matches_the_model():
+    from recipes.gpt2.model import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(vocab_size=512, n_positions=64, n_embd=32, n_layer=3, n_head=4)
+    model = GPT2LMHeadModel(cfg)
+    assert gpt2_param_count(512, 64, 32, 3) == sum(p.numel() for p in model.parameters())
+
+
+def test_gpt2_small_is_124m():
+    assert gpt2_param_count(50257, 1024, 768, 12) == 124_439_808
+
+
+def test_formula():
+    assert flops_per_token(100, 2, 3, 4, 5) == 6 * 100 + 12 * 2 * 3 * 4 * 5
+    n = gpt2_param_count(50257, 1024, 768, 12)
+    assert flops_per_token(n, 12, 12, 64, 1024) == pytest.approx(6 * n + 12 * 12 * 768 * 1024)
+    with pytest.raises(ValueError, match="seq_len=0"):
+        flops_per_token(1, 1, 1, 1, 0)
+
+
+def test_model_flops_from_config():
+    m = compose(run_dir="/tmp/run").model
+    n = gpt2_param_count(8192, 256, 128, 4)
+    assert model_flops_per_token(m, 256) == 6 * n + 12 * 4 * 4 * 32 * 256
+
+
+def test_tflops_and_mfu():
+    assert tflops(1e6, 2e6) == pytest.approx(2.0)
+    assert mfu(1e6, 2e6, peak_tflops=4.0, n_devices=2) == pytest.approx(0.25)
+    with pytest.raises(ValueError, match="peak_tflops"):
+        mfu(1, 1, 0)
+
+
+def test_measured_peak_is_plausible_and_cached():
+    peak = measured_peak_tflops(torch.float32, size=256)
+    assert 1e-4 < peak < 1e3
+    assert measured_peak_tflops(torch.float32, size=256) == peak  # cached

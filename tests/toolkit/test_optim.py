@@ -1,0 +1,112 @@
+"""AdamW parameter groups and the warmup + cosine schedule."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from toolkit.optim import build_optimizer, build_scheduler, lr_at, param_groups
+
+TRAINER = OmegaConf.create(dict(lr=1e-3, min_lr=1e-4, warmup_steps=10, max_steps=110, weight_decay=0.1,
+                                betas=[0.9, 0.95], eps=1e-8))
+
+
+def tiny_gpt2():
+    from recipes.gpt2.model import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2))
+
+
+def test_decay_on_weights_only():
+    model = tiny_gpt2()
+    decay, no_decay = param_groups(model, 0.1)
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(p.dim() >= 2 for p in decay["params"]) and all(p.dim() < 2 for p in no_decay["params"])
+    assert "transformer.wte.weight" in decay["names"] and "transformer.h.0.attn.c_attn.weight" in decay["names"]
+    assert "transformer.h.0.ln_1.weight" in no_decay["names"] and "transformer.h.0.mlp.c_fc.bias" in no_decay["names"]
+    assert "lm_head.weight" not in decay["names"]  # tied to wte: once
+    total = sum(p.numel() for g in (decay, no_decay) for p in g["params"])
+    assert total == sum(p.numel() for p in model.parameters())
+
+
+def test_frozen_parameters_are_left_out():
+    model = torch.nn.Linear(3, 2)
+    model.bias.requires_grad_(False)
+    decay, no_decay = param_groups(model.named_parameters(), 0.5)
+    assert decay["names"] == ["weight"] and no_decay["params"] == []
+
+
+def test_build_optimizer_from_config():
+    opt = build_optimizer(tiny_gpt2(), TRAINER)
+    assert isinstance(opt, torch.optim.AdamW)
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+    assert all(g["betas"] == (0.9, 0.95) and g["eps"] == 1e-8 and g["lr"] == 1e-3 for g in opt.param_groups)
+
+
+def test_lr_values():
+    f = lambda s: lr_at(s, 1e-3, 1e-4, 10, 110)  # noqa: E731
+    assert f(0) == pytest.approx(1e-4)  # first step already moves: lr / warmup
+    assert f(4) == pytest.approx(5e-4)
+    assert f(9) == pytest.approx(1e-3) and f(10) == pytest.approx(1e-3)
+    assert f(60) == pytest.approx(1e-4 + 0.9e-3 * 0.5)  # half way: mean of lr and min_lr
+    assert f(35) == pytest.approx(1e-4 + 0.9e-3 * 0.5 * (1 + math.cos(math.pi / 4)))
+    assert f(110) == pytest.approx(1e-4) and f(500) == pytest.approx(1e-4)
+    values = [f(s) for s in range(10, 111)]
+    assert all(a >= b for a, b in zip(values, values[1:]))  # monotone decay
+
+
+def test_no_warmup_and_constant():
+    assert lr_at(0, 1.0, 0.0, 0, 10) == pytest.approx(1.0)
+    assert lr_at(5, 1.0, 1.0, 2, 10) == 1.0
+    assert lr_at(3, 1.0, 0.5, 10, 10) == pytest.approx(0.4)  # warmup == max_steps
+
+
+@pytest.mark.parametrize("args, fragment", [
+    ((0, 1.0, 2.0, 1, 10), "min_lr=2.0"),
+    ((0, 1.0, 0.1, 20, 10), "warmup_steps=20"),
+])
+def test_lr_argument_errors(args, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        lr_at(*args)
+
+
+def test_scheduler_follows_lr_at():
+    model = torch.nn.Linear(2, 2)
+    opt = build_optimizer(model, TRAINER)
+    sched = build_scheduler(opt, TRAINER)
+    seen = []
+    for _ in range(115):
+        seen.append(opt.param_groups[0]["lr"])
+        assert opt.param_groups[1]["lr"] == seen[-1]
+        opt.step()
+        sched.step()
+    assert seen == pytest.approx([lr_at(s, 1e-3, 1e-4, 10, 110) for s in range(115)])
+
+
+def test_scheduler_resume_matches_uninterrupted():
+    model = torch.nn.Linear(2, 2)
+    opt = build_optimizer(model, TRAINER)
+    sched = build_scheduler(opt, TRAINER)
+    for _ in range(30):
+        opt.step()
+        sched.step()
+    state = sched.state_dict()
+    opt2 = build_optimizer(model, TRAINER)
+    sched2 = build_scheduler(opt2, TRAINER)
+    sched2.load_state_dict(state)
+    opt2.step()
+    sched2.step()
+    opt.step()
+    sched.step()
+    assert opt2.param_groups[0]["lr"] == pytest.approx(opt.param_groups[0]["lr"])
+    opt3 = build_optimizer(model, TRAINER)
+    build_scheduler(opt3, TRAINER, last_step=29)  # steps 0..29 were taken: the next one is 30
+    assert opt3.param_groups[0]["lr"] == pytest.approx(lr_at(30, 1e-3, 1e-4, 10, 110))
+
+
+def test_scheduler_rejects_bad_config():
+    bad = OmegaConf.merge(TRAINER, {"min_lr": 1.0})
+    with pytest.raises(ValueError, match="min_lr"):
+        build_scheduler(build_optimizer(torch.nn.Linear(2, 2), TRAINER), bad)

@@ -1,0 +1,135 @@
+"""How many processes a job has and where it runs: torchrun's and Slurm's environment, device kind.
+
+A job is either *launched* (torchrun, or ``srun`` under Slurm, started one
+process per rank and told each its rank through the environment) or *local*
+(``train.py`` will spawn ``dp * tp * pp`` processes itself). :func:`cluster_env`
+tells which, and both :func:`toolkit.config.validate` (world-size check) and
+:func:`toolkit.launcher.launch` (process-group init) read it, so they agree.
+
+torchrun: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and
+``MASTER_PORT`` all set (``LOCAL_WORLD_SIZE`` optional).
+
+Slurm (``srun``): ``SLURM_PROCID``, ``SLURM_LOCALID`` and
+``SLURM_STEP_NUM_TASKS``. The step's task count is used, not
+``SLURM_NTASKS``: an ``sbatch`` script that runs ``python train.py`` without
+``srun`` sees ``SLURM_NTASKS`` of the allocation but is one process, which then
+spawns locally. A one-task step (``srun --pty bash``) also counts as local.
+The master is ``MASTER_ADDR`` if set, else the first host of
+``SLURM_STEP_NODELIST`` / ``SLURM_JOB_NODELIST`` / ``SLURM_NODELIST``; the
+port is ``MASTER_PORT`` if set, else ``20000 + SLURM_JOB_ID % 10000`` (the
+same on every task of a job, different between most concurrent jobs).
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+from toolkit.config.errors import ConfigError
+
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+SLURM_VARS = ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_STEP_NUM_TASKS")
+
+
+@dataclass(frozen=True)
+class ClusterEnv:
+    """This process's place in a launched job."""
+
+    kind: str  # "torchrun" or "slurm"
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: Optional[int]  # None when the launcher does not say
+    master_addr: str
+    master_port: int
+
+
+def _int(env: Mapping[str, str], key: str) -> int:
+    try:
+        return int(env[key])
+    except ValueError:
+        raise ConfigError(f"environment {key}={env[key]!r}: not an integer; valid: a decimal integer "
+                          "as set by torchrun or Slurm") from None
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a Slurm hostlist: ``"gpu[07-09,11],cpu1"`` -> ``"gpu07"``.
+
+    Each bracket expression is replaced by its first value, so multi-bracket
+    names (``"r[1-2]n[03-04]"`` -> ``"r1n03"``) work as well.
+    """
+    depth, end = 0, len(nodelist)
+    for i, ch in enumerate(nodelist):  # the first top-level comma ends the first entry
+        depth += ch == "["
+        depth -= ch == "]"
+        if ch == "," and depth == 0:
+            end = i
+            break
+    entry = nodelist[:end].strip()
+    host = re.sub(r"\[([^\]]*)\]", lambda m: re.split(r"[,-]", m.group(1))[0], entry)
+    if not host or "[" in host or "]" in host:
+        raise ConfigError(f"SLURM nodelist {nodelist!r}: cannot read its first host; valid: "
+                          "a Slurm hostlist such as 'node[01-04]' (or set MASTER_ADDR)")
+    return host
+
+
+def cluster_env(env: Mapping[str, str] | None = None) -> Optional[ClusterEnv]:
+    """The launched job this process belongs to, or ``None`` when it runs on its own.
+
+    ``env`` defaults to ``os.environ``. torchrun's variables win over Slurm's
+    (``srun torchrun ...`` sets both; torchrun's describe the workers).
+    """
+    env = os.environ if env is None else env
+    if all(k in env for k in TORCHRUN_VARS):
+        local_ws = _int(env, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in env else None
+        return ClusterEnv("torchrun", _int(env, "RANK"), _int(env, "WORLD_SIZE"),
+                          _int(env, "LOCAL_RANK"), local_ws, env["MASTER_ADDR"],
+                          _int(env, "MASTER_PORT"))
+    if all(k in env for k in SLURM_VARS) and _int(env, "SLURM_STEP_NUM_TASKS") > 1:
+        addr = env.get("MASTER_ADDR")
+        if not addr:
+            nodelist = (env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+                        or env.get("SLURM_NODELIST"))
+            if not nodelist:
+                raise ConfigError("Slurm step without a node list: set MASTER_ADDR, or run under srun "
+                                  "(which sets SLURM_STEP_NODELIST)")
+            addr = first_host(nodelist)
+        if "MASTER_PORT" in env:
+            port = _int(env, "MASTER_PORT")
+        else:
+            port = 20000 + _int(env, "SLURM_JOB_ID") % 10000 if "SLURM_JOB_ID" in env else 29500
+        local_ws = None
+        per_node = env.get("SLURM_NTASKS_PER_NODE", "")
+        if per_node.isdigit():
+            local_ws = int(per_node)
+        return ClusterEnv("slurm", _int(env, "SLURM_PROCID"), _int(env, "SLURM_STEP_NUM_TASKS"),
+                          _int(env, "SLURM_LOCALID"), local_ws, addr, port)
+    return None
+
+
+def cuda_device_count() -> int:
+    """Visible CUDA devices (0 without CUDA); imports torch."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def resolve_device(device: str, local_ranks: int) -> str:
+    """``"cpu"`` or ``"cuda"`` for ``device`` in auto/cpu/cuda and ``local_ranks`` processes on this node.
+
+    ``auto`` is CUDA when there is a visible device for every local rank.
+    ``cuda`` with too few devices raises :class:`ConfigError`.
+    """
+    if device not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"device={device!r}: unknown device kind; valid: auto, cpu, cuda")
+    if device == "cpu":
+        return "cpu"
+    count = cuda_device_count()
+    if count >= local_ranks:
+        return "cuda"
+    if device == "cuda":
+        raise ConfigError(f"device='cuda': {local_ranks} local ranks need as many visible CUDA devices, "
+                          f"found {count}; valid: a layout with at most {count} ranks per node, "
+                          "or device=cpu")
+    return "cpu"

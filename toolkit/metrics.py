@@ -1,0 +1,207 @@
+"""The run's metrics: ``metrics.jsonl``, one console line per logged step, and Weights & Biases.
+
+:class:`MetricsLogger` is created on every rank and does nothing except on
+rank 0 (``enabled``), so the trainer needs no rank checks. Each
+:meth:`MetricsLogger.log` call appends one JSON object to
+``<run_dir>/metrics.jsonl``, prints one line, and mirrors the values to W&B.
+
+Row keys. Training rows: ``step``, ``loss``, ``lr``, ``grad_norm``,
+``tokens_per_s``, ``tflops``, ``mfu``, ``mem``; evaluation rows (:meth:`log_eval`):
+``step``, ``val_loss``, ``val_ppl``. ``mem`` is filled in when not given: the
+peak bytes of this process (``torch.cuda.max_memory_allocated`` on CUDA,
+otherwise the peak resident set size from ``getrusage``). ``tflops`` and
+``mfu`` are filled in from ``tokens_per_s`` when the logger knows
+``flops_per_token`` and ``peak_tflops`` (see :mod:`toolkit.flops`; ``mfu`` is
+against ``peak_tflops * n_devices``). Values must be JSON numbers, strings,
+booleans or ``None``; tensors are converted with ``.item()``. Non-finite
+floats are written as ``null`` (strict JSON) and shown as ``nan``/``inf`` on the console.
+
+W&B: ``cfg.logger.backend == "wandb"`` starts ``wandb.init(project, name,
+entity, tags, config=<resolved cfg>, dir=run_dir, mode=...)`` with ``mode``
+``cfg.logger.mode``, or when that is null ``online`` if ``WANDB_API_KEY`` is
+set and ``offline`` otherwise; ``none`` never imports wandb. W&B's console
+capture is off (the console lines are in ``metrics.jsonl`` already).
+:meth:`close` finishes the W&B run; the logger is a context manager.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def peak_memory_bytes() -> int:
+    """Peak memory of this process in bytes: CUDA allocator peak on CUDA, else peak RSS."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return int(torch.cuda.max_memory_allocated())
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)  # Linux reports KiB
+
+
+def _this_rank() -> int:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
+def wandb_mode(mode: Optional[str]) -> str:
+    """The W&B mode for ``cfg.logger.mode``: itself, or ``online``/``offline`` by ``WANDB_API_KEY``."""
+    if mode is not None:
+        return mode
+    return "online" if os.environ.get("WANDB_API_KEY") else "offline"
+
+
+def _plain(value: Any) -> Any:
+    if hasattr(value, "item") and callable(value.item):
+        value = value.item()
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise TypeError(f"metric value {value!r} of type {type(value).__name__} is not loggable; "
+                    "valid: a number, string, bool, None or a one-element tensor")
+
+
+def _format(row: dict) -> str:
+    parts = [f"step {row['step']}"]
+    fmt = {"loss": "loss {:.4f}", "val_loss": "val_loss {:.4f}", "val_ppl": "val_ppl {:.2f}",
+           "lr": "lr {:.2e}", "grad_norm": "grad_norm {:.3f}", "tokens_per_s": "{:,.0f} tok/s",
+           "tflops": "{:.3f} TFLOP/s", "mfu": "mfu {:.1%}"}
+    for key, value in row.items():
+        if key == "step" or value is None:
+            continue
+        if key == "mem":
+            parts.append(f"mem {value / 2**20:,.0f} MiB")
+        elif key in fmt and isinstance(value, (int, float)):
+            parts.append(fmt[key].format(value))
+        else:
+            parts.append(f"{key} {value}")
+    return " | ".join(parts)
+
+
+class MetricsLogger:
+    """Rank 0's record of a run (see module docstring for the row contract).
+
+    ``cfg``: the job config (a DictConfig or dict with a ``logger`` node);
+    ``enabled``: whether this process writes anything (default: rank 0).
+    ``flops_per_token``, ``peak_tflops``, ``n_devices``: for ``tflops``/``mfu``.
+    """
+
+    def __init__(self, run_dir: str | Path, cfg: Any, enabled: Optional[bool] = None, *,
+                 flops_per_token: Optional[float] = None, peak_tflops: Optional[float] = None,
+                 n_devices: int = 1, console: bool = True):
+        self.enabled = _this_rank() == 0 if enabled is None else bool(enabled)
+        self.run_dir = Path(run_dir)
+        self.flops_per_token = flops_per_token
+        self.peak_tflops = peak_tflops
+        self.n_devices = n_devices
+        self.console = console
+        self.path = self.run_dir / METRICS_FILE
+        self.wandb_run = None
+        self._file = None
+        if not self.enabled:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "a", encoding="utf-8")
+        logger = _node(cfg, "logger")
+        backend = _node(logger, "backend", "none") if logger is not None else "none"
+        if backend == "wandb":
+            self.wandb_run = self._start_wandb(cfg, logger)
+        elif backend != "none":
+            raise ValueError(f"logger.backend={backend!r}: unknown; valid: wandb, none")
+
+    def _start_wandb(self, cfg: Any, logger: Any):
+        import wandb
+        from omegaconf import OmegaConf
+
+        config = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(cfg)
+        name = _node(logger, "name")
+        if name is None:
+            from toolkit.config.parallel_name import parallel_name
+
+            model, par = config.get("model", {}), config.get("parallel", {})
+            name = f"{model.get('name', 'model')}_" + parallel_name(
+                par.get("dp", 1), par.get("tp", 1), par.get("pp", 1), par.get("zero", 0))
+        tags = _node(logger, "tags") or []
+        return wandb.init(project=_node(logger, "project", "sbp-recipes"), name=name,
+                          entity=_node(logger, "entity"), tags=list(tags), config=config,
+                          dir=str(self.run_dir), mode=wandb_mode(_node(logger, "mode")),
+                          reinit="create_new", settings=wandb.Settings(console="off"))
+
+    def log(self, step: int, **metrics: Any) -> Optional[dict]:
+        """Record a training row for ``step``; returns the row written (``None`` when disabled)."""
+        if not self.enabled:
+            return None
+        row = {"step": int(step)}
+        row.update({k: _plain(v) for k, v in metrics.items()})
+        tps = row.get("tokens_per_s")
+        if tps is not None and self.flops_per_token is not None:
+            from toolkit import flops
+
+            row.setdefault("tflops", flops.tflops(tps, self.flops_per_token))
+            if self.peak_tflops:
+                row.setdefault("mfu", flops.mfu(tps, self.flops_per_token, self.peak_tflops, self.n_devices))
+        if "mem" not in row:
+            row["mem"] = peak_memory_bytes()
+        self._write(row)
+        return row
+
+    def log_eval(self, step: int, val_loss: float, **metrics: Any) -> Optional[dict]:
+        """Record an evaluation row: ``val_loss`` and ``val_ppl = exp(val_loss)``."""
+        if not self.enabled:
+            return None
+        loss = _plain(val_loss)
+        ppl = math.exp(loss) if loss is not None and loss < 700 else float("inf")
+        row = {"step": int(step), "val_loss": loss, "val_ppl": ppl}
+        row.update({k: _plain(v) for k, v in metrics.items()})
+        self._write(row)
+        return row
+
+    def _write(self, row: dict) -> None:
+        # Strict JSON: NaN and infinities become null in the file (the console shows them).
+        safe = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
+        self._file.write(json.dumps(safe, allow_nan=False) + "\n")
+        self._file.flush()
+        if self.console:
+            print(_format(row), flush=True)
+        if self.wandb_run is not None:
+            self.wandb_run.log({k: v for k, v in safe.items() if k != "step" and v is not None},
+                               step=row["step"])
+
+    def close(self) -> None:
+        """Flush and close ``metrics.jsonl`` and finish the W&B run (idempotent)."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+            self.wandb_run = None
+
+    def __enter__(self) -> "MetricsLogger":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _node(cfg: Any, key: str, default: Any = None) -> Any:
+    """``cfg[key]`` for a DictConfig or a dict, ``default`` when absent or null."""
+    if cfg is None:
+        return default
+    value = cfg.get(key, default)
+    return default if value is None else value
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    """Every row of ``<run_dir>/metrics.jsonl`` in order (for tests, plots and resume checks)."""
+    with open(Path(run_dir) / METRICS_FILE, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
