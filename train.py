@@ -1,19 +1,37 @@
-"""Training entry point: ``python train.py recipe=gpt2 parallel=dp2_tp4_pp2``.
+"""Train a recipe: ``python train.py recipe=gpt2 parallel=dp2_tp4_pp2``.
 
-It becomes the Hydra entry point with the GPT-2 recipe. Until then it accepts
-Hydra-style overrides (``key=value``), says the recipe is not implemented yet
-and exits with status 0.
+Hydra composes ``configs/`` (``model=``, ``parallel=`` any ``dpX_tpY_ppZ``
+name or ``parallel.dp=..``, ``data=``, ``trainer.*``, ``logger=none``); the
+config is validated before any process starts; without torchrun or Slurm
+this spawns dp*tp*pp local processes (gloo on CPU, NCCL with a GPU each).
+The run directory (``hydra.run.dir``) gets ``config.yaml`` and
+``metrics.jsonl``.
 """
-import sys
+from __future__ import annotations
+
+import hydra
+
+from toolkit.config import CONFIG_DIR, save_resolved_config, validate  # registers the schema and layouts
+from toolkit.launcher import launch
 
 
-def main(argv: list[str]) -> int:
-    overrides = dict(a.split("=", 1) for a in argv if "=" in a)
-    recipe = overrides.get("recipe", "gpt2")
-    print(f"not yet: the {recipe} training recipe is not implemented; train.py will run it "
-          f"through Hydra once it lands (overrides: {' '.join(argv) or 'none'})")
-    return 0
+def run(cfg):
+    """On every rank."""
+    from recipes.registry import get
+    from toolkit.trainer import train
+
+    return train(cfg, get(cfg.recipe.name))
+
+
+@hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="config")
+def main(cfg):
+    from recipes.registry import get
+
+    layout = validate(cfg)
+    get(cfg.recipe.name)
+    save_resolved_config(cfg, cfg.run_dir)
+    return launch(run, cfg, layout.world_size)
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    main()

@@ -68,8 +68,9 @@ def lr_at(step: int, lr: float, min_lr: float, warmup_steps: int, max_steps: int
     """The learning rate of optimizer step ``step`` (0-based); see the module docstring."""
     if not 0 <= min_lr <= lr:
         raise ValueError(f"min_lr={min_lr!r}: must be in [0, lr={lr!r}]")
-    if not 0 <= warmup_steps <= max_steps:
-        raise ValueError(f"warmup_steps={warmup_steps!r}: must be in [0, max_steps={max_steps!r}]")
+    if warmup_steps < 0:
+        raise ValueError(f"warmup_steps={warmup_steps!r}: must be >= 0 (a warmup longer than max_steps "
+                         "leaves the run in warmup)")
     if step < warmup_steps:
         return lr * (step + 1) / warmup_steps
     if step >= max_steps:

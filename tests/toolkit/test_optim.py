@@ -65,7 +65,7 @@ def test_no_warmup_and_constant():
 
 @pytest.mark.parametrize("args, fragment", [
     ((0, 1.0, 2.0, 1, 10), "min_lr=2.0"),
-    ((0, 1.0, 0.1, 20, 10), "warmup_steps=20"),
+    ((0, 1.0, 0.1, -1, 10), "warmup_steps=-1"),
 ])
 def test_lr_argument_errors(args, fragment):
     with pytest.raises(ValueError, match=fragment):
