@@ -78,6 +78,8 @@ def _decide(func, flat, spec, gpos, placement) -> Decision:
         meta_flat[i] = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
         rule_flat[i] = TensorMeta(x.shape, x.dtype)
     margs, mkwargs = tree_unflatten(meta_flat, spec)
+    if isinstance(mkwargs.get("device"), torch.device):  # e.g. autocast's _to_copy(..., device=cpu)
+        mkwargs = {**mkwargs, "device": torch.device("meta")}
     out = func(*margs, **mkwargs)
     out_flat, out_spec = tree_flatten(out)
     rargs, rkwargs = tree_unflatten(rule_flat, spec)

@@ -56,6 +56,15 @@ def test_layout_losses_equal_single(layout, single, cache, tmp_path):
         assert abs(a - b) <= 1e-4 * abs(b), (layout, losses, single)
 
 
+@pytest.mark.parametrize("option, tolerance", [("trainer.activation_checkpointing=true", 1e-4),
+                                               ("trainer.precision=bf16", 2e-2)])
+def test_activation_checkpointing_and_bf16_under_tp2_pp2(option, tolerance, single, cache, tmp_path):
+    out = _train([*TINY, "parallel=tp2_pp2", option, f"hydra.run.dir={tmp_path}"], cache)
+    assert out.returncode == 0, out.stderr[-3000:]
+    losses = _losses(tmp_path)
+    assert len(losses) == 3 and all(abs(a - b) <= tolerance * abs(b) for a, b in zip(losses, single)), (losses, single)
+
+
 def test_multirun_sweeps_layouts_into_one_directory_each(single, cache, tmp_path):
     out = _train(["-m", *TINY, "parallel=single,dp2", f"hydra.sweep.dir={tmp_path}"], cache)
     assert out.returncode == 0, out.stderr[-3000:]
