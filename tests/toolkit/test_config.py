@@ -235,7 +235,7 @@ def test_command_line_and_multirun_resolve_layout_names(tmp_path):
     app.write_text(textwrap.dedent(APP.format(root=str(CONFIG_DIR.parent))))
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     run = subprocess.run([sys.executable, str(app), "-m", "parallel=dp2_tp2,tp2_pp2_dp2,pp4",
-                          "logger=none", f"hydra.sweep.dir={tmp_path}/sweep"],
+                          "logger=none", "trainer.global_batch_size=32", f"hydra.sweep.dir={tmp_path}/sweep"],
                          capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
     assert run.returncode == 0, run.stderr
     lines = sorted(line.split()[1:4] for line in run.stdout.splitlines() if line.startswith("LAYOUT"))

@@ -37,7 +37,7 @@ def problems(*overrides, world_size=None):
     ("tp4_pp4", 16, 8, (1, 1, 1, 1)),
 ])
 def test_valid_layouts(layout, world, accumulation, stages):
-    job = validate(cfg_of(f"parallel={layout}"))
+    job = validate(cfg_of(f"parallel={layout}", "trainer.global_batch_size=32"))
     assert (job.name, job.world_size, job.accumulation, job.stage_layers) == (layout, world, accumulation, stages)
     assert job.device == "cpu" and job.launched is None
     assert job.tokens_per_step == 32 * 256
@@ -100,7 +100,7 @@ def test_pp_virtual_is_refused():
 
 
 def test_global_batch_divides_by_micro_times_dp():
-    text = problems("parallel=dp3")
+    text = problems("parallel=dp3", "trainer.global_batch_size=32")
     assert "trainer.global_batch_size=32: must divide by trainer.micro_batch_size*parallel.dp = 4*3 = 12" in text
     assert "e.g. 24 or 36" in text
 
