@@ -15,7 +15,10 @@
    backward, one gradient reduction, global-norm clipping, the update;
 5. logs loss, lr, grad norm, tokens/s, TFLOP/s, MFU and peak memory
    (``toolkit.metrics``: console, ``metrics.jsonl``, W&B on rank 0) and
-   evaluates periodically (validation loss and perplexity).
+   evaluates periodically (validation loss and perplexity);
+6. checkpoints every ``trainer.save_every`` steps and at the end, resumes
+   with ``trainer.resume=auto``, starts from ``trainer.init_from`` weights
+   (``toolkit.run_state``).
 
 Returns the last logged row on rank 0 (``None`` elsewhere).
 """
@@ -30,7 +33,7 @@ import torch.distributed as dist
 
 import sbp_core as sc
 from runtime.pipeline import PipelineConfig, PipelineStep
-from toolkit import flops
+from toolkit import flops, run_state
 from toolkit.config import validate
 from toolkit.data import MicroBatches, prepare
 from toolkit.mesh import plan_for_module, stage_placements
@@ -67,6 +70,9 @@ class Job:
                                                         lay.accumulation, lay.dp, self.dp_rank)
         torch.manual_seed(int(tr.seed))
         model = recipe.build_model(cfg.model)
+        init = str(tr.init_from) if tr.init_from else None
+        if init and run_state.is_hf_dir(init):
+            run_state.load_hf_into(model, init, cfg.model)
         names = tuple({n for n, _ in model.named_parameters(remove_duplicate=False)}
                       | {n for n, _ in model.named_modules()})
         self.n_params = sum(p.numel() for p in model.parameters())
@@ -94,6 +100,12 @@ class Job:
             self.val_batches = MicroBatches.from_prepared(self.data, "val", lay.global_batch_size, int(tr.seed),
                                                           lay.accumulation, lay.dp, self.dp_rank)
         self.step = 0
+        if init and not run_state.is_hf_dir(init):
+            run_state.load_weights(self, init)
+        if str(tr.resume) == "auto":
+            self.step = run_state.resume(self)
+        if self.rank == 0:
+            run_state.write_tokenizer(self)
 
     def lr(self, step: int) -> float:
         tr = self.cfg.trainer
@@ -138,4 +150,6 @@ def train(cfg, recipe):
                 val = job.evaluate()
                 if job.rank == 0:
                     last = {**(last or {}), **logger.log_eval(job.step, val)}
+            if (tr.save_every and job.step % int(tr.save_every) == 0) or job.step == int(tr.max_steps):
+                run_state.save(job, job.step)
     return last if job.rank == 0 else None
