@@ -1,0 +1,136 @@
+"""GPT-2 between Hugging Face ``transformers`` directories and our checkpoints.
+
+    python scripts/convert_hf.py import <hf_dir> <ckpt_dir>
+    python scripts/convert_hf.py export <run_or_ckpt_dir> <hf_dir> [--n-head N]
+
+``import`` reads a ``transformers`` GPT-2 directory (``config.json`` and
+``model.safetensors`` or ``pytorch_model.bin``, sharded or not) and writes
+``<ckpt_dir>/step_0`` (+ ``latest``) holding ``model`` (our names, ``c_attn``
+columns per head) and ``extra.model_config``; ``trainer.init_from=<ckpt_dir>``
+(or ``toolkit.checkpoint.load(<ckpt_dir>, {"model": model.state_dict()})``)
+loads it under any layout.
+
+``export`` reads the newest checkpoint of a run directory, a checkpoint root
+or a checkpoint directory (saved under any layout and world size) and writes
+``config.json`` + ``model.safetensors`` that
+``GPT2LMHeadModel.from_pretrained`` loads. The model config comes from the
+checkpoint's ``extra.model_config`` (or ``extra.hf_config``), else from the
+run's ``config.yaml``, else from the weights' shapes plus ``--n-head``.
+
+One process, no process group; nothing is unpickled (safetensors,
+``torch.load(weights_only=True)``, JSON).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from toolkit import checkpoint as ckpt  # noqa: E402
+from toolkit.checkpoint import hf_gpt2  # noqa: E402
+from toolkit.checkpoint.directory import resolve  # noqa: E402
+from toolkit.checkpoint.errors import CheckpointError  # noqa: E402
+
+
+def import_hf(hf_dir: str, ckpt_dir: str) -> str:
+    """Write ``hf_dir``'s GPT-2 as checkpoint ``<ckpt_dir>/step_0``; returns its path."""
+    hf_cfg, hf_sd = hf_gpt2.read_hf_dir(hf_dir)
+    cfg = hf_gpt2.config_from_hf(hf_cfg)
+    model = hf_gpt2.from_hf(hf_sd, cfg)
+    state = {"model": model, "step": 0,
+             "extra": {"model_config": cfg, "hf_config": hf_cfg, "source": os.path.abspath(hf_dir)}}
+    return ckpt.save(ckpt_dir, 0, state, tied=[hf_gpt2.TIED])
+
+
+def find_checkpoint(path: str) -> str:
+    """A checkpoint directory from a run directory, a checkpoint root or a checkpoint directory."""
+    for cand in (path, os.path.join(path, "checkpoints"), os.path.join(path, "ckpt")):
+        try:
+            return resolve(cand)
+        except CheckpointError:
+            continue
+    raise CheckpointError(f"{os.path.abspath(path)}: no checkpoint here or in its checkpoints/ subdirectory")
+
+
+def _run_config(ckpt_path: str) -> dict:
+    """The ``model`` section of the run's ``config.yaml`` above the checkpoint, if any."""
+    d = ckpt_path
+    for _ in range(4):
+        d = os.path.dirname(d)
+        cpath = os.path.join(d, "config.yaml")
+        if os.path.isfile(cpath):
+            import yaml
+
+            with open(cpath) as f:
+                doc = yaml.safe_load(f) or {}
+            return doc.get("model") or {}
+    return {}
+
+
+def model_config(model: dict, extra: dict, ckpt_path: str, n_head: int | None) -> dict:
+    """Our GPT-2 config for exported weights (see the module docstring for where it comes from)."""
+    extra = extra or {}
+    if isinstance(extra.get("model_config"), dict):
+        cfg = dict(extra["model_config"])
+    elif isinstance(extra.get("hf_config"), dict):
+        cfg = hf_gpt2.config_from_hf(extra["hf_config"])
+    else:
+        run = _run_config(ckpt_path)
+        drop = run.get("dropout", 0.1)
+        cfg = {"n_head": n_head or run.get("n_head"), "embd_pdrop": drop, "resid_pdrop": drop, "attn_pdrop": drop,
+               "layer_norm_epsilon": run.get("layer_norm_epsilon", 1e-5),
+               "initializer_range": run.get("initializer_range", 0.02)}
+    if n_head is not None:
+        cfg["n_head"] = n_head
+    if not cfg.get("n_head"):
+        raise ValueError(f"{ckpt_path}: the number of heads is not recorded (no extra.model_config, no run "
+                         "config.yaml); pass --n-head")
+    vocab, n_embd = model["transformer.wte.weight"].shape
+    cfg.update(vocab_size=int(vocab), n_embd=int(n_embd), n_positions=int(model["transformer.wpe.weight"].shape[0]),
+               n_layer=len({k.split(".")[2] for k in model if k.startswith("transformer.h.")}))
+    return {k: cfg[k] for k in hf_gpt2.CONFIG_KEYS}
+
+
+def export_hf(src: str, hf_dir: str, n_head: int | None = None) -> str:
+    """Write the newest checkpoint under ``src`` as a ``transformers`` GPT-2 directory; returns ``hf_dir``."""
+    path = find_checkpoint(src)
+    state = ckpt.load(path, {"model": None, "extra": None})
+    if not state.get("model"):
+        raise CheckpointError(f"{path}: holds no 'model' state")
+    cfg = model_config(state["model"], state.get("extra"), path, n_head)
+    hf_sd, tied = hf_gpt2.to_hf(state["model"], cfg)
+    base = (state.get("extra") or {}).get("hf_config")
+    config = hf_gpt2.hf_config(cfg, base if isinstance(base, dict) else None)
+    config["tie_word_embeddings"] = tied
+    hf_gpt2.write_hf_dir(hf_dir, config, hf_sd)
+    return hf_dir
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    imp = sub.add_parser("import", help="Hugging Face GPT-2 directory -> our checkpoint")
+    imp.add_argument("hf_dir")
+    imp.add_argument("ckpt_dir")
+    exp = sub.add_parser("export", help="our checkpoint (run, root or step directory) -> Hugging Face directory")
+    exp.add_argument("src")
+    exp.add_argument("hf_dir")
+    exp.add_argument("--n-head", type=int, default=None, help="heads, when the checkpoint does not record them")
+    args = ap.parse_args(argv)
+    if args.cmd == "import":
+        path = import_hf(args.hf_dir, args.ckpt_dir)
+        print(f"imported {args.hf_dir} -> {path}")
+    else:
+        out = export_hf(args.src, args.hf_dir, args.n_head)
+        print(f"exported {find_checkpoint(args.src)} -> {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except (CheckpointError, ValueError, FileNotFoundError) as exc:
+        print(f"convert_hf: error: {exc}", file=sys.stderr)
+        sys.exit(2)

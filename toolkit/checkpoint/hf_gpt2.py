@@ -1,0 +1,170 @@
+"""GPT-2 weights between Hugging Face ``transformers`` and our layout (names, shapes, ``c_attn`` order).
+
+Our GPT-2 (``recipes/gpt2/model.py``) has HF's parameter names and shapes,
+with one difference of order: ``c_attn``'s ``3 * n_embd`` output columns are
+grouped per head, ``[q_h k_h v_h]`` for each head ``h``, where HF has
+``[all q | all k | all v]`` (so that a column split gives each tensor
+parallel rank whole heads). Conversion permutes those columns of the weight
+and the entries of the bias; nothing else changes. Pure tensor code: the
+model class is not needed (and ``toolkit`` does not import ``recipes``).
+
+Config: our fields are ``vocab_size, n_positions, n_embd, n_layer, n_head,
+embd_pdrop, resid_pdrop, attn_pdrop, layer_norm_epsilon, initializer_range``;
+HF's GPT-2 config has the same names. HF options our model does not
+implement (another activation, cross attention, layer-index attention
+scaling, ``n_inner != 4 * n_embd``) are refused by name.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+CONFIG_KEYS = ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "embd_pdrop", "resid_pdrop",
+               "attn_pdrop", "layer_norm_epsilon", "initializer_range")
+TIED = ("transformer.wte.weight", "lm_head.weight")
+_BUFFERS = (".attn.bias", ".attn.masked_bias")  # causal masks some HF versions store; not weights
+
+
+def qkv_permutation(n_embd: int, n_head: int) -> torch.Tensor:
+    """``perm`` with ``ours[..., c] == hf[..., perm[c]]`` for ``c_attn``'s output columns."""
+    if n_embd % n_head:
+        raise ValueError(f"n_embd {n_embd} is not divisible by n_head {n_head}")
+    return torch.arange(3 * n_embd).view(3, n_head, n_embd // n_head).transpose(0, 1).reshape(-1)
+
+
+def config_from_hf(hf: dict) -> dict:
+    """Our config fields from a HF ``config.json`` dict; raises for options our model lacks."""
+    if hf.get("model_type", "gpt2") != "gpt2":
+        raise ValueError(f"model_type {hf.get('model_type')!r}: only GPT-2 ('gpt2') converts")
+    act = hf.get("activation_function", "gelu_new")
+    unsupported = {
+        "activation_function": (act not in ("gelu_new", "gelu_pytorch_tanh"), act,
+                                "our MLP uses the tanh GELU ('gelu_new')"),
+        "n_inner": (hf.get("n_inner") not in (None, 4 * hf["n_embd"]), hf.get("n_inner"), "ours is 4 * n_embd"),
+        "add_cross_attention": (bool(hf.get("add_cross_attention")), True, "ours has none"),
+        "scale_attn_by_inverse_layer_idx": (bool(hf.get("scale_attn_by_inverse_layer_idx")), True,
+                                            "ours scales by 1/sqrt(head size) only"),
+        "scale_attn_weights": (not hf.get("scale_attn_weights", True), False, "ours scales attention"),
+    }
+    bad = [f"{k}={v!r} ({why})" for k, (is_bad, v, why) in unsupported.items() if is_bad]
+    if bad:
+        raise ValueError("this GPT-2 config uses options our model does not implement: " + "; ".join(bad))
+    missing = [k for k in CONFIG_KEYS if k not in hf]
+    if missing:
+        raise ValueError(f"config.json lacks {missing}")
+    return {k: hf[k] for k in CONFIG_KEYS}
+
+
+def hf_config(ours: dict, base: dict | None = None) -> dict:
+    """A HF GPT-2 ``config.json`` dict for our config (``base``: a HF config to keep other fields from)."""
+    out = dict(base or {})
+    for k in ("_name_or_path", "transformers_version", "torch_dtype", "dtype"):
+        out.pop(k, None)
+    out.update({k: ours[k] for k in CONFIG_KEYS})
+    out.update(model_type="gpt2", architectures=["GPT2LMHeadModel"], activation_function="gelu_new",
+               n_inner=None, scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False,
+               add_cross_attention=False, reorder_and_upcast_attn=out.get("reorder_and_upcast_attn", False))
+    out.setdefault("tie_word_embeddings", True)
+    for key in ("bos_token_id", "eos_token_id"):  # GPT-2's 50256 only exists in its own vocabulary
+        v = out.get(key, 50256)
+        out[key] = v if isinstance(v, int) and v < ours["vocab_size"] else None
+    return out
+
+
+def from_hf(hf_sd: dict, cfg: dict) -> dict:
+    """Our model state (plain tensors, ``lm_head.weight`` the same tensor as ``wte`` when tied) from HF's."""
+    out = {}
+    for name, t in hf_sd.items():
+        if name.endswith(_BUFFERS):
+            continue
+        name = name if name.startswith(("transformer.", "lm_head.")) else "transformer." + name
+        out[name] = t
+    perm = qkv_permutation(cfg["n_embd"], cfg["n_head"])
+    for name in list(out):
+        if name.endswith(".attn.c_attn.weight"):
+            out[name] = out[name][:, perm].contiguous()
+        elif name.endswith(".attn.c_attn.bias"):
+            out[name] = out[name][perm].contiguous()
+    if "lm_head.weight" not in out or torch.equal(out["lm_head.weight"], out[TIED[0]]):
+        out["lm_head.weight"] = out[TIED[0]]
+    _check_names(out, cfg)
+    return out
+
+
+def to_hf(ours: dict, cfg: dict) -> tuple:
+    """``(HF state dict, tied)``: HF names and ``c_attn`` order; ``lm_head.weight`` left out when tied."""
+    _check_names(ours, cfg)
+    inv = torch.argsort(qkv_permutation(cfg["n_embd"], cfg["n_head"]))
+    out = {}
+    for name, t in ours.items():
+        if name.endswith(".attn.c_attn.weight"):
+            t = t[:, inv]
+        elif name.endswith(".attn.c_attn.bias"):
+            t = t[inv]
+        out[name] = t.contiguous()
+    tied = torch.equal(out["lm_head.weight"], out[TIED[0]])
+    if tied:
+        del out["lm_head.weight"]
+    return out, tied
+
+
+def expected_names(cfg: dict) -> list:
+    names = ["transformer.wte.weight", "transformer.wpe.weight"]
+    for i in range(cfg["n_layer"]):
+        for mod in ("ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc", "mlp.c_proj"):
+            names += [f"transformer.h.{i}.{mod}.weight", f"transformer.h.{i}.{mod}.bias"]
+    return names + ["transformer.ln_f.weight", "transformer.ln_f.bias", "lm_head.weight"]
+
+
+def _check_names(sd: dict, cfg: dict) -> None:
+    want = set(expected_names(cfg))
+    missing, extra = sorted(want - set(sd)), sorted(set(sd) - want)
+    if missing or extra:
+        raise ValueError(f"GPT-2 weights do not match the config ({cfg['n_layer']} layers): "
+                         f"missing {missing[:6]}, unexpected {extra[:6]}")
+
+
+# -- Hugging Face directories -------------------------------------------------
+
+def read_hf_dir(path: str) -> tuple:
+    """``(config dict, state dict)`` of a ``transformers`` GPT-2 directory (safetensors or ``.bin``, sharded or not)."""
+    cpath = os.path.join(path, "config.json")
+    if not os.path.isfile(cpath):
+        raise FileNotFoundError(f"{cpath}: missing; a Hugging Face model directory holds config.json")
+    with open(cpath) as f:
+        config = json.load(f)
+    for index_name, single in (("model.safetensors.index.json", "model.safetensors"),
+                               ("pytorch_model.bin.index.json", "pytorch_model.bin")):
+        ipath = os.path.join(path, index_name)
+        if os.path.isfile(ipath):
+            with open(ipath) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+            break
+        if os.path.isfile(os.path.join(path, single)):
+            files = [single]
+            break
+    else:
+        raise FileNotFoundError(f"{path}: no model.safetensors, pytorch_model.bin or their .index.json")
+    sd = {}
+    for name in files:
+        fpath = os.path.join(path, name)
+        if name.endswith(".safetensors"):
+            from safetensors.torch import load_file
+
+            sd.update(load_file(fpath))
+        else:  # weights only: a .bin cannot run code while it loads
+            sd.update(torch.load(fpath, map_location="cpu", weights_only=True))
+    return config, sd
+
+
+def write_hf_dir(path: str, config: dict, hf_sd: dict) -> None:
+    """``config.json`` + ``model.safetensors`` that ``GPT2LMHeadModel.from_pretrained`` loads."""
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    save_file({k: v.detach().contiguous() for k, v in hf_sd.items()}, os.path.join(path, "model.safetensors"),
+              metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)

@@ -1,0 +1,39 @@
+"""Random-number generator states as checkpointable values (one per rank: ``save``'s ``per_rank``).
+
+``rng_state()`` gives torch's CPU generator (a ``uint8`` tensor), CUDA's
+(one per device, when available), Python's ``random`` and numpy's global
+generator as tensors and plain data; ``set_rng_state`` restores them.
+"""
+from __future__ import annotations
+
+import random
+
+import torch
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = list(torch.cuda.get_rng_state_all())
+    try:
+        import numpy as np
+    except ImportError:
+        return state
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state["numpy"] = {"name": name, "keys": keys.tolist(), "pos": int(pos), "has_gauss": int(has_gauss),
+                      "cached_gaussian": float(cached)}
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        import numpy as np
+
+        s = state["numpy"]
+        np.random.set_state((s["name"], np.asarray(s["keys"], dtype=np.uint32), s["pos"], s["has_gauss"],
+                             s["cached_gaussian"]))
