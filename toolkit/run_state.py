@@ -18,6 +18,7 @@ import torch
 
 from toolkit import checkpoint as ckpt
 from toolkit.checkpoint.hf_gpt2 import from_hf, read_hf_dir
+from toolkit.config import gpt2_config_kwargs
 
 
 def checkpoint_root(run_dir: str) -> str:
@@ -32,6 +33,7 @@ def _state(job, step: int) -> dict:
         "sampler": {"step": step, "seed": int(job.cfg.trainer.seed)},
         "step": step,
         "rng": ckpt.rng_state(),
+        "extra": {"model_config": gpt2_config_kwargs(job.cfg.model)},  # convert_hf.py export reads it
     }
 
 
@@ -46,7 +48,7 @@ def resume(job) -> int:
     path = ckpt.latest(checkpoint_root(job.cfg.run_dir))
     if path is None:
         return 0
-    template = {**_state(job, 0), "scheduler": None, "sampler": None, "step": None, "rng": None}
+    template = {**_state(job, 0), "scheduler": None, "sampler": None, "step": None, "rng": None, "extra": None}
     out = ckpt.load(path, template, tied=job.recipe.tied)
     ckpt.load_optimizer_state_dict(job.optimizer, job.module, out["optim"])
     job.scheduler.load_state_dict(out["scheduler"])

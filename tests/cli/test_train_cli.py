@@ -2,7 +2,7 @@
 
 A tiny GPT-2 on a small slice of the stdlib corpus, 3 steps, dropout 0, the
 same global batch in every layout. The tokenizer and token files are built
-once into a per-session cache (``SBP_CACHE_DIR``) and shared by all runs.
+once into a per-session sbp_cache (``SBP_CACHE_DIR``) and shared by all runs.
 """
 from __future__ import annotations
 
@@ -19,11 +19,6 @@ TINY = ["model.n_layer=4", "model.n_embd=64", "model.n_head=4", "model.vocab_siz
         "trainer.max_steps=3", "trainer.log_every=1", "trainer.eval_every=0", "logger=none"]
 
 
-@pytest.fixture(scope="session")
-def cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("sbp-cache"))
-
-
 def _train(args, cache, timeout=600):
     env = {**os.environ, "SBP_CACHE_DIR": cache, "HYDRA_FULL_ERROR": "1", "SBP_TIMEOUT": "120"}
     return subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *args], env=env, cwd=ROOT,
@@ -37,9 +32,9 @@ def _losses(run_dir):
 
 
 @pytest.fixture(scope="session")
-def single(tmp_path_factory, cache):
+def single(tmp_path_factory, sbp_cache):
     run = str(tmp_path_factory.mktemp("single"))
-    out = _train([*TINY, "parallel=single", f"hydra.run.dir={run}"], cache)
+    out = _train([*TINY, "parallel=single", f"hydra.run.dir={run}"], sbp_cache)
     assert out.returncode == 0, out.stderr[-3000:]
     losses = _losses(run)
     assert len(losses) == 3 and losses[-1] < losses[0]
@@ -47,8 +42,8 @@ def single(tmp_path_factory, cache):
 
 
 @pytest.mark.parametrize("layout", ["dp2", "tp2", "pp2", "dp2_tp2_pp2", "dp2_tp4_pp2"])
-def test_layout_losses_equal_single(layout, single, cache, tmp_path):
-    out = _train([*TINY, f"parallel={layout}", f"hydra.run.dir={tmp_path}"], cache)
+def test_layout_losses_equal_single(layout, single, sbp_cache, tmp_path):
+    out = _train([*TINY, f"parallel={layout}", f"hydra.run.dir={tmp_path}"], sbp_cache)
     assert out.returncode == 0, out.stderr[-3000:]
     losses = _losses(tmp_path)
     assert len(losses) == 3
@@ -58,15 +53,15 @@ def test_layout_losses_equal_single(layout, single, cache, tmp_path):
 
 @pytest.mark.parametrize("option, tolerance", [("trainer.activation_checkpointing=true", 1e-4),
                                                ("trainer.precision=bf16", 2e-2)])
-def test_activation_checkpointing_and_bf16_under_tp2_pp2(option, tolerance, single, cache, tmp_path):
-    out = _train([*TINY, "parallel=tp2_pp2", option, f"hydra.run.dir={tmp_path}"], cache)
+def test_activation_checkpointing_and_bf16_under_tp2_pp2(option, tolerance, single, sbp_cache, tmp_path):
+    out = _train([*TINY, "parallel=tp2_pp2", option, f"hydra.run.dir={tmp_path}"], sbp_cache)
     assert out.returncode == 0, out.stderr[-3000:]
     losses = _losses(tmp_path)
     assert len(losses) == 3 and all(abs(a - b) <= tolerance * abs(b) for a, b in zip(losses, single)), (losses, single)
 
 
-def test_multirun_sweeps_layouts_into_one_directory_each(single, cache, tmp_path):
-    out = _train(["-m", *TINY, "parallel=single,dp2", f"hydra.sweep.dir={tmp_path}"], cache)
+def test_multirun_sweeps_layouts_into_one_directory_each(single, sbp_cache, tmp_path):
+    out = _train(["-m", *TINY, "parallel=single,dp2", f"hydra.sweep.dir={tmp_path}"], sbp_cache)
     assert out.returncode == 0, out.stderr[-3000:]
     for job in ("0", "1"):
         losses = _losses(tmp_path / job)
@@ -81,7 +76,7 @@ def test_multirun_sweeps_layouts_into_one_directory_each(single, cache, tmp_path
     ("parallel=dp2_xx3", "dp2_xx3"),
     ("trainer.global_batch_size=15", "global_batch_size=15"),
 ])
-def test_config_errors_stop_before_any_process_starts(override, message, cache, tmp_path):
-    out = _train([*TINY, override, f"hydra.run.dir={tmp_path}"], cache, timeout=120)
+def test_config_errors_stop_before_any_process_starts(override, message, sbp_cache, tmp_path):
+    out = _train([*TINY, override, f"hydra.run.dir={tmp_path}"], sbp_cache, timeout=120)
     assert out.returncode != 0 and message in out.stderr + out.stdout, (out.stderr[-2000:])
     assert not (tmp_path / "metrics.jsonl").exists()

@@ -1,0 +1,40 @@
+"""Resuming is exact: N steps straight equal N/2, stop, resume, N/2 — in the same layout and in another."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from tests.cli.test_train_cli import TINY, _losses, _train
+
+STEPS = [a for a in TINY if not a.startswith("trainer.max_steps")]
+
+
+def _run(sbp_cache, run_dir, layout, steps, resume=False):
+    args = [*STEPS, f"parallel={layout}", f"trainer.max_steps={steps}", f"hydra.run.dir={run_dir}"]
+    out = _train(args + (["trainer.resume=auto"] if resume else []), sbp_cache)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return _losses(run_dir)
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, sbp_cache):
+    return _run(sbp_cache, tmp_path_factory.mktemp("straight"), "dp2_tp2_pp2", 4)
+
+
+def test_same_layout_resume_is_bit_identical(straight, sbp_cache, tmp_path):
+    _run(sbp_cache, tmp_path, "dp2_tp2_pp2", 2)
+    shutil.copytree(tmp_path, tmp_path.parent / "half", dirs_exist_ok=True)
+    losses = _run(sbp_cache, tmp_path, "dp2_tp2_pp2", 4, resume=True)
+    assert losses == straight
+
+    # The same checkpoint, resumed on one process.
+    other = _run(sbp_cache, tmp_path.parent / "half", "single", 4, resume=True)
+    assert other[:2] == straight[:2]
+    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(other[2:], straight[2:])), (other, straight)
+
+
+def test_single_to_tp2_resume(straight, sbp_cache, tmp_path):
+    _run(sbp_cache, tmp_path, "single", 2)
+    losses = _run(sbp_cache, tmp_path, "tp2", 4, resume=True)
+    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(losses, straight)), (losses, straight)
