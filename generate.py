@@ -1,0 +1,73 @@
+"""Sample text from a trained run: ``python generate.py run=<run dir> [prompt=... tokens=200 temperature=0.8 top_k=50 seed=0]``.
+
+Reads the run's ``config.yaml``, its newest checkpoint (any layout it was
+trained in: the checkpoint reshards into one process) and its
+``tokenizer.json``, and prints the prompt's continuation.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+OPTIONS = {"run": None, "prompt": "def ", "tokens": "200", "temperature": "0.8", "top_k": "50", "seed": "0"}
+
+
+def parse(argv) -> dict:
+    opts = dict(OPTIONS)
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if not sep or key not in OPTIONS:
+            raise SystemExit(f"generate.py: {arg!r}: expected key=value with key one of {', '.join(OPTIONS)}")
+        opts[key] = value
+    if not opts["run"]:
+        raise SystemExit("generate.py: run=<run dir> is required (a directory train.py wrote)")
+    return opts
+
+
+@torch.no_grad()
+def sample(model, ids: list, n: int, temperature: float, top_k: int, context: int) -> list:
+    out = list(ids)
+    for _ in range(n):
+        x = torch.tensor([out[-context:]])
+        logits = model(x)[0][0, -1].float()
+        if temperature <= 0:
+            out.append(int(logits.argmax()))
+            continue
+        logits = logits / temperature
+        if top_k > 0:
+            kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        out.append(int(torch.multinomial(torch.softmax(logits, -1), 1)))
+    return out
+
+
+def main(argv=None) -> str:
+    from recipes.registry import get
+    from toolkit import checkpoint as ckpt
+    from toolkit.config import load_config
+    from toolkit.data.tokenizer import load_tokenizer
+    from toolkit.run_state import checkpoint_root
+
+    opts = parse(sys.argv[1:] if argv is None else argv)
+    run = opts["run"]
+    cfg = load_config(run)
+    path = ckpt.latest(checkpoint_root(run))
+    if path is None:
+        raise SystemExit(f"generate.py: {run} has no checkpoint yet (train.py saves one at the end)")
+    recipe = get(cfg.recipe.name)
+    model = recipe.build_model(cfg.model).eval()
+    ckpt.load(path, {"model": model.state_dict()}, tied=recipe.tied)
+    tok = load_tokenizer(os.path.join(run, "tokenizer.json"))
+    torch.manual_seed(int(opts["seed"]))
+    ids = tok.encode(opts["prompt"]) or [tok.eos_id]
+    out = sample(model, ids, int(opts["tokens"]), float(opts["temperature"]), int(opts["top_k"]),
+                 int(cfg.model.n_positions))
+    text = tok.decode(out)
+    print(text)
+    return text
+
+
+if __name__ == "__main__":
+    main()
