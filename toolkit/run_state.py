@@ -63,7 +63,7 @@ def is_hf_dir(path: str) -> bool:
 def load_hf_into(model, path: str, model_cfg) -> None:
     """Copy a Hugging Face GPT-2 directory's weights into the full (not yet split) ``model``."""
     config, hf_sd = read_hf_dir(path)
-    ours = {k: int(model_cfg[k]) for k in ("n_embd", "n_head")}
+    ours = {k: int(model_cfg[k]) for k in ("n_embd", "n_head", "n_layer", "vocab_size", "n_positions")}
     for key in ("n_layer", "n_embd", "n_head", "vocab_size", "n_positions"):
         if int(config.get(key, -1)) != int(model_cfg[key]):
             raise ValueError(f"trainer.init_from={path}: its {key}={config.get(key)} but model.{key}="

@@ -1,0 +1,27 @@
+"""``trainer.init_from=<Hugging Face dir>``: the full model gets transformers' weights before it is split."""
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from recipes.gpt2.recipe import build_model
+from toolkit.run_state import is_hf_dir, load_hf_into
+
+
+def test_init_from_a_hugging_face_directory_gives_its_logits(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    cfg = dict(vocab_size=96, n_positions=32, n_embd=32, n_layer=2, n_head=4)
+    torch.manual_seed(3)
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(**cfg, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    hf.save_pretrained(tmp_path)
+    assert is_hf_dir(str(tmp_path))
+    model_cfg = OmegaConf.create({**cfg, "dropout": 0.0, "layer_norm_epsilon": 1e-5, "initializer_range": 0.02})
+    ours = build_model(model_cfg).eval()
+    load_hf_into(ours, str(tmp_path), model_cfg)
+    ids = torch.randint(0, 96, (2, 16))
+    assert torch.allclose(ours(ids)[0], hf(ids).logits, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="its n_layer=2 but model.n_layer=3"):
+        load_hf_into(build_model(OmegaConf.merge(model_cfg, {"n_layer": 3})), str(tmp_path),
+                     OmegaConf.merge(model_cfg, {"n_layer": 3}))
