@@ -16,6 +16,7 @@ Imports nothing of this project but itself (DESIGN.md layers).
 from . import ops, sbp  # noqa: F401  (ops registers the signature rules)
 from .boxing.cost import disjoint as disjoint_cost, same_placement as same_placement_cost
 from .boxing.nd_plan import plan as boxing_plan
+from .cast import cast, cast_group, cast_many, remat_saved
 from .creation import ones, rand, randn, zeros
 from .declare import distribute, to_global
 from .dispatch import explain, format_explain
@@ -28,7 +29,7 @@ from .placement import Placement, placement
 from .process_groups import get_timeout, set_timeout
 
 __all__ = [
-    "sbp", "placement", "Placement", "GlobalTensor", "Layout", "NoSbpRule",
+    "sbp", "placement", "cast", "cast_group", "cast_many", "remat_saved", "Placement", "GlobalTensor", "Layout", "NoSbpRule",
     "to_global", "distribute", "randn", "rand", "zeros", "ones",
     "comm_ledger", "CommLedger", "explain", "format_explain", "set_timeout", "get_timeout",
     "boxing_plan", "clip_grad_norm_", "distribute_module", "describe_plan", "defer_grad_boxing", "box_grads", "same_placement_cost", "disjoint_cost",

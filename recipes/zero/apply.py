@@ -1,0 +1,379 @@
+"""``apply_zero``: ZeRO stages 0-3 on any module, from its parallel plan and one cast.
+
+Per parameter there are up to three global tensors (``S(d)``: the master
+layout of ``plan.py``, ``B``: the plan's layout, on the data-parallel axis):
+
+- the *master*, fp32, laid out ``S(d)``: the module's registered parameter
+  (``module.parameters()``, ``state_dict``, the optimizer and
+  ``sc.clip_grad_norm_`` see it);
+- the *compute copy*, laid out ``B`` in the compute dtype: what the
+  module's forward reads (its attribute, e.g. ``block.attn.c_attn.weight``);
+- the *grad leaf*: the tensor autograd accumulates into, in the compute
+  dtype (stage 2 moves each micro-batch's gradient, reduced, to a shard
+  beside it).
+
+========  =================================  ==================  ===========================
+stage     compute copy                       grad leaf           gradient (per step)
+========  =================================  ==================  ===========================
+0         persistent, ``B`` (master if fp32) the copy            ``P`` kept; ``P -> B`` at sync
+1         persistent, ``B``                  the copy            ``P`` kept; ``P -> S(d)`` at sync
+2         persistent, ``B``                  the copy            ``P -> S(d)`` per micro-batch,
+                                                                 in buckets during backward
+3         ``cast_group(unit's leaves, B)``   ``S(d)`` shard      ``P -> S(d)`` in the cast's
+          on use, freed after, re-cast for   (master if fp32)    backward, per unit
+          backward
+========  =================================  ==================  ===========================
+
+Persistent copies are refreshed by ``cast(master, B, dtype)`` (all-gather)
+after each optimizer step; in fp32 the master's local *is* the copy's own
+rows (a view), so it costs no memory. Stage 3 gathers a *unit* (FSDP's
+wrapping: by default each block of a ``ModuleList``, and the rest) when
+forward first reads one of its parameters, frees it when the unit's forward
+returns, and gathers it again when backward first needs a saved weight of it
+(``sbp_core.cast``'s rematerialisation). Many parameters share one
+collective (``cast_many``/``cast_group``), as DDP's and DeepSpeed's buckets
+do; stage 2 reduces a bucket as soon as ``BUCKET_BYTES`` of gradients are
+ready and the rest when backward ends. Communication is never written here:
+it is boxing between the layouts above.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import sbp_core as sc
+from sbp_core.cast import cast, cast_group, cast_many, remat_saved
+from sbp_core.layout import Layout, local_box
+from sbp_core.process_groups import world_rank
+
+from .plan import check_stage, describe, rewrite_plan
+
+BUCKET_BYTES = 25 * 2**20  # stage 2: unreduced gradient bytes held before a reduce-scatter (DDP's default)
+
+
+class _Slot:
+    """One parameter (tied ones share a slot): master, grad leaf and compute copy."""
+
+    def __init__(self, zero, master, leaf, compute_sbp):
+        self.zero, self.master, self.leaf = zero, master, leaf
+        self.compute_sbp = compute_sbp
+        self.unit = None  # stage 3: the _Unit gathered with it
+        self.cache = None  # stage 3: the gathered copy while its unit's forward runs
+        self.grad = None  # stage 2: the reduced gradient shard, in the compute dtype
+
+    def compute(self):
+        """The tensor forward reads: the persistent copy, or (stage 3) its unit's copies gathered on use."""
+        if self.zero.stage < 3:
+            return self.leaf
+        if self.cache is None:
+            if not self.zero._depth:  # read outside the module's forward: a one-off copy
+                return cast(self.leaf, self.compute_sbp)
+            self.unit.gather()
+        return self.cache
+
+
+class _Unit:
+    """Stage 3: parameters gathered together (one collective) and freed together, like an FSDP unit."""
+
+    def __init__(self, name: str):
+        self.name, self.slots = name, []
+
+    def gather(self) -> None:
+        outs = cast_group([s.leaf for s in self.slots], [s.compute_sbp for s in self.slots], remat=True)
+        for s, o in zip(self.slots, outs):
+            s.cache = o
+
+    def free(self, *_) -> None:
+        for s in self.slots:
+            s.cache = None
+
+
+def _unit_of(owner: str, units) -> str:
+    """The longest unit name that is ``owner`` or encloses it ("" = the root)."""
+    best = ""
+    for u in units:
+        if (owner == u or owner.startswith(u + ".")) and len(u) > len(best):
+            best = u
+    return best
+
+
+def _compute_property(name):
+    return property(lambda mod: mod._zero_slots[name].compute(), doc=f"compute copy of the master {name!r}")
+
+
+_classes: dict = {}
+
+
+def _swap_class(mod: nn.Module, names) -> None:
+    """Give ``mod`` a subclass whose ``names`` attributes read compute copies (as ``parametrize`` does)."""
+    cls = type(mod)
+    key = (cls, frozenset(names))
+    if key not in _classes:
+        _classes[key] = type(cls.__name__, (cls,), {n: _compute_property(n) for n in names})
+    mod.__class__ = _classes[key]
+
+
+def _own_rows(local, layout: Layout, msbp: tuple, dp_axis: int):
+    """This rank's master local: a view of the compute local when its rows lie inside it."""
+    p = layout.placement
+    me = world_rank()
+    d = next((s.axis for i, s in enumerate(msbp) if i == dp_axis and s.is_split), None)
+    nested = d is not None and any(s.is_split and s.axis == d for s in msbp[dp_axis + 1:])
+    if nested:  # collective on every rank: box from the compute layout
+        return sc.GlobalTensor(local, layout).to_global(sbp=msbp)._local
+    if me not in p:
+        return local
+    outer = local_box(layout.shape, p.shape, layout.sbp, p.coords(me))
+    inner = local_box(layout.shape, p.shape, msbp, p.coords(me))
+    return local[tuple(slice(i - o, i - o + n) for (o, _), (i, n) in zip(outer, inner))]
+
+
+def _compact(g):
+    """``g``, or a copy when its local is a view that keeps a larger buffer alive (a slice of a ``B``)."""
+    local = g._local
+    if local.untyped_storage().nbytes() > local.numel() * local.element_size():
+        return sc.GlobalTensor(local.clone(), g.layout)
+    return g
+
+
+class Zero:
+    """ZeRO state of one module (one pipeline stage): call ``sync_grads`` before clipping,
+    ``refresh`` after each optimizer step (``attach``/``optimizer`` register both as step hooks).
+    """
+
+    def __init__(self, module: nn.Module, placement, stage: int, dp_axis: int, compute_dtype, units=None):
+        self.module, self.placement, self.stage, self.dp_axis = module, placement, stage, dp_axis
+        self.compute_dtype = compute_dtype
+        self._depth = 0
+        self._remat = None
+        self.slots: list = []
+        self.units: list = []
+        self.bucket_bytes = BUCKET_BYTES
+        self._pending: list = []
+        self._pending_bytes = 0
+        self._queued = False
+        self._by_leaf: dict = {}
+        named = {n: p for n, p in module.named_parameters() if p.requires_grad}
+        self.layouts = {n: (p.shape, p.sbp) for n, p in named.items()}
+        # the plan rewrite: B on the dp axis -> S(d) (stage 0 keeps the plan's layouts)
+        self.master_plan = {n: sbp for n, (_, sbp) in self.layouts.items()} if stage == 0 else \
+            rewrite_plan(self.layouts, dp_axis, placement.shape[dp_axis])
+        params = {id(p): p for p in named.values()}
+        msbp_of = {id(p): self.master_plan[n] for n, p in named.items()}
+        if stage == 0 and all(compute_dtype in (None, p.dtype) for p in params.values()):
+            return  # plain data parallel: distribute_module's parameters as they are
+        if units is None:  # FSDP's usual wrapping: every block of every ModuleList
+            units = [f"{n}.{i}" if n else str(i) for n, m in module.named_modules()
+                     if isinstance(m, nn.ModuleList) for i in range(len(m))]
+        owners: dict = {}
+        for mod_name, mod in module.named_modules():
+            for name, p in mod.named_parameters(recurse=False):
+                if id(p) in params:
+                    owners.setdefault(id(p), []).append((mod_name, mod, name))
+        slots: dict = {}  # module -> {name: slot}
+        by_unit: dict = {}
+        for i, held in owners.items():
+            slot = self._slot(params[i], msbp_of[i])
+            names = {_unit_of(mod_name, units) for mod_name, _, _ in held}
+            unit = names.pop() if len(names) == 1 else ""  # tied across units: the root's
+            slot.unit = by_unit.setdefault(unit, _Unit(unit))
+            slot.unit.slots.append(slot)
+            for _, mod, name in held:
+                mod._parameters[name] = slot.master
+                slots.setdefault(mod, {})[name] = slot
+        for mod, by_name in slots.items():
+            mod._zero_slots = by_name
+            _swap_class(mod, by_name)
+        self.units = list(by_unit.values())
+        if stage == 3:
+            for unit in self.units:
+                if unit.name:
+                    module.get_submodule(unit.name).register_forward_hook(unit.free, always_call=True)
+            module.register_forward_pre_hook(self._enter)
+            module.register_forward_hook(self._leave, always_call=True)
+
+    def describe(self) -> str:
+        """One line per parameter: name, shape, compute SBP -> master SBP."""
+        return describe(self.layouts, self.master_plan)
+
+    def _slot(self, p, msbp: tuple) -> _Slot:
+        lay = p.layout
+        dtype = self.compute_dtype or p.dtype
+        own = _own_rows(p._local, lay, msbp, self.dp_axis)
+        if self.stage < 3:
+            aliased = dtype == p.dtype and own.untyped_storage().data_ptr() == p._local.untyped_storage().data_ptr()
+            master = nn.Parameter(sc.GlobalTensor(own if aliased else own.clone(), lay.with_sbp(msbp)))
+            copy = p._local if dtype == p.dtype else p._local.to(dtype)
+            leaf = sc.GlobalTensor(copy, Layout(lay.placement, lay.sbp, lay.shape, dtype), requires_grad=True)
+            if self.stage == 2:
+                leaf.register_post_accumulate_grad_hook(lambda t: self._pend(t))
+        else:
+            master = nn.Parameter(sc.GlobalTensor(own.clone(), lay.with_sbp(msbp)))
+            leaf = master if dtype == p.dtype else sc.GlobalTensor(
+                master._local.to(dtype), Layout(lay.placement, msbp, lay.shape, dtype), requires_grad=True)
+            leaf.register_post_accumulate_grad_hook(self._compact_grad)
+        slot = _Slot(self, master, leaf, lay.sbp)
+        self.slots.append(slot)
+        self._by_leaf[id(leaf)] = slot
+        return slot
+
+    @staticmethod
+    def _compact_grad(leaf) -> None:
+        if leaf.grad is not None:
+            leaf.grad = _compact(leaf.grad)
+
+    # -- stage 2: reduce-scatter in buckets as gradients become ready ------------
+    def _pend(self, leaf) -> None:
+        if not self._queued:  # reduce what is left when this backward ends
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        self._pending.append(self._by_leaf[id(leaf)])
+        self._pending_bytes += leaf.grad._local.numel() * leaf.grad.element_size()
+        if self._pending_bytes >= self.bucket_bytes:
+            self._flush()
+
+    def _end_of_backward(self) -> None:
+        self._queued = False
+        self._flush()
+
+    @torch.no_grad()
+    def _flush(self) -> None:
+        pending, self._pending, self._pending_bytes = self._pending, [], 0
+        reduced = cast_many([s.leaf.grad for s in pending], [s.master.sbp for s in pending])
+        for s, g in zip(pending, reduced):
+            s.grad = _compact(g) if s.grad is None else s.grad + g
+            s.leaf.grad = None
+
+    # -- stage 3: gather on use, free after ---------------------------------
+    def _enter(self, mod, args) -> None:
+        self._depth += 1
+        if self._depth == 1:
+            self._remat = remat_saved()
+            self._remat.__enter__()
+
+    def _leave(self, mod, args, out) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            for unit in self.units:
+                unit.free()
+            self._remat.__exit__(None, None, None)
+            self._remat = None
+
+    # -- the optimizer step ----------------------------------------------------
+    def parameters(self):
+        """The masters (what the optimizer steps); the same as ``module.parameters()``."""
+        return self.module.parameters()
+
+    @torch.no_grad()
+    def sync_grads(self) -> None:
+        """Give every master its gradient in the master layout and dtype; idempotent.
+
+        Stage 0: ``P -> B`` (all-reduce); stage 1: ``P -> S(d)`` (reduce-scatter),
+        once per step however many micro-batches accumulated, one collective for
+        all; stages 2-3: already ``S(d)``, converted to the master's dtype.
+        Frees the compute-dtype gradients.
+        """
+        if not self.slots:
+            sc.box_grads(self.module)
+            return
+        for dtype in {s.master.dtype for s in self.slots}:
+            todo = [s for s in self.slots if s.master.dtype == dtype and s.leaf is not s.master
+                    and (s.leaf.grad is not None or s.grad is not None)]
+            grads = cast_many([s.grad if s.grad is not None else s.leaf.grad for s in todo],
+                              [s.master.sbp for s in todo], dtype)
+            for s, g in zip(todo, grads):
+                g = _compact(g)
+                s.master.grad = g if s.master.grad is None else s.master.grad + g
+        self.zero_grad()
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Recast the compute copies from the updated masters (stages 0-2: one all-gather; 3: local)."""
+        todo = [s for s in self.slots if s.leaf is not s.master]
+        copies = cast_many([s.master for s in todo], [s.leaf.sbp for s in todo], self.compute_dtype)
+        for s, c in zip(todo, copies):
+            s.leaf._local.copy_(c._local)
+
+    def zero_grad(self) -> None:
+        """Drop compute-dtype gradients not yet synced (after a skipped step); ``optimizer.zero_grad``
+        drops the masters'."""
+        for s in self.slots:
+            if s.leaf is not s.master:
+                s.leaf.grad = None
+            s.grad = None
+
+    def attach(self, optimizer: torch.optim.Optimizer, shards=()) -> torch.optim.Optimizer:
+        """Run ``sync_grads`` before and ``refresh`` after every ``optimizer.step()``.
+
+        ``shards``: ``(master, local)`` pairs when the optimizer steps the masters'
+        local tensors (``optimizer(..., shards=True)``): before the step each
+        local gets its master's (synced, clipped) gradient, after it both drop it.
+        """
+        shards = list(shards)
+
+        def pre(opt, args, kwargs):
+            self.sync_grads()
+            for master, local in shards:
+                local.grad = None if master.grad is None else master.grad._local
+
+        def post(opt, args, kwargs):
+            self.refresh()
+            for master, local in shards:
+                master.grad = local.grad = None
+
+        optimizer.register_step_pre_hook(pre)
+        optimizer.register_step_post_hook(post)
+        return optimizer
+
+    def optimizer(self, cls, params=None, shards: bool = True, **kwargs) -> torch.optim.Optimizer:
+        """``cls(params, **kwargs)`` over the masters (default all; a list of masters or of
+        param-group dicts), attached.
+
+        ``shards=True`` hands the optimizer each master's local tensor instead: an
+        element-wise optimizer (SGD, Adam, AdamW, ...) computes the same update on
+        the shard without the global-tensor dispatch per op; its state is local.
+        ``shards=False`` keeps global tensors (global state, any optimizer).
+        """
+        params = list(self.parameters()) if params is None else list(params)
+        if not shards:
+            return self.attach(cls(params, **kwargs))
+        pairs = self.shard_pairs()
+        local_of = {id(m): local for m, local in pairs}
+
+        def to_local(ps):
+            return [local_of[id(p)] for p in ps]
+
+        groups = [dict(g, params=to_local(g["params"])) for g in params] if params and isinstance(params[0], dict) \
+            else to_local(params)
+        return self.attach(cls(groups, **kwargs), pairs)
+
+    def shard_pairs(self) -> list:
+        """``(master, its local tensor)`` for every master: what an optimizer over shards steps."""
+        return [(m, m._local) for m in self.parameters()]
+
+
+def apply_zero(module: nn.Module, placement, plan: dict | None = None, stage: int = 1, dp_axis: int = 0,
+               compute_dtype: torch.dtype | None = None, units: list | None = None):
+    """Distribute ``module`` by ``plan`` on ``placement`` with ZeRO ``stage`` on mesh axis ``dp_axis``.
+
+    Returns ``(module, zero)``; ``module`` is changed in place (its parameters
+    become fp32 masters, its forward reads compute copies in
+    ``compute_dtype``, default the parameters' dtype). Every rank calls it
+    with the same module (same seed). Stage 1-3 with a data-parallel size of
+    1 warns and runs stage 0; an unknown stage raises ``ValueError``.
+    ``units`` (stage 3): names of submodules whose parameters are gathered
+    with one collective and freed when the submodule's forward returns;
+    default every block of every ``nn.ModuleList``; the rest (and parameters
+    shared across units) form the root's unit, freed when the root returns.
+    """
+    if not 0 <= dp_axis < placement.ndim:
+        raise ValueError(f"dp_axis {dp_axis} is not a mesh axis of {placement} (valid: 0..{placement.ndim - 1})")
+    if compute_dtype is not None and not compute_dtype.is_floating_point:
+        raise ValueError(f"compute_dtype {compute_dtype} is not a floating dtype (e.g. torch.bfloat16)")
+    if getattr(module, "_zero", None) is not None:
+        raise ValueError(f"{type(module).__name__} already has ZeRO applied")
+    stage = check_stage(stage, placement.shape[dp_axis])
+    sc.distribute_module(module, placement, plan)
+    zero = Zero(module, placement, stage, dp_axis, compute_dtype, units)
+    module._zero = zero
+    return module, zero

@@ -1,0 +1,107 @@
+"""Coalesced boxing: many tensors' one-axis steps in one collective.
+
+``box_many`` boxes each ``(local, src, dst)`` whose layouts differ on one
+mesh axis only, by a valid planner step (``nd_plan.step_is_valid``) of the
+kind ``S(d) -> B`` (all-gather), ``P(sum) -> S(d)`` (reduce-scatter) or
+``P(sum) -> B`` (all-reduce), with one collective per (kind, axis, dtype)
+group instead of one per tensor: each rank packs its pieces for rank ``k``
+into chunk ``k`` of one flat buffer (chunks padded to the largest, which
+happens only when splits are uneven), runs the collective, and unpacks. The
+ledger records the one collective with its bytes, which equal the sum of
+the per-tensor ones when no chunk is padded. Anything else is boxed one by
+one. Every rank of the world calls it with the same tensors in the same order.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..layout import Layout, shard_sizes, view_shape
+from ..process_groups import world_rank
+from . import box, collectives
+from .nd_plan import step_is_valid
+
+
+def _kind(src: Layout, dst: Layout):
+    """``(axis, kind)`` when ``src -> dst`` is one coalescable step, else ``None``."""
+    if src.placement != dst.placement or src.shape != dst.shape or src.dtype != dst.dtype:
+        return None
+    axes = [i for i, (a, b) in enumerate(zip(src.sbp, dst.sbp)) if a != b]
+    if len(axes) != 1 or not step_is_valid(src.sbp, axes[0], dst.sbp[axes[0]]):
+        return None
+    a, b = src.sbp[axes[0]], dst.sbp[axes[0]]
+    if a.is_split and b.is_broadcast:
+        return axes[0], "all_gather"
+    if a.is_partial and a.op == "sum" and b.is_split:
+        return axes[0], "reduce_scatter"
+    if a.is_partial and a.op == "sum" and b.is_broadcast:
+        return axes[0], "all_reduce"
+    return None
+
+
+def _pieces(layout: Layout, axis: int, dim: int, coords, p: int) -> list:
+    """Shapes of the ``p`` pieces along ``dim`` of the tensor the ranks along ``axis`` see."""
+    view = list(view_shape(layout.shape, layout.placement.shape, layout.sbp, coords, axis))
+    out = []
+    for n in shard_sizes(view[dim], p):
+        view[dim] = n
+        out.append(tuple(view))
+    return out
+
+
+def _group(items, axis: int, kind: str) -> list:
+    """This rank's boxed locals for ``items`` (``(local, src, dst)``), with one collective."""
+    placement = items[0][1].placement
+    me = world_rank()
+    coords = placement.coords(me)
+    ranks = placement.axis_ranks(axis, me)
+    p, idx = len(ranks), coords[axis]
+    dtype, device = items[0][0].dtype, items[0][0].device
+    if kind == "all_reduce":
+        flat = torch.cat([loc.reshape(-1) for loc, _, _ in items])
+        out = collectives.all_reduce(flat, ranks, "sum")
+        return [t.view(loc.shape) for t, (loc, _, _) in zip(out.split([loc.numel() for loc, _, _ in items]), items)]
+    dims = [(src if kind == "all_gather" else dst).sbp[axis].axis for _, src, dst in items]
+    shapes = [_pieces(src, axis, d, coords, p) for (_, src, _), d in zip(items, dims)]
+    counts = [sum(math.prod(s[k]) for s in shapes) for k in range(p)]
+    width = max(counts)
+    if kind == "all_gather":
+        send = torch.cat([loc.reshape(-1) for loc, _, _ in items])
+        if counts[idx] < width:
+            send = torch.cat([send, send.new_zeros(width - counts[idx])])
+        got = collectives.all_gather(send, ranks, 0, width * p).view(p, width)
+        out, offsets = [], [0] * p
+        for s, d in zip(shapes, dims):
+            parts = []
+            for k in range(p):
+                n = math.prod(s[k])
+                parts.append(got[k, offsets[k]:offsets[k] + n].view(s[k]))
+                offsets[k] += n
+            out.append(torch.cat(parts, d))
+        return out
+    chunks = []
+    for k in range(p):
+        flat = [loc.tensor_split(p, d)[k].reshape(-1) for (loc, _, _), d in zip(items, dims)]
+        if counts[k] < width:
+            flat.append(torch.zeros(width - counts[k], dtype=dtype, device=device))
+        chunks.append(torch.cat(flat))
+    got = collectives.reduce_scatter(torch.cat(chunks), ranks, 0, "sum")
+    sizes = [math.prod(s[idx]) for s in shapes]
+    return [t.view(s[idx]) for t, s in zip(got[:counts[idx]].split(sizes), shapes)]
+
+
+def box_many(items) -> list:
+    """Locals of each ``(local, src, dst)`` boxed to ``dst``; one collective per coalescable group."""
+    out = [None] * len(items)
+    groups: dict = {}
+    for i, (local, src, dst) in enumerate(items):
+        kind = _kind(src, dst)
+        if kind is None or world_rank() not in src.placement:
+            out[i] = box(local, src, dst)
+        else:
+            groups.setdefault((src.placement, kind, src.dtype), []).append(i)
+    for (_, (axis, kind), _), idxs in groups.items():
+        for i, t in zip(idxs, _group([items[i] for i in idxs], axis, kind)):
+            out[i] = t
+    return out

@@ -1,0 +1,260 @@
+"""``cast``: a differentiable change of layout and dtype, coalesced over many tensors, rematerialisable.
+
+``cast(x, sbp, dtype)`` is the op ZeRO is written with: a master laid out
+``S(d)`` on the data-parallel mesh axis cast to a compute copy that is
+``B`` there (optionally bf16). Its SBP signature is the boxing's,
+``x.sbp -> sbp``, and its gradient is the boxing's gradient (see
+``boxing.autograd``): arriving ``P`` on an axis where ``x`` is ``S(d)``, it
+is reduce-scattered to ``S(d)``; then converted back to ``x``'s dtype. The
+dtype changes where the tensor is smaller: a narrowing cast (fp32 -> bf16)
+converts the shard before the all-gather and the backward reduce-scatters
+in bf16; a widening one boxes first.
+
+``cast_group(xs, sbps, dtype)`` is the same for many tensors at once, with
+one collective per kind of step (``boxing.coalesced``) in forward and in
+backward: what FSDP's flat parameters and DDP's buckets buy, as a layout
+change of a list. ``cast_many`` is its no-autograd form.
+
+Rematerialisation: inside ``remat_saved()``, the outputs of a cast made with
+``remat=True`` are not kept alive by autograd. An op that saves one, or a
+view of one, for backward (a matmul saves its weight) saves a small handle
+instead; unpacking it in backward casts again without autograd (a group
+casts all its members once and keeps them until the group's backward has
+run). So gathered tensors live only while forward uses them and while
+backward needs them: ZeRO-3's gather on use, free after, gather again.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from .global_tensor import GlobalTensor
+from .layout import Layout
+from .sbp import nd_sbp
+
+
+def _narrowing(x, dtype) -> bool:
+    return dtype is not None and torch.empty((), dtype=dtype).element_size() < x.element_size()
+
+
+class _Convert(torch.autograd.Function):
+    """Dtype change of the locals in any layout; the gradient changes back. (What ``x.to(dtype)``
+    does, without deciding ``_to_copy``'s signature per call.)"""
+
+    @staticmethod
+    def forward(ctx, x, dtype):
+        ctx.dtype = x.dtype
+        return GlobalTensor(x._local.to(dtype), Layout(x.placement, x.sbp, x.shape, dtype))
+
+    @staticmethod
+    def backward(ctx, g):
+        return GlobalTensor(g._local.to(ctx.dtype), Layout(g.placement, g.sbp, g.shape, ctx.dtype)), None
+
+
+def _convert(x: GlobalTensor, dtype) -> GlobalTensor:
+    if dtype is None or x.dtype == dtype:
+        return x
+    if x.requires_grad and torch.is_grad_enabled():
+        return _Convert.apply(x, dtype)
+    return GlobalTensor(x._local.to(dtype), Layout(x.placement, x.sbp, x.shape, dtype))
+
+
+def _box(x: GlobalTensor, placement, sbp) -> GlobalTensor:
+    return x if placement == x.placement and sbp == x.sbp else x.to_global(placement=placement, sbp=sbp)
+
+
+def _check(x, dtype) -> None:
+    if not isinstance(x, GlobalTensor):
+        raise TypeError(f"cast takes global tensors, got {type(x).__name__}")
+    if dtype is not None and not dtype.is_floating_point and x.is_floating_point():
+        raise ValueError(f"cast to {dtype} would truncate a {x.dtype} tensor; cast between floating dtypes")
+
+
+def cast(x: GlobalTensor, sbp=None, dtype: torch.dtype | None = None, placement=None,
+         remat: bool = False) -> GlobalTensor:
+    """``x`` laid out as ``sbp`` on ``placement`` (defaults: x's) in ``dtype`` (default: x's).
+
+    Differentiable; communicates what boxing ``x.sbp -> sbp`` communicates,
+    in the smaller of the two dtypes. With ``remat=True`` the output is
+    rematerialised for backward inside ``remat_saved()`` (module docstring).
+    """
+    _check(x, dtype)
+    placement = x.placement if placement is None else placement
+    sbp = x.sbp if sbp is None else nd_sbp(sbp, placement.ndim)
+    if _narrowing(x, dtype):
+        out = _box(_convert(x, dtype), placement, sbp)
+    else:
+        out = _convert(_box(x, placement, sbp), dtype)
+    if remat and out is not x and out.requires_grad and out._local.numel():
+        _register(out, _Single(x, x._version, placement, sbp, dtype))
+    return out
+
+
+@torch.no_grad()
+def cast_many(tensors, sbps, dtype: torch.dtype | None = None) -> list:
+    """``[cast(t, s, dtype) for ...]`` without autograd; one collective per kind of step and axis."""
+    from .boxing.coalesced import box_many
+
+    tensors = list(tensors)
+    for t in tensors:
+        _check(t, dtype)
+    xs = [_convert(t, dtype) if _narrowing(t, dtype) else t for t in tensors]
+    dsts = [Layout(x.placement, nd_sbp(s, x.placement.ndim), x.shape, x.dtype) for x, s in zip(xs, sbps)]
+    locals_ = box_many([(x._local, x.layout, dst) for x, dst in zip(xs, dsts)])
+    outs = [GlobalTensor(loc, dst) for loc, dst in zip(locals_, dsts)]
+    return [o if _narrowing(t, dtype) else _convert(o, dtype) for o, t in zip(outs, tensors)]
+
+
+class _CastGroup(torch.autograd.Function):
+    """``cast_many`` with a gradient: each input's gradient boxed back to its layout, coalesced."""
+
+    @staticmethod
+    def forward(ctx, sbps, dtype, group, *xs):
+        ctx.layouts = [x.layout for x in xs]
+        ctx.group = group
+        ctx.set_materialize_grads(False)
+        return tuple(cast_many(xs, sbps, dtype))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        from .boxing.autograd import grad_sbp
+        from .boxing.coalesced import box_many
+
+        if ctx.group is not None:
+            ctx.group.release()
+        todo = [(i, g) for i, g in enumerate(grads) if g is not None]
+        items = []
+        for i, g in todo:
+            src = ctx.layouts[i]
+            if any(s.is_partial and s.op != "sum" for s in src.sbp):
+                raise ValueError(f"cast_group's gradient through {src.sbp} (a partial max/min) is not defined")
+            items.append((g._local, g.layout, Layout(src.placement, grad_sbp(src, g.layout), src.shape, g.dtype)))
+        out = [None] * len(grads)
+        for (i, g), local, (_, _, dst) in zip(todo, box_many(items), items):
+            src = ctx.layouts[i]
+            out[i] = GlobalTensor(local.to(src.dtype), Layout(src.placement, dst.sbp, src.shape, src.dtype))
+        return (None, None, None) + tuple(out)
+
+
+def cast_group(xs, sbps, dtype: torch.dtype | None = None, remat: bool = False) -> list:
+    """``[cast(x, s, dtype) for ...]`` as one differentiable op: one collective per kind of step
+    in forward and in backward. ``remat=True``: rematerialised as one group (module docstring)."""
+    xs = list(xs)
+    sbps = [nd_sbp(s, x.placement.ndim) for x, s in zip(xs, sbps)]
+    if not torch.is_grad_enabled() or not any(x.requires_grad for x in xs):
+        return cast_many(xs, sbps, dtype)
+    group = _Group(xs, sbps, dtype) if remat else None
+    outs = list(_CastGroup.apply(sbps, dtype, group, *xs))
+    if group is not None:
+        for i, o in enumerate(outs):
+            if o._local.numel():
+                _register(o, _Member(group, i))
+    return outs
+
+
+# -- rematerialisation ---------------------------------------------------------------
+
+def _check_version(x, version) -> None:
+    if x._version != version:
+        raise RuntimeError(
+            "a tensor a rematerialised cast was made from was modified in place between forward and "
+            f"backward (version {version} -> {x._version}); step the optimizer after backward"
+        )
+
+
+@dataclass
+class _Single:
+    """Rebuilds ``cast(x, sbp, dtype, placement)`` while ``x`` is unchanged."""
+
+    x: GlobalTensor
+    version: int
+    placement: object
+    sbp: tuple
+    dtype: object
+
+    def rebuild(self) -> torch.Tensor:
+        _check_version(self.x, self.version)
+        with torch.no_grad():
+            return cast(self.x, self.sbp, self.dtype, self.placement)._local
+
+
+class _Group:
+    """Rebuilds a ``cast_group``'s outputs together, once, and keeps them until ``release``."""
+
+    def __init__(self, xs, sbps, dtype):
+        self.xs, self.sbps, self.dtype = xs, sbps, dtype
+        self.versions = [x._version for x in xs]
+        self.cache = None
+
+    def local(self, i: int) -> torch.Tensor:
+        if self.cache is None:
+            for x, v in zip(self.xs, self.versions):
+                _check_version(x, v)
+            self.cache = [o._local for o in cast_many(self.xs, self.sbps, self.dtype)]
+        return self.cache[i]
+
+    def release(self) -> None:
+        self.cache = None
+
+
+@dataclass
+class _Member:
+    group: _Group
+    index: int
+
+    def rebuild(self) -> torch.Tensor:
+        return self.group.local(self.index)
+
+
+@dataclass
+class _Handle:
+    """What autograd saves in place of a cast output or a view of it."""
+
+    source: object
+    layout: Layout
+    strides: tuple
+    size: tuple
+    stride: tuple
+    offset: int  # storage offset relative to the cast output's local
+
+
+# storage address of a live remat cast output's local -> (weak ref to the output, its source)
+_live: dict = {}
+
+
+def _register(out: GlobalTensor, source) -> None:
+    key = out._local.untyped_storage().data_ptr()
+
+    def forget(ref, key=key):
+        entry = _live.get(key)
+        if entry is not None and entry[0] is ref:
+            del _live[key]
+
+    _live[key] = (weakref.ref(out, forget), source)
+
+
+def _pack(t):
+    if not isinstance(t, GlobalTensor) or not t._local.numel():
+        return t
+    entry = _live.get(t._local.untyped_storage().data_ptr())
+    base = None if entry is None else entry[0]()
+    if base is None:
+        return t
+    local = t._local
+    return _Handle(entry[1], t.layout, t.stride(), tuple(local.shape), local.stride(),
+                   local.storage_offset() - base._local.storage_offset())
+
+
+def _unpack(h):
+    if not isinstance(h, _Handle):
+        return h
+    base = h.source.rebuild()
+    local = base.as_strided(h.size, h.stride, base.storage_offset() + h.offset)
+    return GlobalTensor(local, h.layout, strides=h.strides)
+
+
+def remat_saved():
+    """Context manager: autograd saves handles, not copies, of outputs of casts made with ``remat=True``."""
+    return torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
