@@ -18,9 +18,10 @@ from toolkit.launcher import launch
 def run(cfg):
     """On every rank."""
     from recipes.registry import get
+    from recipes.zero import apply_zero
     from toolkit.trainer import train
 
-    return train(cfg, get(cfg.recipe.name))
+    return train(cfg, get(cfg.recipe.name), apply_zero)
 
 
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="config")

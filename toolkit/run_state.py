@@ -53,7 +53,13 @@ def resume(job) -> int:
     ckpt.load_optimizer_state_dict(job.optimizer, job.module, out["optim"])
     job.scheduler.load_state_dict(out["scheduler"])
     ckpt.set_rng_state(out["rng"])
+    _refresh(job)
     return int(out["step"])
+
+
+def _refresh(job) -> None:
+    if getattr(job, "zero", None) is not None:  # compute copies from the loaded masters
+        job.zero.refresh()
 
 
 def is_hf_dir(path: str) -> bool:
@@ -78,6 +84,7 @@ def load_hf_into(model, path: str, model_cfg) -> None:
 def load_weights(job, path: str) -> None:
     """Every rank: this rank's stage parameters from our checkpoint at ``path`` (any saved layout)."""
     ckpt.load(path, {"model": job.module.state_dict()}, tied=job.recipe.tied)
+    _refresh(job)
 
 
 def write_tokenizer(job) -> None:

@@ -53,7 +53,7 @@ def _progress(total: int, initial: int, enabled: bool):
 class Job:
     """One rank's share of a training job: its stage module, optimizer, data and pipelined step."""
 
-    def __init__(self, cfg, recipe):
+    def __init__(self, cfg, recipe, zero=None):
         self.cfg, self.recipe = cfg, recipe
         self.layout = lay = validate(cfg, world_size=dist.get_world_size())
         self.rank = rank = dist.get_rank()
@@ -81,8 +81,15 @@ class Job:
         if tr.activation_checkpointing:
             recipe.checkpoint_layers(self.module)
         plan = plan_for_module(self.module, recipe.mesh_plan(bool(cfg.parallel.sequence_parallel)), names)
-        sc.distribute_module(self.module, self.placements[self.stage], plan)
+        self.zero = None
+        if lay.zero:
+            # ZeRO rewrites the plan: masters S on the dp axis, a cast to B feeds the compute.
+            self.module, self.zero = zero(self.module, self.placements[self.stage], plan, stage=lay.zero, dp_axis=0)
+        else:
+            sc.distribute_module(self.module, self.placements[self.stage], plan)
         self.optimizer = build_optimizer(self.module, tr)
+        if self.zero is not None:
+            self.zero.attach(self.optimizer)
         self.scheduler = build_scheduler(self.optimizer, tr)
         rows = lay.micro_batch_size * lay.dp
         seq = int(d.seq_len)
@@ -126,8 +133,9 @@ def _autocast(forward, device_type):
     return run
 
 
-def train(cfg, recipe):
-    job = Job(cfg, recipe)
+def train(cfg, recipe, zero=None):
+    """``zero``: ``recipes.zero.apply_zero`` (passed in: toolkit does not import recipes), used when ``parallel.zero > 0``."""
+    job = Job(cfg, recipe, zero)
     lay, tr = job.layout, cfg.trainer
     peak = float(tr.peak_tflops) if tr.peak_tflops else flops.measured_peak_tflops()
     fpt = flops.model_flops_per_token(cfg.model, int(cfg.data.seq_len), n_params=job.n_params)

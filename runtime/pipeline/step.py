@@ -193,7 +193,11 @@ class PipelineStep:
         return stash.inputs.grad.to_global(sbp=self.cfg.act_sbp)
 
     def _reduce(self, k, outs):
-        sc.box_grads(self.module)
+        zero = getattr(self.module, "_zero", None)  # ZeRO keeps gradients in its masters' layout
+        if zero is not None:
+            zero.sync_grads()
+        else:
+            sc.box_grads(self.module)
         self.tied.sum_grads()
         if self.stage != self.pp - 1:
             return None

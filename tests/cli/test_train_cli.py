@@ -41,7 +41,7 @@ def single(tmp_path_factory, sbp_cache):
     return losses
 
 
-@pytest.mark.parametrize("layout", ["dp2", "tp2", "pp2", "dp2_tp2_pp2", "dp2_tp4_pp2"])
+@pytest.mark.parametrize("layout", ["dp2", "tp2", "pp2", "dp2_tp2_pp2", "dp2_pp2_zero2", "dp2_tp2_zero3", "dp2_tp4_pp2"])
 def test_layout_losses_equal_single(layout, single, sbp_cache, tmp_path):
     out = _train([*TINY, f"parallel={layout}", f"hydra.run.dir={tmp_path}"], sbp_cache)
     assert out.returncode == 0, out.stderr[-3000:]
