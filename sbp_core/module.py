@@ -41,6 +41,16 @@ def _match(plan: dict, name: str):
     return None
 
 
+def _on_mesh(sbp: tuple, placement) -> tuple:
+    """A split over a mesh axis of one device is that device's whole tensor: say ``B``.
+
+    Same values, but ops then see a replicated layout and take their plain
+    signature (a vocab-split LM head on a tp axis of size 1 would otherwise
+    run the model-parallel softmax for nothing).
+    """
+    return tuple(Broadcast() if n == 1 and s.is_split else s for s, n in zip(sbp, placement.shape))
+
+
 # Process-wide, not per thread: CUDA runs backward hooks on the autograd
 # engine's device threads, not on the thread that called backward.
 _deferred = [0]
@@ -92,7 +102,7 @@ def distribute_module(module: nn.Module, placement, plan: dict | None = None) ->
             if id(param) in done:
                 setattr(mod, pname, done[id(param)])
                 continue
-            sbp = nd_sbp(_match(plan, prefix + pname) or broadcast, placement.ndim)
+            sbp = _on_mesh(nd_sbp(_match(plan, prefix + pname) or broadcast, placement.ndim), placement)
             g = distribute(param.detach(), placement, sbp)
             new = nn.Parameter(g, requires_grad=param.requires_grad)
             if new.requires_grad:
@@ -102,12 +112,12 @@ def distribute_module(module: nn.Module, placement, plan: dict | None = None) ->
         for bname, buf in list(mod.named_buffers(recurse=False)):
             if buf is None:
                 continue
-            sbp = nd_sbp(_match(plan, prefix + bname) or broadcast, placement.ndim)
+            sbp = _on_mesh(nd_sbp(_match(plan, prefix + bname) or broadcast, placement.ndim), placement)
             mod._buffers[bname] = distribute(buf, placement, sbp)
         for where in ("input", "output"):
             for pattern, sbp in plan.items():
                 if pattern.endswith(":" + where) and fnmatch.fnmatchcase(mod_name, pattern.rsplit(":", 1)[0]):
-                    _pin(mod, where, nd_sbp(sbp, placement.ndim))
+                    _pin(mod, where, _on_mesh(nd_sbp(sbp, placement.ndim), placement))
     return module
 
 
