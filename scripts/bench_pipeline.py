@@ -1,0 +1,534 @@
+"""Our pipelined GPT-2 (1F1B and GPipe from register quotas) against ``torch.distributed.pipelining``.
+
+    python scripts/bench_pipeline.py [--pp 2|4] [--micro 8] [--steps 6] [--warmup 1]
+
+On ``pp`` local gloo ranks (one rank pool, CPU, one intra-op thread per rank),
+four variants train the same GPT-2 (``--layers 8 --embd 256 --heads 8 --vocab
+8192``, fp32, dropout 0, init ``torch.manual_seed(0)``), cut into ``pp``
+stages of uniform layers (``toolkit.stages``: embeddings on the first stage,
+``ln_f`` and the LM head on the last), global batch ``--batch 16`` x ``--seq
+128`` tokens in ``--micro 8`` micro-batches, AdamW(lr 1e-3, wd 0.1). All four
+live on the same ranks of one pool for the whole run:
+
+- ``ours 1f1b`` / ``ours gpipe``: ``scripts.verify_pipeline.build(1, 1, pp,
+  ...)``, a ``runtime.pipeline.PipelineStep`` whose order comes from the
+  activation stash's quota (``pp - s`` or ``m``) and backward-first priority;
+- ``torch 1F1B`` / ``torch GPipe``: ``PipelineStage`` + ``Schedule1F1B`` /
+  ``ScheduleGPipe`` over the same stage modules, split by hand with
+  ``toolkit.stages.keep_stage`` (no tracing); a wrapper returns the stage's
+  hidden states (or logits), and the schedule's ``loss_fn`` is
+  ``GPT2LMHeadModel``'s next-token cross-entropy (``scale_grads`` divides by
+  ``m`` as we divide each micro-batch's loss by ``m``; ``return_outputs=False``).
+
+Tied embedding / LM head, the same on both sides: the first and last stage
+copies start equal; after the micro-batches their gradients are summed (ours
+by cross-placement boxing, ``runtime.pipeline.tied``; the peer by a 2-rank
+``all_reduce``), then AdamW steps. The printed per-step losses of the four
+variants agree (~1e-7), so they compute the same thing.
+
+**Throughput.** After ``--warmup`` untimed steps and one untimed, sampled
+memory step per variant, ``--steps`` timed steps of each run round-robin
+(the order rotates every round, so load from other processes hits all
+alike): every rank waits on a barrier and times its step (schedule, tied
+gradients, optimizer); a step's time is the max over ranks, a variant's the
+median over its steps; tokens/s = batch x seq / that.
+
+**Memory.** Peak bytes of C heap in use (glibc ``mallinfo2``: in-use arena
+plus mmapped chunks of every thread; torch's CPU tensors live there; RSS
+where glibc is missing), sampled every ~0.2 ms by a thread during the memory
+step, minus the heap in use when the step starts (parameters, AdamW state,
+persistent buffers). That is what a step adds — saved activations, stage
+outputs held for backward, gradients, boundary and receive buffers — without
+RSS's noise (freed pages, allocator caching, other variants' leftovers).
+MKL keeps ~12 MB of GEMM buffers per OS thread from its first matmul to the
+thread's exit; our executor starts its threads per step, so the peer's
+sampled step runs on a fresh thread too and both windows contain them. Not
+counted: buffers a runtime keeps across steps (the peer's ``m`` receive
+buffers per direction, 2 MB per rank here). ``saved MB`` is exact and
+counts activations only: the peak bytes of distinct non-parameter storages
+that autograd saved for backward (``saved_tensors_hooks`` around each stage
+forward and the loss). Ratios use the heap of the worst rank.
+
+**Schedule.** Per stage, the bubble — the fraction of a step in which the
+stage runs neither a forward nor a backward, ``runtime.pipeline.timeline
+.bubble`` on ours' executor trace and on the peer's timed
+``forward_one_chunk`` (+ loss) and ``backward_one_chunk``, median over the
+timed steps — next to the theory ``(p-1)/(m+p-1)``; and the most
+micro-batches held between forward and backward in the memory step.
+
+**Where the time goes.** Per stage, the mean time of each action over the
+timed steps and how often it runs per step: forward and backward per
+micro-batch, the boundary actors (cut, assemble; send and receive, which
+include waiting for the peer), the per-step gradient reduction (tied
+gradients) and update (AdamW + zero_grad); then ours minus the peer's in ms
+per step, and which action was running when each sampled step's heap
+peaked.
+
+Last line: ``vs Schedule1F1B: X.XXx throughput, Y.YYx peak memory; vs
+ScheduleGPipe: X.XXx, Y.YYx`` (ours / theirs: throughput above 1 and memory
+below 1 favour ours).
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import functools
+import gc
+import os
+import re
+import statistics
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from recipes.gpt2.model import GPT2Config, GPT2LMHeadModel  # noqa: E402
+from recipes.gpt2.plan import PIPELINE  # noqa: E402
+from runtime.pipeline.timeline import bubble, peak_held, theory  # noqa: E402
+from toolkit.stages import keep_stage, stage_ranges  # noqa: E402
+
+VARIANTS = ("ours 1f1b", "torch 1F1B", "ours gpipe", "torch GPipe")
+ADAMW = dict(lr=1e-3, weight_decay=0.1)
+MB = 1 << 20
+
+
+# -- measurement ---------------------------------------------------------------------------
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _heap_reader():
+    """``() -> bytes`` of C heap in use (glibc), or of resident memory where mallinfo2 is missing."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = _MallInfo2
+
+        def heap():
+            m = libc.mallinfo2()
+            return m.uordblks + m.hblkhd
+
+        heap()
+        return heap
+    except (OSError, AttributeError):
+        page = os.sysconf("SC_PAGE_SIZE")
+
+        def rss():
+            with open("/proc/self/statm") as f:
+                return int(f.read().split()[1]) * page
+
+        return rss
+
+
+HEAP = _heap_reader()
+
+
+class HeapPeak:
+    """Samples ``HEAP()`` on a thread between ``start`` and ``stop``; ``stop`` returns the peak."""
+
+    def __init__(self, every: float = 2e-4):
+        self.every, self.peak, self.when, self._on, self._thread = every, 0, 0.0, False, None
+
+    def _loop(self):
+        while self._on:
+            self._sample()
+            time.sleep(self.every)
+
+    def _sample(self):
+        h = HEAP()
+        if h > self.peak:
+            self.peak, self.when = h, time.time()
+
+    def start(self):
+        self.peak, self.when, self._on = HEAP(), time.time(), True
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> int:
+        self._on = False
+        self._thread.join()
+        self._sample()
+        return self.peak
+
+
+class SavedActivations:
+    """Peak bytes of distinct non-parameter storages autograd holds for backward, while ``on``."""
+
+    def __init__(self, params):
+        self.skip = {_storage(p)[0] for p in params}
+        self.live, self.peak, self.on = {}, 0, False
+        self._bytes, self._lock = 0, threading.Lock()
+
+    def reset(self):
+        self.peak, self.on = self._bytes, True
+
+    def _pack(self, t):
+        key, nbytes = _storage(t)
+        if key in self.skip or not nbytes:
+            return t
+        with self._lock:
+            n, _ = self.live.get(key, (0, nbytes))
+            self.live[key] = (n + 1, nbytes)
+            if n == 0:
+                self._bytes += nbytes
+                self.peak = max(self.peak, self._bytes)
+        return _Held(t, key, self)
+
+    def _drop(self, key):
+        with self._lock:
+            n, nbytes = self.live[key]
+            if n == 1:
+                del self.live[key]
+                self._bytes -= nbytes
+            else:
+                self.live[key] = (n - 1, nbytes)
+
+    def wrap(self, fn):
+        """``fn`` run under the counting hooks (on whatever thread calls it) while ``on``."""
+        @functools.wraps(fn)
+        def counted(*a, **k):
+            if not self.on:
+                return fn(*a, **k)
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
+                return fn(*a, **k)
+
+        return counted
+
+
+class _Held:
+    __slots__ = ("t", "key", "owner")
+
+    def __init__(self, t, key, owner):
+        self.t, self.key, self.owner = t, key, owner
+
+    def __del__(self):
+        self.owner._drop(self.key)
+
+
+def _unpack(x):
+    return x.t if isinstance(x, _Held) else x
+
+
+def _storage(t):
+    local = getattr(t, "_local", t)  # a GlobalTensor's local shard
+    s = local.untyped_storage()
+    return s.data_ptr(), s.nbytes()
+
+
+# -- the two implementations ---------------------------------------------------------------
+
+def _batch(step: int, vocab: int, batch: int, seq: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randint(0, vocab, (batch, seq), generator=g)
+
+
+def next_token_loss(logits, labels):
+    """``GPT2LMHeadModel``'s loss: cross-entropy of position ``t``'s logits against token ``t + 1``."""
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+
+
+class StageOutput(nn.Module):
+    """A stage of ``GPT2LMHeadModel`` returning one tensor (hidden states, or logits on the last stage)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        return self.model(x)[0]
+
+
+class Ours:
+    def __init__(self, o, schedule):
+        from scripts.verify_pipeline import build
+
+        batch_of = functools.partial(_batch, vocab=o.vocab, batch=o.batch, seq=o.seq)
+        self.step_, module = build(1, 1, o.pp, o.micro, schedule, True, _cfg(o), batch_of, o.seq, o.batch)
+        self.params = list(module.parameters())
+        self.acts = SavedActivations(self.params)
+        module.forward = self.acts.wrap(module.forward)
+
+    def step(self, i):
+        return self.step_.step(i)
+
+    def events(self):
+        return self.step_.last_trace.wall_events()
+
+
+class Theirs:
+    def __init__(self, o, schedule, tied_group):
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        self.o, self.tied_group = o, tied_group
+        self.rank = dist.get_rank()
+        self.stage = s = self.rank
+        torch.manual_seed(0)
+        model = keep_stage(GPT2LMHeadModel(_cfg(o)), PIPELINE, stage_ranges(o.layers, o.pp), s)
+        self.module = StageOutput(model)
+        self.params = list(self.module.parameters())
+        self.tied = model.transformer.wte.weight if s == 0 else model.lm_head.weight if s == o.pp - 1 else None
+        self.opt = torch.optim.AdamW(self.params, **ADAMW)
+        self.acts = SavedActivations(self.params)
+        self.module.forward = self.acts.wrap(self.module.forward)
+        self.pstage = PipelineStage(self.module, s, o.pp, torch.device("cpu"))
+        self._events = []
+        self._time(self.pstage, "forward_one_chunk", "F")
+        self._time(self.pstage, "backward_one_chunk", "B")
+        cls = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
+        # The loss is timed as part of the forward it follows (ours computes it inside the forward).
+        self.schedule = cls(self.pstage, o.micro, loss_fn=self._timed_loss(self.acts.wrap(next_token_loss)))
+
+    def _time(self, obj, method, kind):
+        fn = getattr(obj, method)
+        name = f"s{self.stage}.{kind}@{self.rank}"
+
+        def timed(chunk, *a, **k):
+            t = time.time()
+            out = fn(chunk, *a, **k)
+            self._events.append((name, t, time.time(), chunk))
+            return out
+
+        setattr(obj, method, timed)
+
+    def _timed_loss(self, fn):
+        def loss(*a):
+            out = fn(*a)
+            if self._events and ".F@" in self._events[-1][0]:  # not during the schedule's shape inference
+                name, t, _, chunk = self._events[-1]
+                self._events[-1] = (name, t, time.time(), chunk)
+            return out
+
+        return loss
+
+    def step(self, i):
+        o, s, last = self.o, self.stage, self.stage == self.o.pp - 1
+        self._events = []
+        ids, losses = _batch(i, o.vocab, o.batch, o.seq), []
+        if s == 0:
+            self.schedule.step(ids, return_outputs=False)
+        elif last:
+            self.schedule.step(target=ids, losses=losses, return_outputs=False)
+        else:
+            self.schedule.step(return_outputs=False)
+        t = time.time()
+        if self.tied is not None and o.pp > 1:
+            dist.all_reduce(self.tied.grad, group=self.tied_group)
+        t1 = time.time()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self._events += [(f"s{s}.reduce@{self.rank}", t, t1, 0), (f"s{s}.update@{self.rank}", t1, time.time(), 0)]
+        return float(torch.stack(losses).detach().mean()) if last else None
+
+    def events(self):
+        return list(self._events)
+
+
+def _cfg(o) -> GPT2Config:
+    return GPT2Config(vocab_size=o.vocab, n_positions=o.seq, n_embd=o.embd, n_layer=o.layers, n_head=o.heads,
+                      embd_pdrop=0.0, resid_pdrop=0.0, attn_pdrop=0.0)
+
+
+# -- the worker ----------------------------------------------------------------------------
+
+def _on_fresh_thread(fn, *args):
+    """``fn(*args)`` on a new OS thread; its result, or its exception re-raised here."""
+    out = {}
+
+    def body():
+        try:
+            out["value"] = fn(*args)
+        except BaseException as exc:  # noqa: BLE001  (re-raised in the caller)
+            out["error"] = exc
+
+    t = threading.Thread(target=body)
+    t.start()
+    t.join()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
+def _memory_step(v, i):
+    """One step sampled: ``(heap growth peak, saved activations peak, loss, peak's wall time, events)``.
+
+    MKL keeps GEMM packing buffers per OS thread (~12 MB here), allocated at
+    a thread's first matmul and freed at its exit. Our executor starts its
+    queue threads per step, so its step pays them; the peer's step runs on
+    the rank's main thread, which keeps them from warm-up on, outside the
+    window. Running the peer's sampled step on a fresh thread puts them
+    inside the window on both sides.
+    """
+    gc.collect()
+    dist.barrier()
+    pre, sampler = HEAP(), HeapPeak()
+    v.acts.reset()
+    sampler.start()
+    loss = v.step(i) if isinstance(v, Ours) else _on_fresh_thread(v.step, i)
+    peak = sampler.stop()
+    v.acts.on = False
+    return peak - pre, v.acts.peak, loss, sampler.when, v.events()
+
+
+def worker(o):
+    """Every rank: build each variant, warm it up, measure its memory; then timed steps round-robin."""
+    rank = dist.get_rank()
+    tied_group = dist.new_group([0, o.pp - 1]) if o.pp > 1 else None
+    variants, out = {}, {"stage": rank, "mem": {}, "times": {n: [] for n in VARIANTS},
+                         "losses": {n: {} for n in VARIANTS}, "events": {n: [] for n in VARIANTS}}
+    for name in VARIANTS:
+        v = Ours(o, name.split()[1]) if name.startswith("ours") else Theirs(o, name.split()[1].lower(), tied_group)
+        for i in range(o.warmup):
+            out["losses"][name][i] = v.step(i)
+        step_peak, saved, loss, when, events = _memory_step(v, o.warmup)
+        out["losses"][name][o.warmup] = loss
+        out["mem"][name] = dict(step=step_peak, saved=saved, when=when, events=events)
+        variants[name] = v
+    first = o.warmup + 1
+    for k in range(o.steps):
+        order = VARIANTS[k % len(VARIANTS):] + VARIANTS[:k % len(VARIANTS)]
+        for name in order:
+            dist.barrier()
+            t = time.perf_counter()
+            out["losses"][name][first + k] = variants[name].step(first + k)
+            out["times"][name].append(time.perf_counter() - t)
+            out["events"][name].append(variants[name].events())
+    return out
+
+
+# -- reporting -----------------------------------------------------------------------------
+
+_KIND = re.compile(r"^s\d+\.(F|B|data|reduce|update|act\.cut|act\.assemble|grad\.cut|grad\.assemble)")
+
+
+def _kind(name: str) -> str:
+    """An action's kind: ``F``, ``B``, ``act.cut``, ``send grad``, ... (``other`` for the rest)."""
+    if name.startswith(("send:", "recv:")):
+        way, src = name.split(":", 1)
+        return f"{way} " + ("act" if ".act." in src else "grad" if ".grad." in src else "loss")
+    m = _KIND.match(name)
+    return m.group(1) if m else "other"
+
+
+def _actions(per_step_events):
+    """``{kind: (mean ms per action, actions per step)}`` and busy F+B seconds per step."""
+    total, count, fb = {}, {}, 0.0
+    for events in per_step_events:
+        for name, start, end, _ in events:
+            k = _kind(name)
+            total[k] = total.get(k, 0.0) + (end - start)
+            count[k] = count.get(k, 0) + 1
+            if k in ("F", "B"):
+                fb += end - start
+    n = len(per_step_events)
+    return {k: (total[k] / count[k] * 1e3, count[k] / n) for k in total}, fb / n
+
+
+def _running(mem) -> str:
+    """The compute action (forward, backward, reduce, update) of the sampled step that ran at its heap peak."""
+    when = mem["when"]
+    for name, start, end, piece in mem["events"]:
+        if start <= when <= end and _kind(name) in ("F", "B", "reduce", "update"):
+            return f"{_kind(name)}{piece if _kind(name) in ('F', 'B') else ''}"
+    return "between actions"
+
+
+def report(res, o) -> str:
+    lines = []
+    tokens = o.batch * o.seq
+    step_time = {n: statistics.median(max(r["times"][n][k] for r in res) for k in range(o.steps)) for n in VARIANTS}
+    mem = {n: max(r["mem"][n]["step"] for r in res) for n in VARIANTS}
+    losses = {n: {i: x for r in res for i, x in r["losses"][n].items() if x is not None} for n in VARIANTS}
+    ref = losses[VARIANTS[1]]
+    worst = max(abs(losses[n][i] - ref[i]) / abs(ref[i]) for n in VARIANTS for i in ref)
+    lines.append(f"GPT-2 {o.layers} layers x {o.embd} (vocab {o.vocab}), pp={o.pp}, m={o.micro}, "
+                 f"batch {o.batch} x seq {o.seq} = {tokens} tokens/step, {o.steps} timed steps after {o.warmup}+1")
+    lines.append(f"loss per step agrees across the 4 variants: max rel diff {worst:.1e} "
+                 f"(step 0 loss {ref[0]:.4f}, last {ref[max(ref)]:.4f})")
+    lines.append("")
+    head = f"{'variant':12s} {'step ms':>9s} {'tokens/s':>9s}"
+    for r in res:
+        head += f" {'heap MB s' + str(r['stage']):>11s} {'saved MB s' + str(r['stage']):>12s}"
+    lines.append(head)
+    for n in VARIANTS:
+        row = f"{n:12s} {step_time[n] * 1e3:9.0f} {tokens / step_time[n]:9.0f}"
+        for r in res:
+            row += f" {r['mem'][n]['step'] / MB:11.1f} {r['mem'][n]['saved'] / MB:12.1f}"
+        lines.append(row)
+    lines.append("")
+    lines.append(f"{'ours / torch':14s} {'throughput':>10s} {'peak heap':>10s}")
+    ratios = {}
+    for ours, theirs in (("ours 1f1b", "torch 1F1B"), ("ours gpipe", "torch GPipe")):
+        ratios[ours] = (step_time[theirs] / step_time[ours], mem[ours] / mem[theirs])
+        lines.append(f"{ours[5:] + ' vs ' + theirs[6:]:14s} {ratios[ours][0]:9.2f}x {ratios[ours][1]:9.2f}x")
+    lines.append("")
+    th = theory(o.pp, o.micro)
+    lines.append(f"per stage: bubble (median over the timed steps; theory (p-1)/(m+p-1) = {th:.2f}) and the most "
+                 "micro-batches held between forward and backward")
+    for n in VARIANTS:
+        per_step = [bubble({r["stage"]: r["events"][n][k] for r in res}) for k in range(o.steps)]
+        med = {s: statistics.median(b[s] for b in per_step) for s in sorted(per_step[0])}
+        held = {r["stage"]: peak_held(r["mem"][n]["events"]) for r in res}
+        lines.append(f"  {n:12s} bubble " + ", ".join(f"s{s} {x:.2f}" for s, x in med.items())
+                     + "   held " + ", ".join(f"s{s} {held[s]}" for s in sorted(held)))
+    lines.append("")
+    lines.append("where the time goes: ms per action, mean over the timed steps [actions per step]; "
+                 "send/recv include waiting for the peer")
+    order = ("F", "B", "data", "act.cut", "act.assemble", "grad.cut", "grad.assemble", "send act", "recv act",
+             "send grad", "recv grad", "reduce", "update", "send loss", "recv loss", "other")
+    per_step = {}
+    for n in VARIANTS:
+        mean_step = statistics.mean(max(r["times"][n][k] for r in res) for k in range(o.steps))
+        for r in sorted(res, key=lambda r: r["stage"]):
+            acts, fb = _actions(r["events"][n])
+            per_step[n, r["stage"]] = {k: acts[k][0] * acts[k][1] for k in acts}
+            parts = [f"{k} {acts[k][0]:.1f}[{acts[k][1]:g}]" for k in order if k in acts]
+            lines.append(f"  {n:12s} s{r['stage']}: F+B {fb * 1e3:.0f} of {mean_step * 1e3:.0f} ms/step; " + " ".join(parts))
+    lines.append("ours - torch, ms per step: " + "; ".join(
+        f"{ours[5:]} s{st}: " + " ".join(f"{k} {per_step[ours, st].get(k, 0) - per_step[theirs, st].get(k, 0):+.0f}"
+                                         for k in ("F", "B", "reduce", "update"))
+        for ours, theirs in (("ours 1f1b", "torch 1F1B"), ("ours gpipe", "torch GPipe")) for st in range(o.pp)))
+    lines.append("heap peak during (per stage, the compute action running when the sampled step's heap peaked):")
+    for n in VARIANTS:
+        lines.append(f"  {n:12s} " + "; ".join(f"s{r['stage']} {_running(r['mem'][n])}" for r in sorted(res, key=lambda r: r["stage"])))
+    (t1, m1), (tg, mg) = ratios["ours 1f1b"], ratios["ours gpipe"]
+    lines.append(f"vs Schedule1F1B: {t1:.2f}x throughput, {m1:.2f}x peak memory; vs ScheduleGPipe: {tg:.2f}x, {mg:.2f}x")
+    return "\n".join(lines)
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--pp", type=int, default=2, choices=(2, 4))
+    ap.add_argument("--micro", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--embd", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=16)
+    o = ap.parse_args(argv)
+    if o.batch % o.micro or o.layers % o.pp:
+        ap.error(f"--batch {o.batch} must divide into --micro {o.micro} and --layers {o.layers} into --pp {o.pp}")
+    return o
+
+
+def main(argv=None) -> str:
+    from toolkit.rank_pool import get_pool
+
+    o = parse(argv)
+    res = get_pool(o.pp, timeout=120.0).run(worker, o, call_timeout=900.0)
+    text = report(res, o)
+    print(text, flush=True)
+    return text
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,19 @@
+"""scripts/bench_pipeline.py end to end on a tiny GPT-2: the table and the summary line print (no timing checks)."""
+import re
+
+from scripts.bench_pipeline import VARIANTS, main
+
+TINY = ["--layers", "2", "--embd", "32", "--heads", "2", "--vocab", "128", "--seq", "16", "--batch", "4",
+        "--micro", "2", "--steps", "1", "--warmup", "0"]
+
+
+def test_bench_pipeline_prints_table_and_summary(capsys):
+    text = main(TINY)
+    assert capsys.readouterr().out.strip() == text.strip()
+    for name in VARIANTS:
+        assert re.search(rf"^{re.escape(name)}\s+\d+\s+\d+", text, re.M), f"no table row for {name}"
+    assert "loss per step agrees" in text
+    assert re.search(r"bubble s0 [\d.]+, s1 [\d.]+", text)
+    last = text.strip().splitlines()[-1]
+    assert re.fullmatch(r"vs Schedule1F1B: \d+\.\d\dx throughput, \d+\.\d\dx peak memory; "
+                        r"vs ScheduleGPipe: \d+\.\d\dx, \d+\.\d\dx", last), last
