@@ -34,9 +34,9 @@ ACT_SBP = (S0, B)
 
 
 def mesh_plan(sequence_parallel: bool = False) -> dict:
-    """The plan on a ``(dp, tp)`` mesh: each entry ``(B, tp-axis SBP)``."""
+    """The plan on a ``(dp, tp)`` mesh: parameters ``(B, tp SBP)``; activation pins ``(S(0), tp SBP)`` (batch split over dp)."""
     pins = SEQUENCE_PARALLEL if sequence_parallel else RESIDUAL_WHOLE
-    return {k: (B, v) for k, v in {**TENSOR_PARALLEL, **pins}.items()}
+    return {**{k: (B, v) for k, v in TENSOR_PARALLEL.items()}, **{k: (S0, v) for k, v in pins.items()}}
 
 
 def stage_forward(module, x, labels=None):

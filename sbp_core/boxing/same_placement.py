@@ -31,6 +31,8 @@ def box_axis(local: torch.Tensor, placement, state: tuple, axis: int, new, shape
     ranks = placement.axis_ranks(axis, me)
     index = coords[axis]
     p = len(ranks)
+    if p == 1:  # one device on this axis: every layout is its whole (local) tensor
+        return local
     view = view_shape(shape, placement.shape, state, coords, axis)
     if old.is_split:
         if new.is_split:
