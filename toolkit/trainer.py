@@ -82,6 +82,9 @@ class Job:
             recipe.checkpoint_layers(self.module)
         plan = plan_for_module(self.module, recipe.mesh_plan(bool(cfg.parallel.sequence_parallel)), names)
         self.zero = None
+        if lay.zero and zero is None:
+            raise ValueError(f"parallel.zero={lay.zero} needs ZeRO's apply function: call "
+                             "train(cfg, recipe, recipes.zero.apply_zero) as train.py does")
         if lay.zero:
             # ZeRO rewrites the plan: masters S on the dp axis, a cast to B feeds the compute.
             self.module, self.zero = zero(self.module, self.placements[self.stage], plan, stage=lay.zero, dp_axis=0)
