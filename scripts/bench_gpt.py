@@ -81,14 +81,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import gc
 import importlib
 import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
 
 import torch
@@ -96,41 +94,15 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from scripts.heap import HeapPeak, heap_bytes  # noqa: E402
+
 MB = 1 << 20
 PAIRS = (("dp2", "DDP"), ("tp2", "DTensor-TP"), ("pp2", "torch-PP"), ("single", "torch"))
 
 
 # -- memory --------------------------------------------------------------------------------
 
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
-                 "keepcost")]
-
-
-def _heap_bytes():
-    """``() -> bytes`` of C heap in use (glibc ``mallinfo2``); resident bytes where it is missing."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallinfo2.restype = _MallInfo2
-
-        def heap():
-            m = libc.mallinfo2()
-            return m.uordblks + m.hblkhd
-
-        heap()
-        return heap
-    except (OSError, AttributeError):
-        page = os.sysconf("SC_PAGE_SIZE")
-
-        def rss():
-            with open("/proc/self/statm") as f:
-                return int(f.read().split()[1]) * page
-
-        return rss
-
-
-HEAP = _heap_bytes()
+HEAP = heap_bytes
 
 
 def _settled_heap() -> int:
@@ -141,22 +113,13 @@ def _settled_heap() -> int:
 def _step_high_water(step) -> tuple:
     """``(step's return value, heap high-water above the start)`` of ``step()``, sampled on a thread."""
     gc.collect()
-    start = HEAP()
-    peak, on = [start], [True]
-
-    def sample():
-        while on[0]:
-            peak[0] = max(peak[0], HEAP())
-            time.sleep(2e-4)
-
-    t = threading.Thread(target=sample, daemon=True)
-    t.start()
+    start, sampler = HEAP(), HeapPeak()
+    sampler.start()
     try:
         out = step()
     finally:
-        on[0] = False
-        t.join()
-    return out, max(peak[0], HEAP()) - start
+        peak = sampler.stop()
+    return out, peak - start
 
 
 # -- the variants ----------------------------------------------------------------------------

@@ -71,7 +71,6 @@ below 1 favour ours).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import functools
 import gc
 import os
@@ -91,6 +90,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from recipes.gpt2.model import GPT2Config, GPT2LMHeadModel  # noqa: E402
 from recipes.gpt2.plan import PIPELINE  # noqa: E402
 from runtime.pipeline.timeline import bubble, peak_held, theory  # noqa: E402
+from scripts.heap import HeapPeak, heap_bytes  # noqa: E402
 from toolkit.stages import keep_stage, stage_ranges  # noqa: E402
 
 VARIANTS = ("ours 1f1b", "torch 1F1B", "ours gpipe", "torch GPipe")
@@ -100,62 +100,7 @@ MB = 1 << 20
 
 # -- measurement ---------------------------------------------------------------------------
 
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
-
-
-def _heap_reader():
-    """``() -> bytes`` of C heap in use (glibc), or of resident memory where mallinfo2 is missing."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallinfo2.restype = _MallInfo2
-
-        def heap():
-            m = libc.mallinfo2()
-            return m.uordblks + m.hblkhd
-
-        heap()
-        return heap
-    except (OSError, AttributeError):
-        page = os.sysconf("SC_PAGE_SIZE")
-
-        def rss():
-            with open("/proc/self/statm") as f:
-                return int(f.read().split()[1]) * page
-
-        return rss
-
-
-HEAP = _heap_reader()
-
-
-class HeapPeak:
-    """Samples ``HEAP()`` on a thread between ``start`` and ``stop``; ``stop`` returns the peak."""
-
-    def __init__(self, every: float = 2e-4):
-        self.every, self.peak, self.when, self._on, self._thread = every, 0, 0.0, False, None
-
-    def _loop(self):
-        while self._on:
-            self._sample()
-            time.sleep(self.every)
-
-    def _sample(self):
-        h = HEAP()
-        if h > self.peak:
-            self.peak, self.when = h, time.time()
-
-    def start(self):
-        self.peak, self.when, self._on = HEAP(), time.time(), True
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-        self._thread.start()
-
-    def stop(self) -> int:
-        self._on = False
-        self._thread.join()
-        self._sample()
-        return self.peak
+HEAP = heap_bytes
 
 
 class SavedActivations:
