@@ -31,6 +31,9 @@ def _global_strides(shape, local: torch.Tensor) -> tuple:
 
 
 class GlobalTensor(torch.Tensor):
+    # Slots: the dispatcher sets both on every output, and a slot store skips creating
+    # the instance __dict__ (other attributes, e.g. nn.Parameter's, still go there).
+    __slots__ = ("_local", "_layout")
     _local: torch.Tensor
     _layout: Layout
 
@@ -100,9 +103,24 @@ class GlobalTensor(torch.Tensor):
         return self.to_global(sbp=tuple(Broadcast() for _ in self.sbp)).to_local()
 
     # -- dispatch -----------------------------------------------------------
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        return _dispatch(func, args, kwargs or {})
+    # ``__torch_dispatch__`` is ``sbp_core.dispatch.dispatch`` itself (set below): one
+    # Python frame per op, not two.
+
+
+_make_wrapper = torch.Tensor._make_wrapper_subclass
+_strided = torch.strided
+
+
+def wrap(local: torch.Tensor, layout: Layout, strides) -> GlobalTensor:
+    """``GlobalTensor(local, layout, strides=strides)`` for the dispatcher's outputs (no gradient:
+    autograd attaches one to op outputs itself). Arguments are positional, (size, strides,
+    storage_offset, memory_format, dtype, layout, device): keywords cost 2.7k instructions a call."""
+    out = _make_wrapper(GlobalTensor, layout.shape, strides, None, None, layout.dtype, _strided, local.device)
+    out._local = local
+    out._layout = layout
+    return out
 
 
 from .dispatch import dispatch as _dispatch  # noqa: E402  (dispatch needs GlobalTensor defined)
+
+GlobalTensor.__torch_dispatch__ = classmethod(_dispatch)
