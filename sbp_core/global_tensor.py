@@ -44,7 +44,7 @@ class GlobalTensor(torch.Tensor):
     @staticmethod
     def __new__(cls, local: torch.Tensor, layout: Layout, requires_grad: bool = False, strides=None):
         if strides is None:
-            strides = _global_strides(layout.shape, local)
+            strides = layout.strides if local.is_contiguous() else _global_strides(layout.shape, local)
         out = torch.Tensor._make_wrapper_subclass(
             cls,
             layout.shape,
@@ -85,16 +85,19 @@ class GlobalTensor(torch.Tensor):
 
     def to_global(self, placement=None, sbp=None) -> "GlobalTensor":
         """Box to ``sbp`` on ``placement`` (either defaults to the current one)."""
-        from .boxing.autograd import Boxing
-
-        placement = self.placement if placement is None else placement
-        sbp = self.sbp if sbp is None else nd_sbp(sbp, placement.ndim)
+        src = self._layout
+        try:
+            dst = _targets[(src, placement, sbp)]
+        except (KeyError, TypeError):  # TypeError: an unhashable sbp (a list)
+            dst = _target(src, placement, sbp)
         if self.requires_grad and torch.is_grad_enabled():
-            return Boxing.apply(self, placement, sbp)
+            from .boxing.autograd import Boxing
+
+            return Boxing.apply(self, dst)
         from .boxing import box
 
-        dst = Layout(placement, sbp, self.shape, self.dtype)
-        return GlobalTensor(box(self._local, self._layout, dst), dst)
+        local = box(self._local, src, dst)
+        return wrap(local, dst, dst.strides if local.is_contiguous() else _global_strides(dst.shape, local))
 
     def full_tensor(self) -> torch.Tensor:
         """The whole global tensor on every member rank (all-gather / all-reduce as needed)."""
@@ -105,6 +108,22 @@ class GlobalTensor(torch.Tensor):
     # -- dispatch -----------------------------------------------------------
     # ``__torch_dispatch__`` is ``sbp_core.dispatch.dispatch`` itself (set below): one
     # Python frame per op, not two.
+
+
+_targets: dict = {}  # (layout, placement arg, sbp arg) -> the layout to_global boxes to
+
+
+def _target(src: Layout, placement, sbp) -> Layout:
+    """Validate ``to_global``'s arguments once per (layout, arguments) and cache the destination."""
+    pl = src.placement if placement is None else placement
+    dst = Layout(pl, src.sbp if sbp is None else nd_sbp(sbp, pl.ndim), src.shape, src.dtype)
+    try:
+        if len(_targets) >= 1 << 14:
+            _targets.clear()
+        _targets[(src, placement, sbp)] = dst
+    except TypeError:
+        pass
+    return dst
 
 
 _make_wrapper = torch.Tensor._make_wrapper_subclass

@@ -123,7 +123,7 @@ class Layout:
     pickles by value and re-interns on load.
     """
 
-    __slots__ = ("placement", "sbp", "shape", "dtype", "__weakref__")
+    __slots__ = ("placement", "sbp", "shape", "dtype", "strides", "__weakref__")
     _interned: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
 
     def __new__(cls, placement, sbp, shape, dtype):
@@ -137,6 +137,8 @@ class Layout:
                     lay = object.__new__(cls)
                     for name, value in zip(cls.__slots__, key):
                         object.__setattr__(lay, name, value)
+                    # Dense row-major strides of the global shape: what a contiguous shard's wrapper reports.
+                    object.__setattr__(lay, "strides", strides_in_order(shape, range(len(shape))))
                     cls._interned[key] = lay
         return lay
 

@@ -84,9 +84,8 @@ class Boxing(torch.autograd.Function):
     """``GlobalTensor -> GlobalTensor`` with the same value in another layout."""
 
     @staticmethod
-    def forward(ctx, x: GlobalTensor, placement, sbp: tuple):
+    def forward(ctx, x: GlobalTensor, dst: Layout):
         src = x.layout
-        dst = Layout(placement, tuple(sbp), src.shape, src.dtype)
         ctx.src = src
         ctx.set_materialize_grads(False)
         ctx.x_local = x._local if _extremum_axes(src.sbp) else None
@@ -95,11 +94,11 @@ class Boxing(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         if grad is None:
-            return None, None, None
+            return None, None
         src = ctx.src
         target = grad_sbp(src, grad.layout)
         local = _boxed_grad(grad, src, ctx.x_local, target)
-        return GlobalTensor(local, src.with_sbp(target)), None, None
+        return GlobalTensor(local, src.with_sbp(target)), None
 
 
 class FromLocal(torch.autograd.Function):
