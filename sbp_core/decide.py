@@ -20,9 +20,11 @@ from .boxing.nd_plan import plan
 from .global_tensor import GlobalTensor, NoSbpRule
 from .layout import Layout, local_shape
 from .local_call import local_callable
-from .ops.registry import Call, TensorMeta, lookup
+from .ops.registry import Call, Sig, TensorMeta, lookup
 from .process_groups import world_rank
-from .sbp import format_sbp
+from .sbp import Broadcast, format_sbp
+
+_B = Broadcast()
 
 # How the hot path wraps an op's output (``Decision.wrap``).
 WRAP_ONE, WRAP_SEQ, WRAP_TREE = 0, 1, 2
@@ -125,7 +127,12 @@ def _choose(func, flat, spec, gpos, placement) -> Decision:
     d.out_spec = out_spec
     d.meta_out = out
     d.plain = d.direct_local = False
-    call = Call(func, rargs, rkwargs, metas, 1, 0, placement.shape, actual)
+    # On a mesh axis of one device every SBP is the whole tensor: rules see B there and get
+    # the op's plain signature (no model-parallel loss or masked lookup for nothing), and
+    # inputs keep their layout on that axis (no boxing).
+    single = [n == 1 for n in placement.shape]
+    seen = [tuple(_B if one else x for one, x in zip(single, a)) for a in actual] if any(single) else actual
+    call = Call(func, rargs, rkwargs, metas, 1, 0, placement.shape, seen)
     if entry.decompose_when is not None and entry.decompose_when(call):
         d.decompose = True
         return d
@@ -133,7 +140,12 @@ def _choose(func, flat, spec, gpos, placement) -> Decision:
     per_axis = []
     for axis, n in enumerate(placement.shape):
         call.p, call.axis = n, axis
-        per_axis.append(entry.rule(call))
+        sigs = entry.rule(call)
+        if n == 1:
+            plain = [Sig((None,) * len(g.inputs), g.outputs) for g in sigs
+                     if all(i is None or i.is_broadcast for i in g.inputs) and all(o.is_broadcast for o in g.outputs)]
+            sigs = plain[:1] or sigs
+        per_axis.append(sigs)
     best = None
     for sigs in itertools.product(*per_axis):
         required = [
