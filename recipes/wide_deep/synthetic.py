@@ -13,9 +13,10 @@ Row ``i`` has, like Criteo:
   1/(v+1)``, a Zipf head like real click logs); cardinalities ``C_f`` are
   geometric from ``min_cardinality`` to ``max_cardinality`` over the fields;
 - a click ``y ~ Bernoulli(sigmoid(logit))`` with the planted logistic model
-  ``logit = bias + sum_j beta_j * (log1p(x_j) - mean_j) + sum_f theta_f[v_f]``,
+  ``logit = bias + sum_j beta_j * (log1p(x_j) - mean_j) + sum_f (theta_f[v_f] - mean_f)``,
   ``beta_j ~ N(0, dense_weight^2)`` and ``theta_f[v] ~ N(0, cat_weight^2)``
-  (each weight also a function of the seed).
+  (each weight also a function of the seed; the means are over the value
+  distributions, so ``bias`` sets the click rate).
 
 The model sees ``log1p(x)`` and the hashed ``v_f``; the planted logit is
 linear in those (the wide part alone can represent it given enough rows
@@ -48,7 +49,7 @@ class PlantedCriteo:
 
     def __init__(self, n_rows: int, seed: int = 0, n_dense: int = 13, n_fields: int = 26,
                  min_cardinality: int = 2, max_cardinality: int = 1000, cat_weight: float = 0.3,
-                 dense_weight: float = 0.3, bias: float = -1.3, dense_spread: float = 1.5, missing: float = 0.1):
+                 dense_weight: float = 0.3, bias: float = -1.45, dense_spread: float = 1.5, missing: float = 0.1):
         if n_rows < 1 or n_dense < 0 or n_fields < 1:
             raise ValueError(f"n_rows={n_rows}, n_dense={n_dense}, n_fields={n_fields}: need n_rows, n_fields >= 1")
         if not 1 <= min_cardinality <= max_cardinality:
@@ -59,6 +60,14 @@ class PlantedCriteo:
                                         dtype=torch.float64)
         self.cat_weight, self.bias, self.dense_spread, self.missing = cat_weight, bias, dense_spread, missing
         self.beta = _normal(self.seed, 1, np.arange(n_dense)) * dense_weight
+        # Centre each field's weights under its value distribution, P(v) = log((v+2)/(v+1)) / log(C+1),
+        # so the click rate is set by ``bias``, not by the draw of the few head values' weights.
+        self.theta_mean = torch.zeros(n_fields, dtype=torch.float64)
+        for f in range(n_fields):
+            v = torch.arange(int(self.cardinality[f]), dtype=torch.float64)
+            prob = torch.log((v + 2) / (v + 1)) / torch.log(self.cardinality[f] + 1)
+            index = v.numpy().astype(np.uint64) * np.uint64(n_fields) + np.uint64(f)
+            self.theta_mean[f] = (prob * _normal(self.seed, 5, index) * cat_weight).sum()
         # E[log1p(floor(exp(s z)))] over z ~ N(0, 1) with missing values, centring the dense terms.
         z = torch.special.ndtri((torch.arange(4096, dtype=torch.float64) + 0.5) / 4096)
         self.dense_mean = (1 - missing) * torch.log1p(torch.floor(torch.exp(dense_spread * z))).mean()
@@ -82,7 +91,7 @@ class PlantedCriteo:
         cats = cats.to(torch.int64)
         theta_index = (cats.numpy().astype(np.uint64) * np.uint64(nf) + np.arange(nf, dtype=np.uint64)[None, :])
         theta = _normal(self.seed, 5, theta_index) * self.cat_weight
-        logit = self.bias + theta.sum(1) + ((torch.log1p(counts) - self.dense_mean) * self.beta).sum(1)
+        logit = self.bias + (theta - self.theta_mean).sum(1) + ((torch.log1p(counts) - self.dense_mean) * self.beta).sum(1)
         prob = torch.sigmoid(logit)
         label = (_uniform(self.seed, 6, r[:, 0]) < prob).to(torch.float32)
         return {"dense": counts, "cats": cats, "label": label, "prob": prob}
