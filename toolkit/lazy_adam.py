@@ -99,6 +99,8 @@ class RowMoments:
         found[inside] = self.sorted_rows[pos[inside]] == g[inside]
         new = g[~found]
         k = new.shape[0]
+        slots = torch.empty_like(g)
+        slots[found] = self.slot_of_sorted[pos[found]]
         if k:
             self._grow(n + k)
             new_slots = torch.arange(n, n + k, device=g.device)
@@ -113,8 +115,8 @@ class RowMoments:
             merged_slots[old], merged_slots[at] = self.slot_of_sorted, new_slots
             self.sorted_rows, self.slot_of_sorted = merged_rows, merged_slots
             self.n = n + k
-        pos = torch.searchsorted(self.sorted_rows, g)
-        return self.slot_of_sorted[pos]
+            slots[~found] = new_slots
+        return slots
 
     @property
     def exp_avg(self) -> torch.Tensor:

@@ -56,8 +56,8 @@ class CriteoParquet:
             self.malformed.append((int(bad.size), (bad[:FIRST_ROWS] + 1).tolist(), len(ok)))
             self._groups.append(np.cumsum([pf.metadata.row_group(i).num_rows for i in range(pf.num_row_groups)]))
         self._ends = np.cumsum([len(v) for v in self._valid])
-        self.start, self.stop = 0, int(self._ends[-1])
-        if self.stop == 0:
+        self._n = int(self._ends[-1])
+        if self._n == 0:
             raise ValueError(f"no row with a 0/1 label in {self.paths}: {self.summary()}")
         self._cache: dict = {}
 
@@ -70,17 +70,8 @@ class CriteoParquet:
     def n_malformed(self) -> int:
         return sum(m[0] for m in self.malformed)
 
-    def split(self, start: int, stop: int) -> "CriteoParquet":
-        if not 0 <= start <= stop <= len(self):
-            raise ValueError(f"split [{start}, {stop}) outside the {len(self)} rows")
-        other = object.__new__(CriteoParquet)
-        other.__dict__.update(self.__dict__)
-        other._cache = {}
-        other.start, other.stop = self.start + start, self.start + stop
-        return other
-
     def __len__(self) -> int:
-        return self.stop - self.start
+        return self._n
 
     def _group(self, f: int, g: int):
         key = (f, g)
@@ -94,11 +85,11 @@ class CriteoParquet:
         return table
 
     def read(self, rows) -> list:
-        """``(label, counts, categorical values)`` arrays of ``rows`` (indices into this view), in that order."""
+        """``(label, counts, categorical values)`` arrays of ``rows`` (indices of well-formed rows), in that order."""
         rows = np.asarray(rows, dtype=np.int64).reshape(-1)
         if rows.size and (rows.min() < 0 or rows.max() >= len(self)):
-            raise IndexError(f"rows {rows.min()}..{rows.max()} outside the {len(self)} rows of this split")
-        g = rows + self.start
+            raise IndexError(f"rows {rows.min()}..{rows.max()} outside the {len(self)} well-formed rows")
+        g = rows
         files = np.searchsorted(self._ends, g, side="right")
         first = np.concatenate([[0], self._ends[:-1]])
         labels = np.zeros(rows.size, np.float32)

@@ -19,8 +19,6 @@ files in order, any line by index:
 - ``read(rows)`` seeks to the lines, ``decode`` parses them into samples
   (``features``), hex values straight to their 64-bit keys.
 
-``split(start, stop)`` views a range of the well-formed lines (the last
-``val_fraction`` is the held-out split: Criteo is in time order).
 """
 from __future__ import annotations
 
@@ -107,8 +105,8 @@ class CriteoTSV:
             offsets.append(np.load(os.path.join(where, "offsets.npy"), mmap_mode="r"))
         self._offsets = offsets
         self._ends = np.cumsum([len(o) for o in offsets])
-        self.start, self.stop = 0, int(self._ends[-1]) if len(self._ends) else 0
-        if self.stop == 0:
+        self._n = int(self._ends[-1])
+        if self._n == 0:
             raise ValueError(f"no well-formed Criteo line in {self.paths}: {self.summary()}")
         self._files: dict = {}
 
@@ -140,30 +138,20 @@ class CriteoTSV:
     def n_malformed(self) -> int:
         return sum(sum(s["counts"].values()) for s in self.summaries)
 
-    def split(self, start: int, stop: int) -> "CriteoTSV":
-        """Lines ``[start, stop)`` of this view."""
-        if not 0 <= start <= stop <= len(self):
-            raise ValueError(f"split [{start}, {stop}) outside the {len(self)} well-formed lines")
-        other = object.__new__(CriteoTSV)
-        other.__dict__.update(self.__dict__)
-        other._files = {}
-        other.start, other.stop = self.start + start, self.start + stop
-        return other
-
     def __len__(self) -> int:
-        return self.stop - self.start
+        return self._n
 
     def _locate(self, rows: np.ndarray) -> tuple:
-        g = rows + self.start
+        g = rows
         file_ids = np.searchsorted(self._ends, g, side="right")
         first = np.concatenate([[0], self._ends[:-1]])
         return file_ids, g - first[file_ids]
 
     def read(self, rows) -> list:
-        """The raw lines of ``rows`` (indices into this view), in that order."""
+        """The raw lines of ``rows`` (indices of well-formed lines), in that order."""
         rows = np.asarray(rows, dtype=np.int64).reshape(-1)
         if rows.size and (rows.min() < 0 or rows.max() >= len(self)):
-            raise IndexError(f"rows {rows.min()}..{rows.max()} outside the {len(self)} lines of this split")
+            raise IndexError(f"rows {rows.min()}..{rows.max()} outside the {len(self)} well-formed lines")
         file_ids, local = self._locate(rows)
         out = [b""] * rows.size
         for i in np.lexsort((local, file_ids)):  # in file order: sequential-ish reads
