@@ -15,7 +15,8 @@
 planted model, the default: runs offline), ``criteo_tsv`` (Kaggle /
 Terabyte TSV files) or ``criteo_parquet``; ``path``: a file, a directory
 (its files in name order) or a glob; ``val_fraction``: the held-out tail;
-``eval_rows``: held-out rows scored each evaluation (``None``: all);
+``eval_rows``: held-out rows scored each evaluation (``None``: all), in
+chunks of ``eval_batch``;
 ``max_wrong_columns``: TSV lines with a wrong column count tolerated per
 file; synthetic: ``train_rows``, ``val_rows``, ``seed``, ``max_cardinality``.
 """
@@ -51,6 +52,7 @@ class DataSchema:
     path: Optional[str] = None
     val_fraction: float = 0.05
     eval_rows: Optional[int] = None
+    eval_batch: int = 4096
     max_wrong_columns: int = 100
     cache_dir: str = "${oc.env:SBP_CACHE_DIR,'~/.cache/sbp-recipes'}"
     train_rows: int = 1_000_000
@@ -75,7 +77,8 @@ def model_config(model, meta_tables: bool = True) -> WideDeepConfig:
     return WideDeepConfig(n_dense=N_DENSE, n_fields=N_FIELDS, table_rows=table_rows(model),
                           embed_dim=int(model.embed_dim), hidden=[int(h) for h in model.hidden],
                           dropout=float(model.dropout), init_scale=float(model.init_scale),
-                          sparse_grad=bool(model.sparse_grad), meta_tables=meta_tables)
+                          sparse_grad=bool(model.sparse_grad), meta_tables=meta_tables,
+                          dense_table_state=bool(model.dense_table_state))
 
 
 def problems(model, data) -> list:
@@ -96,6 +99,8 @@ def problems(model, data) -> list:
         out.append(f"data.source={data.source} needs data.path (a file, a directory or a glob)")
     if not 0 < float(data.val_fraction) < 1:
         out.append(f"data.val_fraction={data.val_fraction}: must be in (0, 1)")
+    if int(data.eval_batch) < 1:
+        out.append(f"data.eval_batch={data.eval_batch}: must be >= 1")
     if data.eval_rows is not None and int(data.eval_rows) < 2:
         out.append(f"data.eval_rows={data.eval_rows}: AUC needs at least 2 rows (or null for all)")
     if data.source == "synthetic" and (int(data.train_rows) < 1 or int(data.val_rows) < 2):

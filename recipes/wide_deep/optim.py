@@ -3,7 +3,8 @@
 Three groups (every layout builds them alike, as checkpoints require):
 MLP weights with ``trainer.weight_decay``, MLP biases without, and the
 tables (``wide.weight``, ``deep.weight``) without decay and with
-``model.dense_table_state``. Tables with sparse gradients take lazy Adam
+``dense_table_state`` (``model.dense_table_state``, carried by the model's
+config). Tables with sparse gradients take lazy Adam
 (only looked-up rows move); with ``model.sparse_grad=false`` they take
 AdamW's dense step like the MLP.
 """
@@ -14,7 +15,7 @@ from toolkit.lazy_adam import LazyAdamW
 from .plan import TABLES
 
 
-def build_optimizer(module, trainer, model) -> LazyAdamW:
+def build_optimizer(module, trainer, dense_table_state: bool = False) -> LazyAdamW:
     betas = tuple(float(b) for b in trainer.betas)
     if len(betas) != 2:
         raise ValueError(f"trainer.betas={list(betas)}: must be two numbers, e.g. [0.9, 0.999]")
@@ -29,5 +30,5 @@ def build_optimizer(module, trainer, model) -> LazyAdamW:
         {"params": groups["decay"], "names": names["decay"], "weight_decay": wd},
         {"params": groups["no_decay"], "names": names["no_decay"], "weight_decay": 0.0},
         {"params": groups["tables"], "names": names["tables"], "weight_decay": 0.0,
-         "dense_state": bool(model.dense_table_state)},
+         "dense_state": bool(dense_table_state)},
     ], lr=float(trainer.lr), betas=betas, eps=float(trainer.eps))
