@@ -58,7 +58,7 @@ class DataSchema:
     train_rows: int = 1_000_000
     val_rows: int = 20_000
     seed: int = 0
-    max_cardinality: int = 1000
+    max_cardinality: int = 200
 
 
 def hasher(model) -> FeatureHasher:

@@ -114,3 +114,22 @@ def test_criteo_parquet_reads_rows_and_skips_bad_labels(tmp_path):
     pq.write_table(pa.table({"label": pa.array([1])}), bad)
     with pytest.raises(ValueError, match=r"bad.parquet: no column\(s\) \['I1'"):
         CriteoParquet([str(bad)])
+
+
+def test_splits_of_a_tsv_directory_hold_out_the_tail(tmp_path):
+    from types import SimpleNamespace
+
+    from recipes.wide_deep.config import DataSchema, ModelSchema
+    from recipes.wide_deep.data import open_splits
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "day_0").write_text("".join(_line(str(i % 2)) for i in range(8)) + "bad\n")
+    (tmp_path / "data" / "day_1").write_text("".join(_line("1") for _ in range(2)))
+    data = SimpleNamespace(**{**DataSchema().__dict__, "source": "criteo_tsv", "path": str(tmp_path / "data"),
+                              "val_fraction": 0.2, "cache_dir": str(tmp_path / "cache")})
+    splits = open_splits(data, ModelSchema(vocab_size=50))
+    assert (len(splits.train), len(splits.val)) == (8, 2) and splits.bayes is None
+    assert "skipped 1 malformed of 9 lines" in splits.summary
+    batch = splits.val.load(torch.tensor([0, 1]))
+    assert batch["label"].tolist() == [1.0, 1.0] and batch["ids"].max() < 50  # day_1's rows
+    assert splits.train.load(torch.tensor([7]))["label"].tolist() == [1.0]
