@@ -22,7 +22,9 @@ has not seen: no cache helps). Reported per (R, V):
 Memory is predicted before each point from the two previous ones
 (linear in V); the doubling stops when the prediction exceeds the budget
 (``--budget-gib`` per process, default 1 GiB, far below the machine's
-share), so the largest V that fits is the last one run. The peers:
+share). The largest V that fits is then the largest the last two points
+predict within 98% of the budget (rounded down to 1/8 of a power of two),
+run to confirm, or else the last doubling. The peers:
 
 - torch: the same model as plain single-process PyTorch (``nn.EmbeddingBag``
   tables with ``sparse=True``, ``torch.optim.SparseAdam`` for them (its
@@ -197,22 +199,38 @@ def _predict(points: dict, rows: int) -> float:
     return m2 + slope * (rows - v2)
 
 
-def sweep(pool, fn, ranks: int, args, budget: float) -> dict:
-    """``{rows: (seconds, bytes)}`` doubling ``rows`` until the predicted heap exceeds ``budget``."""
+def _run_point(pool, fn, rows: int, ranks: int, args) -> tuple:
+    return _worst(pool.run(fn, rows, ranks, args.batch, args.hidden, args.steps, args.warmup))
+
+
+def sweep(pool, fn, ranks: int, args, budget: float) -> tuple:
+    """``({rows: (seconds, bytes)}, largest rows that fit)``: ``rows`` doubles until the predicted heap exceeds
+    ``budget``; then the largest V the last two points predict to fit (rounded down to 1/8 of a power of two)
+    is run too, and is the maximum if it stays within the budget."""
     out, mem = {}, {}
     rows = 2 ** args.start
-    pool.run(fn, rows, ranks, args.batch, args.hidden, 1, 1)  # warm-up: first-call allocations and caches
-    while True:
-        if len(mem) >= 2 and _predict(mem, rows) > budget:
-            break
-        res = _worst(pool.run(fn, rows, ranks, args.batch, args.hidden, args.steps, args.warmup))
+    _run_point(pool, fn, rows, ranks, args)  # warm-up: first-call allocations and caches
+    while not (len(mem) >= 2 and _predict(mem, rows) > budget):
+        res = _run_point(pool, fn, rows, ranks, args)
         if res[1] > budget:  # measured over: not a fit (the prediction was optimistic)
             break
         out[rows], mem[rows] = res, res[1]
         print(f"  {fn.__name__:9s} R={ranks} V=2^{int(math.log2(rows))}: {res[0] * 1e3:8.1f} ms/step  "
               f"{res[1] / MIB:8.1f} MiB", flush=True)
         rows *= 2
-    return out
+    best = max(out)
+    if len(mem) >= 2:
+        (v1, m1), (v2, m2) = sorted(mem.items())[-2:]
+        guess = v2 + (0.98 * budget - m2) * (v2 - v1) / (m2 - m1)
+        grain = 2 ** max(int(math.log2(guess)) - 3, 0)
+        guess = int(guess // grain * grain)
+        if guess > best:
+            res = _run_point(pool, fn, guess, ranks, args)
+            print(f"  {fn.__name__:9s} R={ranks} V={guess}: {res[0] * 1e3:8.1f} ms/step  {res[1] / MIB:8.1f} MiB "
+                  f"({'fits' if res[1] <= budget else 'over'})", flush=True)
+            if res[1] <= budget:
+                best = guess
+    return out, best
 
 
 def main():
@@ -235,10 +253,12 @@ def main():
     print(f"budget {args.budget_gib} GiB heap per process; batch {args.batch}; MLP {args.hidden}; "
           f"{args.warmup}+{args.steps} steps per point")
     pool = get_pool(WORLD)
-    ours = {r: sweep(pool, run_ours, r, args, budget) for r in (1, 2, 4)}
-    peers = {"torch": sweep(pool, run_torch, 1, args, budget)}
+    ours, peers, most = {}, {}, {}
+    for r in (1, 2, 4):
+        ours[r], most[f"ours{r}"] = sweep(pool, run_ours, r, args, budget)
+    peers["torch"], most["torch"] = sweep(pool, run_torch, 1, args, budget)
     for r in (2, 4):
-        peers[f"DDP{r}"] = sweep(pool, run_torch, r, args, budget)
+        peers[f"DDP{r}"], most[f"DDP{r}"] = sweep(pool, run_torch, r, args, budget)
     all_rows = sorted({v for d in list(ours.values()) + list(peers.values()) for v in d})
     names = [f"ours{r}" for r in (1, 2, 4)] + list(peers)
     table = {**{f"ours{r}": ours[r] for r in (1, 2, 4)}, **peers}
@@ -253,10 +273,7 @@ def main():
     print()
     ratios = [series[2 * v][0] / series[v][0] for series in ours.values() for v in series if 2 * v in series]
     growth = (math.exp(sum(math.log(x) for x in ratios) / len(ratios)) - 1) * 100 if ratios else float("nan")
-    for r in (1, 2, 4):
-        print(f"ours R={r}: max V 2^{int(math.log2(max(ours[r])))} = {max(ours[r])} rows")
-    print(f"torch single: max V 2^{int(math.log2(max(peers['torch'])))}; "
-          + "; ".join(f"{k}: max V 2^{int(math.log2(max(peers[k])))}" for k in ("DDP2", "DDP4") if peers[k]))
+    print("largest V within the budget: " + "; ".join(f"{k} {v} ({v / 2 ** 20:.1f}M rows)" for k, v in most.items()))
     both = max(set(ours[1]) & set(peers["torch"]))
     best = {"ours": math.inf, "torch": math.inf}
     for _ in range(args.rounds):  # back to back, best of rounds: the same load for both
@@ -264,7 +281,7 @@ def main():
             best[name] = min(best[name], _worst(pool.run(fn, both, 1, args.batch, args.hidden, args.steps,
                                                          args.warmup))[0])
     thr = best["torch"] / best["ours"]
-    a, b = max(ours[1]), max(ours[4])
+    a, b = most["ours1"], most["ours4"]
     print(f"throughput ours R=1 / torch single at V=2^{int(math.log2(both))}, best of {args.rounds} rounds: "
           f"{thr:.2f}x ({best['ours'] * 1e3:.1f} vs {best['torch'] * 1e3:.1f} ms/step)")
     print(f"wide_deep: max vocab 1 rank {a}, 4 ranks {b} (B/A = {b / a:.1f}x); latency growth per vocab doubling "
