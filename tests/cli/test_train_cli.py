@@ -71,7 +71,7 @@ def test_multirun_sweeps_layouts_into_one_directory_each(single, sbp_cache, tmp_
 
 @pytest.mark.parametrize("override, message", [
     ("parallel=tp3", "model.n_head=4: must divide by parallel.tp=3"),
-    ("parallel=pp3", "model.n_layer=4: does not divide"),
+    ("parallel=pp3", "model: 4 layers do not divide"),
     ("trainer.nonsense=1", "nonsense"),
     ("parallel=dp2_xx3", "dp2_xx3"),
     ("trainer.global_batch_size=15", "global_batch_size=15"),
