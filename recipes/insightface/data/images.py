@@ -11,7 +11,9 @@ mirrored left-right, so the sampler's shuffle draws InsightFace's random
 horizontal flip deterministically from the run seed (and a resumed run
 sees the same flips). ``read(rows)`` does the file I/O, ``decode(raw)`` the
 image decoding (on the runtime's data queue), ``collate(samples)`` stacks
-``{"image": float32 [b, 3, H, W], "label": int64 [b]}``.
+``{"image": float32 [b, 3, H, W], "label": int64 [b]}``. A source whose
+``gpu_decoder`` is set (``dali.decode`` bound to a device) decodes a whole
+micro-batch on the GPU instead of one image at a time with PIL.
 """
 from __future__ import annotations
 
@@ -64,6 +66,7 @@ class ImageSource:
     num_classes: int
     image_size: int
     flip: bool = True
+    gpu_decoder = None  # ``(payloads, size) -> uint8 [b, 3, size, size]`` on a GPU (DALI), else PIL per image
 
     def __len__(self) -> int:
         return self.n_images * (2 if self.flip else 1)
@@ -78,20 +81,24 @@ class ImageSource:
         return out
 
     def decode(self, raw: list) -> list:
-        samples = []
+        labelled = []
         for index, mirrored, data, label, where in raw:
             if label is None:
                 label, data = self._label(index, data, where)
             if not 0 <= label < self.num_classes:
                 raise ValueError(f"{where} has label {label}, outside 0..{self.num_classes - 1} "
                                  f"({self.num_classes} classes)")
-            image = decode_image(data, self.image_size, where)
-            samples.append((image.flip(-1) if mirrored else image, label))
-        return samples
+            labelled.append((mirrored, data, label, where))
+        if self.gpu_decoder is not None and labelled:
+            images = self.gpu_decoder([x[1] for x in labelled], self.image_size)
+        else:
+            images = [decode_image(data, self.image_size, where) for _, data, _, where in labelled]
+        return [(im.flip(-1) if mirrored else im, label) for im, (mirrored, _, label, _) in zip(images, labelled)]
 
     def collate(self, samples: list) -> dict:
-        return {"image": normalize(torch.stack([s[0] for s in samples])),
-                "label": torch.tensor([s[1] for s in samples], dtype=torch.int64)}
+        s = self.image_size
+        images = torch.stack([x[0] for x in samples]) if samples else torch.empty(0, 3, s, s, dtype=torch.uint8)
+        return {"image": normalize(images), "label": torch.tensor([x[1] for x in samples], dtype=torch.int64)}
 
     def _load(self, index: int) -> tuple:
         raise NotImplementedError
