@@ -14,10 +14,14 @@ N-d SBP:
 
 Every rank must call it with the same module (same seed for the same
 initial values): each parameter's global value is the rank's own full
-value, and a rank keeps only its shard (no communication). Gradients are
+value, and a rank keeps only its shard (no communication). A parameter on
+the meta device (a table too big to build whole on every rank) is built
+shard by shard: its module's ``init_shard(name, box)`` returns the values of
+the box ``((start, length), ...)`` this rank holds. Gradients are
 boxed to their parameter's layout as soon as backward accumulates them
 (``P -> B`` all-reduce for data parallel), so ``torch.optim`` steps local
-shards without communicating. Under ``defer_grad_boxing()`` (gradient
+shards without communicating. A sparse row gradient (``sbp_core.sparse``)
+is boxed to that layout with its row splits as ``B``. Under ``defer_grad_boxing()`` (gradient
 accumulation over micro-batches) gradients stay in the layout they arrive
 in — partial terms add locally, no traffic — and ``box_grads(module)``
 boxes them once, after the last micro-batch.
@@ -32,7 +36,10 @@ from torch import nn
 
 from .declare import distribute
 from .global_tensor import GlobalTensor
+from .layout import Layout, local_box
+from .process_groups import world_rank
 from .sbp import Broadcast, format_sbp, nd_sbp
+from .sparse import SparseGlobalTensor, sparse_sbp_for
 
 
 def _match(plan: dict, name: str):
@@ -70,9 +77,14 @@ def defer_grad_boxing():
 def _box_grad_to_param(param):
     if _deferred[0]:
         return
-    if isinstance(param.grad, GlobalTensor) and param.grad.sbp != param.sbp:
+    grad = param.grad
+    if not isinstance(grad, GlobalTensor):
+        return
+    # A sparse row gradient cannot split rows: it stays B where its table is row-split.
+    target = sparse_sbp_for(param.sbp) if isinstance(grad, SparseGlobalTensor) else param.sbp
+    if grad.sbp != target:
         with torch.no_grad():
-            param.grad = param.grad.to_global(sbp=param.sbp)
+            param.grad = grad.to_global(sbp=target)
 
 
 def box_grads(module: nn.Module) -> None:
@@ -104,7 +116,10 @@ def distribute_module(module: nn.Module, placement, plan: dict | None = None) ->
                 setattr(mod, pname, done[id(param)])
                 continue
             sbp = _on_mesh(nd_sbp(_match(plan, prefix + pname) or broadcast, placement.ndim), placement)
-            g = distribute(param.detach(), placement, sbp)
+            if param.is_meta:
+                g = _materialize(mod, prefix + pname, pname, param, placement, sbp)
+            else:
+                g = distribute(param.detach(), placement, sbp)
             new = nn.Parameter(g, requires_grad=param.requires_grad)
             if new.requires_grad:
                 new.register_post_accumulate_grad_hook(_box_grad_to_param)
@@ -120,6 +135,25 @@ def distribute_module(module: nn.Module, placement, plan: dict | None = None) ->
                 if pattern.endswith(":" + where) and fnmatch.fnmatchcase(mod_name, pattern.rsplit(":", 1)[0]):
                     _pin(mod, where, _on_mesh(nd_sbp(sbp, placement.ndim), placement))
     return module
+
+
+def _materialize(mod: nn.Module, full_name: str, name: str, param, placement, sbp: tuple) -> GlobalTensor:
+    """A meta parameter's global tensor: each member asks ``mod.init_shard(name, box)`` for its own box."""
+    init = getattr(mod, "init_shard", None)
+    if init is None:
+        raise ValueError(f"parameter {full_name!r} is on the meta device and {type(mod).__name__} has no "
+                         "init_shard(name, box): build it with values, or give its module init_shard")
+    layout = Layout(placement, sbp, param.shape, param.dtype)
+    me = world_rank()
+    if me not in placement:
+        return GlobalTensor(torch.empty(0, dtype=param.dtype, device=placement.device()), layout)
+    box = local_box(param.shape, placement.shape, sbp, placement.coords(me))
+    local = init(name, box).to(device=placement.device(), dtype=param.dtype)
+    want = tuple(n for _, n in box)
+    if tuple(local.shape) != want:
+        raise ValueError(f"{type(mod).__name__}.init_shard({name!r}, {box}) returned shape {tuple(local.shape)}, "
+                         f"expected {want}")
+    return GlobalTensor(local, layout)
 
 
 def _pin(mod: nn.Module, where: str, sbp: tuple) -> None:
