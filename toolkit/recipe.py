@@ -103,11 +103,12 @@ class Recipe:
         """Wrap each repeated layer in activation checkpointing, in place."""
         raise NotImplementedError(f"recipe {self.name} does not support trainer.activation_checkpointing")
 
-    def build_optimizer(self, module, trainer_cfg):
-        """The optimizer of this rank's stage (default: ``trainer.optimizer``, AdamW or SGD)."""
+    def build_optimizer(self, module, cfg):
+        """The optimizer of this rank's stage; ``cfg`` is the job's (typed) config (default:
+        ``trainer.optimizer``, AdamW or SGD)."""
         from toolkit.optim import build_optimizer
 
-        return build_optimizer(module, trainer_cfg)
+        return build_optimizer(module, cfg.trainer)
 
     # -- data ----------------------------------------------------------------------------------
 

@@ -93,7 +93,7 @@ class Job:
             self.module, self.zero = zero(self.module, mesh, plan, stage=lay.zero, dp_axis=0)
         else:
             sc.distribute_module(self.module, mesh, plan)
-        self.optimizer = recipe.build_optimizer(self.module, tr)
+        self.optimizer = recipe.build_optimizer(self.module, cfg)
         if self.zero is not None:
             self.zero.attach(self.optimizer)
         self.scheduler = build_scheduler(self.optimizer, tr)

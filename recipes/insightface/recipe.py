@@ -72,12 +72,13 @@ class InsightFaceRecipe(Recipe):
     def stage_forward(self, module, x, labels=None):
         return module(x["image"], labels["label"])
 
-    def build_optimizer(self, module, trainer_cfg):
-        if str(trainer_cfg.optimizer) != "sgd":
-            return super().build_optimizer(module, trainer_cfg)
+    def build_optimizer(self, module, cfg):
+        tr = cfg.trainer
+        if str(tr.optimizer) != "sgd":
+            return super().build_optimizer(module, cfg)
         head = module.head
-        return PartialFCSGD(param_groups(module, float(trainer_cfg.weight_decay)), {head.weight: head.sampled_rows},
-                            lr=float(trainer_cfg.lr), momentum=float(trainer_cfg.momentum))
+        return PartialFCSGD(param_groups(module, float(tr.weight_decay)), {head.weight: head.sampled_rows},
+                            lr=float(tr.lr), momentum=float(tr.momentum))
 
     # -- data ----------------------------------------------------------------------------------
 

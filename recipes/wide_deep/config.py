@@ -77,8 +77,7 @@ def model_config(model, meta_tables: bool = True) -> WideDeepConfig:
     return WideDeepConfig(n_dense=N_DENSE, n_fields=N_FIELDS, table_rows=table_rows(model),
                           embed_dim=int(model.embed_dim), hidden=[int(h) for h in model.hidden],
                           dropout=float(model.dropout), init_scale=float(model.init_scale),
-                          sparse_grad=bool(model.sparse_grad), meta_tables=meta_tables,
-                          dense_table_state=bool(model.dense_table_state))
+                          sparse_grad=bool(model.sparse_grad), meta_tables=meta_tables)
 
 
 def problems(model, data) -> list:

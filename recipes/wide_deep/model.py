@@ -42,7 +42,6 @@ class WideDeepConfig:
     init_scale: float = 0.05
     sparse_grad: bool = True
     meta_tables: bool = False
-    dense_table_state: bool = False  # not the network's: how the recipe's optimizer keeps the tables' moments
 
 
 class BlockInitEmbedding(nn.Embedding):

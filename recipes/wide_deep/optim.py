@@ -3,8 +3,7 @@
 Three groups (every layout builds them alike, as checkpoints require):
 MLP weights with ``trainer.weight_decay``, MLP biases without, and the
 tables (``wide.weight``, ``deep.weight``) without decay and with
-``dense_table_state`` (``model.dense_table_state``, carried by the model's
-config). Tables with sparse gradients take lazy Adam
+``dense_table_state`` (``model.dense_table_state``). Tables with sparse gradients take lazy Adam
 (only looked-up rows move); with ``model.sparse_grad=false`` they take
 AdamW's dense step like the MLP.
 """

@@ -65,8 +65,8 @@ class WideDeepRecipe(Recipe):
     def stage_forward(self, module, x, labels=None):
         return bce_loss(module(x["dense"], x["ids"]), labels["label"])
 
-    def build_optimizer(self, module, trainer_cfg):
-        return build_optimizer(module, trainer_cfg, dense_table_state=module.cfg.dense_table_state)
+    def build_optimizer(self, module, cfg):
+        return build_optimizer(module, cfg.trainer, dense_table_state=bool(cfg.model.dense_table_state))
 
     def batch_fields(self, cfg) -> dict:
         return {"dense": ((N_DENSE,), torch.float32), "ids": ((N_FIELDS,), torch.int64), "label": ((), torch.float32)}
