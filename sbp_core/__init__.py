@@ -21,6 +21,7 @@ from .creation import ones, rand, randn, zeros
 from .declare import distribute, to_global
 from .dispatch import explain, format_explain
 from .global_tensor import GlobalTensor, NoSbpRule
+from .sparse import SparseGlobalTensor
 from .grad_clip import clip_grad_norm_
 from .module import box_grads, defer_grad_boxing, describe_plan, distribute_module
 from .layout import Layout
@@ -29,7 +30,7 @@ from .placement import Placement, placement
 from .process_groups import get_timeout, set_timeout
 
 __all__ = [
-    "sbp", "placement", "cast", "cast_group", "cast_many", "remat_saved", "Placement", "GlobalTensor", "Layout", "NoSbpRule",
+    "sbp", "placement", "cast", "SparseGlobalTensor", "cast_group", "cast_many", "remat_saved", "Placement", "GlobalTensor", "Layout", "NoSbpRule",
     "to_global", "distribute", "randn", "rand", "zeros", "ones",
     "comm_ledger", "CommLedger", "explain", "format_explain", "set_timeout", "get_timeout",
     "boxing_plan", "clip_grad_norm_", "distribute_module", "describe_plan", "defer_grad_boxing", "box_grads", "same_placement_cost", "disjoint_cost",

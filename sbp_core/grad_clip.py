@@ -2,9 +2,9 @@
 
 Written with global-tensor ops, so the layouts decide the communication:
 a split gradient's squared sum is a partial sum over its shards (one small
-all-reduce), a broadcast gradient's is counted once, and a partial gradient
-is first reduced (reduce-scatter to a split, cheaper than an all-reduce)
-before squaring. Gradients on different placements send their scalar to
+all-reduce), a broadcast gradient's is counted once, a sparse row gradient's
+comes from its coalesced values, and a partial gradient is first reduced
+(reduce-scatter to a split, cheaper than an all-reduce) before squaring. Gradients on different placements send their scalar to
 the first gradient's placement. In a pipeline each rank holds only its
 stage's parameters: ``stages`` (every stage's placement) makes each stage's
 scalar cross to every rank, so all stages clip by the same global norm.
@@ -66,6 +66,8 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, stages=
     home = grads[0].placement
     total = None
     for g in grads:
+        if g.is_sparse:  # a row gradient: its coalesced values hold its norm
+            g = g.coalesce().values_global()
         g = _without_partial(g).float()
         term = g.pow(2).sum() if norm_type == 2 else g.abs().amax()
         if term.placement != home:

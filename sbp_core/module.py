@@ -7,16 +7,21 @@ N-d SBP:
   first matching pattern wins; unmatched ones are ``B`` on every axis;
 - ``"<module pattern>:input"`` / ``":output"``: the module's first tensor
   input / its tensor output is boxed to that layout (a forward hook calling
-  ``to_global``, differentiable). This is how a plan pins activation
+  ``to_global``, differentiable); ``":inputs"``: every positional global
+  tensor input (e.g. a class-split loss head's embeddings and labels). This is how a plan pins activation
   layouts — Megatron's ``B`` before a column-parallel linear, or sequence
   parallel's ``S(1)`` around LayerNorm — without touching the model code.
 
 Every rank must call it with the same module (same seed for the same
 initial values): each parameter's global value is the rank's own full
-value, and a rank keeps only its shard (no communication). Gradients are
+value, and a rank keeps only its shard (no communication). A parameter on
+the meta device (a table too big to build whole on every rank) is built
+shard by shard: its module's ``init_shard(name, box)`` returns the values of
+the box ``((start, length), ...)`` this rank holds. Gradients are
 boxed to their parameter's layout as soon as backward accumulates them
 (``P -> B`` all-reduce for data parallel), so ``torch.optim`` steps local
-shards without communicating. Under ``defer_grad_boxing()`` (gradient
+shards without communicating. A sparse row gradient (``sbp_core.sparse``)
+is boxed to that layout with its row splits as ``B``. Under ``defer_grad_boxing()`` (gradient
 accumulation over micro-batches) gradients stay in the layout they arrive
 in — partial terms add locally, no traffic — and ``box_grads(module)``
 boxes them once, after the last micro-batch.
@@ -32,7 +37,10 @@ from torch import nn
 from .boxing.coalesced import box_many
 from .declare import distribute
 from .global_tensor import GlobalTensor
+from .layout import Layout, local_box
+from .process_groups import world_rank
 from .sbp import Broadcast, format_sbp, nd_sbp
+from .sparse import SparseGlobalTensor, sparse_sbp_for
 
 
 def _match(plan: dict, name: str):
@@ -70,9 +78,14 @@ def defer_grad_boxing():
 def _box_grad_to_param(param):
     if _deferred[0]:
         return
-    if isinstance(param.grad, GlobalTensor) and param.grad.sbp != param.sbp:
+    grad = param.grad
+    if not isinstance(grad, GlobalTensor):
+        return
+    # A sparse row gradient cannot split rows: it stays B where its table is row-split.
+    target = sparse_sbp_for(param.sbp) if isinstance(grad, SparseGlobalTensor) else param.sbp
+    if grad.sbp != target:
         with torch.no_grad():
-            param.grad = param.grad.to_global(sbp=param.sbp)
+            param.grad = grad.to_global(sbp=target)
 
 
 @torch.no_grad()
@@ -100,8 +113,8 @@ def distribute_module(module: nn.Module, placement, plan: dict | None = None) ->
     for pattern in plan:
         target, _, where = pattern.partition(":")
         pool = module_names if where else names
-        if where not in ("", "input", "output"):
-            raise ValueError(f"plan key {pattern!r}: after ':' use 'input' or 'output'")
+        if where not in ("", "input", "inputs", "output"):
+            raise ValueError(f"plan key {pattern!r}: after ':' use 'input', 'inputs' or 'output'")
         if not any(fnmatch.fnmatchcase(n, target) for n in pool):
             kind = "module" if where else "parameter or buffer"
             raise ValueError(f"plan key {pattern!r} matches no {kind} of {type(module).__name__}; "
@@ -115,7 +128,10 @@ def distribute_module(module: nn.Module, placement, plan: dict | None = None) ->
                 setattr(mod, pname, done[id(param)])
                 continue
             sbp = _on_mesh(nd_sbp(_match(plan, prefix + pname) or broadcast, placement.ndim), placement)
-            g = distribute(param.detach(), placement, sbp)
+            if param.is_meta:
+                g = _materialize(mod, prefix + pname, pname, param, placement, sbp)
+            else:
+                g = distribute(param.detach(), placement, sbp)
             new = nn.Parameter(g, requires_grad=param.requires_grad)
             if new.requires_grad:
                 new.register_post_accumulate_grad_hook(_box_grad_to_param)
@@ -126,11 +142,30 @@ def distribute_module(module: nn.Module, placement, plan: dict | None = None) ->
                 continue
             sbp = _on_mesh(nd_sbp(_match(plan, prefix + bname) or broadcast, placement.ndim), placement)
             mod._buffers[bname] = distribute(buf, placement, sbp)
-        for where in ("input", "output"):
+        for where in ("input", "inputs", "output"):
             for pattern, sbp in plan.items():
                 if pattern.endswith(":" + where) and fnmatch.fnmatchcase(mod_name, pattern.rsplit(":", 1)[0]):
                     _pin(mod, where, _on_mesh(nd_sbp(sbp, placement.ndim), placement))
     return module
+
+
+def _materialize(mod: nn.Module, full_name: str, name: str, param, placement, sbp: tuple) -> GlobalTensor:
+    """A meta parameter's global tensor: each member asks ``mod.init_shard(name, box)`` for its own box."""
+    init = getattr(mod, "init_shard", None)
+    if init is None:
+        raise ValueError(f"parameter {full_name!r} is on the meta device and {type(mod).__name__} has no "
+                         "init_shard(name, box): build it with values, or give its module init_shard")
+    layout = Layout(placement, sbp, param.shape, param.dtype)
+    me = world_rank()
+    if me not in placement:
+        return GlobalTensor(torch.empty(0, dtype=param.dtype, device=placement.device()), layout)
+    box = local_box(param.shape, placement.shape, sbp, placement.coords(me))
+    local = init(name, box).to(device=placement.device(), dtype=param.dtype)
+    want = tuple(n for _, n in box)
+    if tuple(local.shape) != want:
+        raise ValueError(f"{type(mod).__name__}.init_shard({name!r}, {box}) returned shape {tuple(local.shape)}, "
+                         f"expected {want}")
+    return GlobalTensor(local, layout)
 
 
 def _pin(mod: nn.Module, where: str, sbp: tuple) -> None:
@@ -141,6 +176,8 @@ def _pin(mod: nn.Module, where: str, sbp: tuple) -> None:
 
     if where == "input":
         mod.register_forward_pre_hook(lambda m, args: (box(args[0]),) + tuple(args[1:]) if args else args)
+    elif where == "inputs":
+        mod.register_forward_pre_hook(lambda m, args: tuple(box(a) for a in args))
     else:
         mod.register_forward_hook(lambda m, args, out: box(out) if isinstance(out, torch.Tensor) else out)
 

@@ -1,0 +1,135 @@
+"""Wide&Deep's data: hashing, the planted generator, exact AUC, Criteo TSV and parquet readers, bad input."""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from recipes.wide_deep.criteo_parquet import CriteoParquet
+from recipes.wide_deep.criteo_tsv import CriteoTSV
+from recipes.wide_deep.features import Encoder
+from recipes.wide_deep.hashing import FeatureHasher
+from recipes.wide_deep.metrics import auc, logloss
+from recipes.wide_deep.synthetic import PlantedCriteo
+
+
+def test_hashing_never_leaves_the_table():
+    raw = [[2 ** 64 - 1, -5, "68fd1e64", None, "", "not hex", 10 ** 12, b"0a"]] * 2
+    shared = FeatureHasher(8, vocab_size=7)
+    ids = shared(raw)
+    assert ids.dtype == torch.int64 and ids.shape == (2, 8) and 0 <= ids.min() and ids.max() < 7
+    assert torch.equal(ids[0], ids[1]) and torch.equal(shared(raw), ids)  # deterministic
+    assert ids[0, 3] == shared([[0, 0, 0, "", 0, 0, 0, 0]])[0, 3]  # None and "" are both missing
+    per_field = FeatureHasher(8, field_vocab_sizes=[1, 2, 3, 4, 5, 6, 7, 8])
+    ids = per_field(raw)
+    offsets = np.cumsum([0, 1, 2, 3, 4, 5, 6, 7])
+    assert per_field.rows == 36 and all(o <= i < o + n for i, o, n in zip(ids[0].tolist(), offsets, range(1, 9)))
+    big = torch.randint(0, 2 ** 62, (1000, 8)).numpy()
+    assert FeatureHasher(8, vocab_size=100)(big).max() < 100
+    with pytest.raises(ValueError, match="exactly one of vocab_size"):
+        FeatureHasher(8)
+    with pytest.raises(ValueError, match="lists 2 sizes for 8"):
+        FeatureHasher(8, field_vocab_sizes=[3, 4])
+
+
+def test_auc_is_exact_with_ties_and_logloss():
+    gen = torch.Generator().manual_seed(0)
+    scores = torch.randint(0, 6, (60,), generator=gen).double()  # many ties
+    labels = torch.randint(0, 2, (60,), generator=gen).double()
+    pos, neg = scores[labels == 1], scores[labels == 0]
+    pairs = [(1.0 if p > n else 0.5 if p == n else 0.0) for p, n in itertools.product(pos.tolist(), neg.tolist())]
+    assert auc(scores, labels) == pytest.approx(sum(pairs) / len(pairs), abs=1e-12)
+    assert logloss(torch.zeros(4), torch.tensor([0.0, 1, 0, 1])) == pytest.approx(np.log(2))
+    with pytest.raises(ValueError, match="both classes"):
+        auc(torch.ones(3), torch.ones(3))
+
+
+def test_planted_rows_are_a_function_of_the_row():
+    data = PlantedCriteo(10 ** 9, seed=3)
+    rows = torch.tensor([5, 123456789, 7, 5])
+    a, b = data.generate(rows), data.generate(torch.tensor([7]))
+    assert torch.equal(a["cats"][2], b["cats"][0]) and torch.equal(a["dense"][0], a["dense"][3])
+    assert a["cats"].shape == (4, 26) and a["dense"].shape == (4, 13)
+    assert (a["cats"] < data.cardinality.long()).all() and (a["cats"] >= 0).all()
+    many = data.generate(torch.arange(20000))
+    ctr, bayes = float(many["label"].mean()), auc(many["prob"], many["label"])
+    assert 0.15 < ctr < 0.45 and 0.7 < bayes < 0.9, (ctr, bayes)
+
+
+def _line(label="1", counts=None, cats=None) -> str:
+    counts = counts if counts is not None else ["1", "", "-2"] + ["3"] * 10
+    cats = cats if cats is not None else ["68fd1e64", ""] + ["a" * 8] * 24
+    return "\t".join([label] + counts + cats) + "\n"
+
+
+def test_criteo_tsv_skips_and_counts_malformed_lines(tmp_path):
+    lines = [_line(), _line("0"), "1\t2\t3\n", _line("x"), _line(counts=["z"] * 13), _line("0"), _line()]
+    path = tmp_path / "train.txt"
+    path.write_text("".join(lines))
+    data = CriteoTSV([str(path)], str(tmp_path / "cache"))
+    assert len(data) == 4 and data.n_malformed == 3
+    summary = data.summary()
+    assert "skipped 3 malformed of 7 lines" in summary and "columns at lines [3]" in summary
+    assert "label at lines [4]" in summary and "count at lines [5]" in summary
+    samples = data.decode(data.read([3, 0]))
+    assert samples[1] == (1, [1, 0, -2] + [3] * 10, [0x68FD1E64, 2 ** 64 - 1] + [0xAAAAAAAA] * 24)
+    assert samples[0][0] == 1 and data.decode(data.read([1]))[0][0] == 0
+    batch = Encoder(FeatureHasher(26, vocab_size=1000)).collate(samples)
+    assert batch["ids"].shape == (2, 26) and batch["dense"][1, 2] == pytest.approx(-np.log(3))
+    assert CriteoTSV([str(path)], str(tmp_path / "cache")).n_malformed == 3  # from the cached index
+    with pytest.raises(IndexError, match="outside the 4 well-formed lines"):
+        data.read([4])
+
+
+def test_criteo_tsv_wrong_column_count_over_the_limit_names_file_and_line(tmp_path):
+    path = tmp_path / "day_0"
+    path.write_text(_line() + "1,2,3\n" * 3 + _line())
+    with pytest.raises(ValueError, match=r"day_0:3: 1 columns, a Criteo line has 40 .* 3 of 5 lines"):
+        CriteoTSV([str(path)], str(tmp_path / "cache"), max_wrong_columns=1)
+    assert len(CriteoTSV([str(path)], str(tmp_path / "cache"), max_wrong_columns=3)) == 2
+
+
+def test_criteo_parquet_reads_rows_and_skips_bad_labels(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    n = 9
+    cols = {"label": pa.array([1, 0, None, 1, 7, 0, 1, 0, 1], pa.int64())}
+    for i in range(1, 14):
+        cols[f"I{i}"] = pa.array([None if r == 0 else r * i for r in range(n)], pa.int64())
+    for i in range(1, 27):
+        cols[f"C{i}"] = (pa.array([2 ** 40 + r for r in range(n)], pa.int64()) if i % 2 else
+                         pa.array([None if r == 1 else f"{r:08x}" for r in range(n)]))
+    pq.write_table(pa.table(cols), tmp_path / "part.parquet", row_group_size=4)
+    data = CriteoParquet([str(tmp_path / "part.parquet")])
+    assert len(data) == 7 and data.n_malformed == 2 and "rows [3, 5]" in data.summary()
+    samples = data.decode(data.read([6, 0, 2]))  # file rows 8, 0, 3
+    assert [s[0] for s in samples] == [1, 1, 1]
+    assert samples[0][1][:2] == [8.0, 16.0] and samples[1][1][0] == 0.0  # missing count -> 0
+    assert samples[0][2][0] == 2 ** 40 + 8 and samples[0][2][1] == 8  # int as is; "00000008" hex
+    assert samples[1][2][1] == 0
+    bad = tmp_path / "bad.parquet"
+    pq.write_table(pa.table({"label": pa.array([1])}), bad)
+    with pytest.raises(ValueError, match=r"bad.parquet: no column\(s\) \['I1'"):
+        CriteoParquet([str(bad)])
+
+
+def test_splits_of_a_tsv_directory_hold_out_the_tail(tmp_path):
+    from types import SimpleNamespace
+
+    from recipes.wide_deep.config import DataSchema, ModelSchema
+    from recipes.wide_deep.data import open_splits
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "day_0").write_text("".join(_line(str(i % 2)) for i in range(8)) + "bad\n")
+    (tmp_path / "data" / "day_1").write_text("".join(_line("1") for _ in range(2)))
+    data = SimpleNamespace(**{**DataSchema().__dict__, "source": "criteo_tsv", "path": str(tmp_path / "data"),
+                              "val_fraction": 0.2, "cache_dir": str(tmp_path / "cache")})
+    splits = open_splits(data, ModelSchema(vocab_size=50))
+    assert (len(splits.train), len(splits.val)) == (8, 2) and splits.bayes is None
+    assert "skipped 1 malformed of 9 lines" in splits.summary
+    batch = splits.val.load(torch.tensor([0, 1]))
+    assert batch["label"].tolist() == [1.0, 1.0] and batch["ids"].max() < 50  # day_1's rows
+    assert splits.train.load(torch.tensor([7]))["label"].tolist() == [1.0]

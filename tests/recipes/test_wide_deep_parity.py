@@ -1,0 +1,135 @@
+"""Wide&Deep trains like one device under dp2, dp4 and dp2_tp2, sparse optimizer included.
+
+fp32, dropout 0, 3 steps of the plan's layout (tables split over every rank:
+wide ``S(0)``, deep ``S(1)``; MLP ``B``; batch ``(S(0), S(0))``) with sparse
+table gradients, global-norm clipping (active) and ``LazyAdamW`` (AdamW for
+the MLP, lazy Adam with moments for looked-up rows only on each rank's table
+shard) against the same model and optimizer on one device with plain sparse
+gradients: losses and every parameter within 1e-5 relative. ``sc.explain``
+shows the lookups' path on dp2_tp2: ids gathered to ``B``, the wide rows
+``P(sum)`` (kept partial through the logits' sum, reduce-scattered at the
+loss), the deep rows ``S(2)``. One
+pool call runs all layouts (dense moment storage equals sparse: tests/toolkit/test_lazy_adam.py).
+"""
+from __future__ import annotations
+
+import torch
+
+import sbp_core as sc
+from recipes.wide_deep.model import WideDeep, WideDeepConfig, bce_loss
+from recipes.wide_deep.plan import DATA_SBP, mesh_plan
+from sbp_core.sbp import Broadcast, Partial, Split
+from toolkit.lazy_adam import LazyAdamW
+from toolkit.mesh import stage_ranks
+from toolkit.rank_pool import get_pool
+
+WORLD = 5
+STEPS = 3
+ROWS, BATCH = 3000, 16
+LAYOUTS = {"dp2": (2, 1), "dp4": (4, 1), "dp2_tp2": (2, 2)}
+B, P, S0, S1 = Broadcast(), Partial("sum"), Split(0), Split(1)
+MAX_NORM = 0.5
+
+
+def _batches():
+    gen = torch.Generator().manual_seed(1)
+    return [(torch.randn(BATCH, 13, generator=gen), torch.randint(0, ROWS, (BATCH, 26), generator=gen),
+             torch.randint(0, 2, (BATCH,), generator=gen).float()) for _ in range(STEPS)]
+
+
+def _model(meta: bool) -> WideDeep:
+    torch.manual_seed(0)
+    return WideDeep(WideDeepConfig(table_rows=ROWS, embed_dim=8, hidden=[32, 16], dropout=0.0, meta_tables=meta))
+
+
+def _optimizer(model, dense_state: bool) -> LazyAdamW:
+    tables = [model.wide.weight, model.deep.weight]
+    rest = [p for n, p in model.named_parameters() if n not in ("wide.weight", "deep.weight")]
+    return LazyAdamW([{"params": rest, "weight_decay": 0.1}, {"params": tables}], lr=3e-3, dense_state=dense_state)
+
+
+def _clip_reference(params) -> None:
+    """Global-norm clipping on one device, sparse gradients counted by their coalesced values."""
+    sq = 0.0
+    for p in params:
+        g = p.grad.coalesce()._values() if p.grad.is_sparse else p.grad
+        sq += float(g.pow(2).sum())
+    coef = min(1.0, MAX_NORM / (sq ** 0.5 + 1e-6))
+    for p in params:
+        p.grad.mul_(coef)
+
+
+def _reference(dense_state: bool):
+    model = _model(meta=False)
+    opt = _optimizer(model, dense_state)
+    losses = []
+    for dense, ids, label in _batches():
+        loss = bce_loss(model(dense, ids), label)
+        loss.backward()
+        _clip_reference(list(model.parameters()))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _distributed(dp: int, tp: int, dense_state: bool = False):
+    ranks = stage_ranks(dp, tp, 1)[0]
+    p = sc.placement("cpu", ranks)
+    model = sc.distribute_module(_model(meta=True), p, mesh_plan())
+    opt = _optimizer(model, dense_state)
+    grad_sbp, lookups = {}, None
+    losses = []
+    for dense, ids, label in _batches():
+        x, i, y = (sc.distribute(t, p, DATA_SBP) for t in (dense, ids, label))
+        with sc.explain() as steps:
+            loss = bce_loss(model(x, i), y)
+        if lookups is None:
+            lookups = [(req, outs) for op, _, req, outs, _ in steps if op == "aten.embedding.default"]
+            lookups.append(next((a[0], req[0]) for op, a, req, _, _ in steps
+                                if op == "aten.binary_cross_entropy_with_logits.default"))
+        loss.backward()
+        grad_sbp = {n: (type(q.grad).__name__, sc.sbp.format_sbp(q.grad.sbp)) for n, q in model.named_parameters()
+                    if n in ("wide.weight", "deep.weight")}
+        sc.clip_grad_norm_(list(model.parameters()), MAX_NORM)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach().full_tensor()))
+    params = {n: q.full_tensor().clone() for n, q in model.named_parameters()}
+    return losses, params, grad_sbp, lookups
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-12)).item()
+
+
+def _compare_all():
+    """Worker: every layout against the reference; errors and the tables' gradient layouts."""
+    out = {}
+    ref_losses, ref_params = _reference(False)
+    for name, (dp, tp) in LAYOUTS.items():
+        if torch.distributed.get_rank() >= dp * tp:
+            sc.placement("cpu", stage_ranks(dp, tp, 1)[0])  # placements are built by every rank
+            continue
+        losses, params, grad_sbp, lookups = _distributed(dp, tp, False)
+        out[name] = (max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
+                     max(_rel(params[k], ref_params[k]) for k in ref_params), grad_sbp, lookups)
+    return out
+
+
+def test_layouts_match_one_device_with_lazy_adam():
+    results = get_pool(WORLD).run(_compare_all)
+    seen = 0
+    for rank_result in results:
+        for name, (loss_err, param_err, grad_sbp, lookups) in rank_result.items():
+            seen += 1
+            assert loss_err <= 1e-5 and param_err <= 1e-5, (name, loss_err, param_err)
+            tp_axis = "S(1)" if name == "dp2_tp2" else "B"
+            assert grad_sbp == {"wide.weight": ("SparseGlobalTensor", "(B, B)"),
+                                "deep.weight": ("SparseGlobalTensor", f"(S(1), {tp_axis})")}, (name, grad_sbp)
+            if name == "dp2_tp2":
+                (wide_req, wide_out), (deep_req, deep_out), logits = lookups
+                assert wide_req == [(S0, S0), (B, B)] and wide_out == [(P, P)], lookups  # ids gathered, rows partial
+                assert deep_req == [(S1, S1), (B, B)] and deep_out == [(Split(2), Split(2))], lookups
+                assert logits == ((P, P), (S0, S0)), lookups  # kept partial to the loss, reduce-scattered there
+    assert seen == 2 + 4 + 4
