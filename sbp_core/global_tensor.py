@@ -79,9 +79,7 @@ class GlobalTensor(torch.Tensor):
     # -- moving between layouts (differentiable) -----------------------------
     def to_local(self) -> torch.Tensor:
         """This rank's shard; its gradient is taken to be laid out as ``sbp`` with partial as ``B``."""
-        from .boxing.autograd import ToLocal
-
-        return ToLocal.apply(self)
+        return _ToLocal.apply(self)
 
     def to_global(self, placement=None, sbp=None) -> "GlobalTensor":
         """Box to ``sbp`` on ``placement`` (either defaults to the current one)."""
@@ -91,12 +89,8 @@ class GlobalTensor(torch.Tensor):
         except (KeyError, TypeError):  # TypeError: an unhashable sbp (a list)
             dst = _target(src, placement, sbp)
         if self.requires_grad and torch.is_grad_enabled():
-            from .boxing.autograd import Boxing
-
-            return Boxing.apply(self, dst)
-        from .boxing import box
-
-        local = box(self._local, src, dst)
+            return _Boxing.apply(self, dst)
+        local = _box(self._local, src, dst)
         return wrap(local, dst, dst.strides if local.is_contiguous() else _global_strides(dst.shape, local))
 
     def full_tensor(self) -> torch.Tensor:
@@ -143,3 +137,8 @@ def wrap(local: torch.Tensor, layout: Layout, strides) -> GlobalTensor:
 from .dispatch import dispatch as _dispatch  # noqa: E402  (dispatch needs GlobalTensor defined)
 
 GlobalTensor.__torch_dispatch__ = classmethod(_dispatch)
+
+# Bound once here rather than imported inside ``to_global``: an import statement in a
+# function costs two importlib frames per call (boxing imports this module, so not at the top).
+from .boxing import box as _box  # noqa: E402
+from .boxing.autograd import Boxing as _Boxing, ToLocal as _ToLocal  # noqa: E402

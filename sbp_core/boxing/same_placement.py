@@ -16,6 +16,8 @@ P(op) -> P(op2)       reduce with ``op`` onto the first rank, ``op2``'s identity
 """
 from __future__ import annotations
 
+from operator import methodcaller
+
 import torch
 
 from ..layout import reduce_identity, shard_bounds, view_shape
@@ -55,7 +57,7 @@ def axis_step(placement, state: tuple, axis: int, new, shape):
     if old.is_broadcast:
         if new.is_split:
             start, length = shard_bounds(view[new.axis], p, index)
-            return lambda local: local.narrow(new.axis, start, length)
+            return methodcaller("narrow", new.axis, start, length)  # C-level: no Python frame per call
         if index == 0:
             return None
         return lambda local: torch.full_like(local, reduce_identity(new.op, local.dtype))
