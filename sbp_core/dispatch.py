@@ -58,7 +58,7 @@ def _plan_cost(src, dst, placement, shape, dtype) -> float:
     if src == dst:
         return 0.0
     try:
-        return plan(src, dst, placement.shape, tuple(shape), torch.empty((), dtype=dtype).element_size())[1]
+        return plan(src, dst, placement.shape, tuple(shape), dtype.itemsize)[1]
     except ValueError:
         return math.inf
 
@@ -133,6 +133,11 @@ def _decide(func, flat, spec, gpos, placement) -> Decision:
 
 
 _CACHE_LIMIT = 1 << 16
+
+
+def forget_decisions() -> None:
+    """Drop every cached signature decision (they hold placements of a world that is gone)."""
+    _cache.clear()
 
 
 def _key_part(a):
