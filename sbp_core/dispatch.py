@@ -135,9 +135,15 @@ def _decide(func, flat, spec, gpos, placement) -> Decision:
 _CACHE_LIMIT = 1 << 16
 
 
-def forget_decisions() -> None:
-    """Drop every cached signature decision (they hold placements of a world that is gone)."""
-    _cache.clear()
+@contextlib.contextmanager
+def decisions(cache: dict):
+    """Inside, signature decisions are cached in ``cache`` (e.g. a rehearsal's fake worlds keep theirs apart)."""
+    global _cache
+    saved, _cache = _cache, cache
+    try:
+        yield
+    finally:
+        _cache = saved
 
 
 def _key_part(a):

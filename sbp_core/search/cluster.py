@@ -21,7 +21,8 @@ written by ``scripts/calibrate_machine.py``) instead says ``costs: measured``
 (per-op seconds measured here, ``sbp_core.search.opcost``), how many
 ``cores`` there are, ``capacity``: ``[[busy threads, cores they get], ...]``
 (other jobs take the rest), ``device.dispatch_us`` (our Python cost per
-global op), ``device.thread_speedup`` (a process with 2 intra-op threads vs
+global op), ``device.kernel_factor`` (kernels inside a step vs alone),
+``device.thread_speedup`` (a process with 2 intra-op threads vs
 1 on big kernels), and ``memory_shared: true`` (all processes share the
 node's ``memory_gib``).
 
@@ -57,6 +58,7 @@ class Cluster:
     cores: float = 0.0  # CPU cores the devices share (measured machines); 0 = each device has its own processor
     capacity: tuple = ()  # ((busy threads, cores they get), ...)
     thread_speedup: float = 1.0
+    kernel_factor: float = 1.0  # measured kernels take this much longer inside a step than alone
     memory_shared: bool = False
     source: str = ""
 
@@ -131,5 +133,6 @@ def cluster_from_dict(d: dict, source: str = "<dict>") -> Cluster:
         host_overhead=float(dev.get("host_overhead_us", dev.get("dispatch_us", 0.0))) * 1e-6,
         costs=costs, cores=float(d.get("cores", 0.0)),
         capacity=tuple((float(n), float(c)) for n, c in (d.get("capacity") or ())),
-        thread_speedup=float(dev.get("thread_speedup", 1.0)), memory_shared=bool(dev.get("memory_shared", False)),
+        thread_speedup=float(dev.get("thread_speedup", 1.0)), kernel_factor=float(dev.get("kernel_factor", 1.0)),
+        memory_shared=bool(dev.get("memory_shared", False)),
         source=source)

@@ -72,7 +72,7 @@ def phase_cost(trace: PhaseTrace, op_costs, cluster: Cluster, offset: int, stage
     speedup = cluster.thread_speedup if threads > 1 else 1.0
     for e in trace.events:
         if isinstance(e, OpCall):
-            s = op_costs.seconds(e)
+            s = op_costs.seconds(e) * cluster.kernel_factor
             compute += s / speedup if speedup != 1.0 and _largest(e.args) >= GRAIN else s
         else:
             comm += collective_seconds(e, cluster, tuple(offset + r for r in e.ranks), stage_devices)

@@ -5,9 +5,12 @@ seconds:
 
 - ``MeasuredOpCosts``: runs the call on this machine's CPU with freshly
   made tensors of the recorded shapes, strides and dtypes (floats random,
-  integers zero so that indices are valid) and keeps the best of a few
-  repeats (the least disturbed by other load); results are cached in a JSON
-  file per thread count, so each distinct call is measured once.
+  integers zero so that indices are valid), on one intra-op thread, and
+  keeps the least *CPU time of the calling thread* over a few repeats: the
+  work the call needs, which other jobs on a shared machine do not inflate
+  the way they inflate wall time (the simulator turns work into time with
+  the machine's measured capacity). Results are cached in a JSON file, so
+  each distinct call is measured once.
 - ``RooflineOpCosts``: ``max(FLOPs / peak FLOP/s of the dtype, bytes /
   memory bandwidth) + kernel launch overhead``. FLOPs come from torch's own
   formulas (``torch.utils.flop_counter``, run on meta tensors) plus the CPU
@@ -81,7 +84,7 @@ def is_view(func) -> bool:
 
 
 class MeasuredOpCosts:
-    """Seconds of each local call on this machine with ``threads`` intra-op threads, cached in ``path``."""
+    """CPU seconds of each local call on this machine with ``threads`` intra-op threads (use 1), cached in ``path``."""
 
     def __init__(self, path: str | os.PathLike, threads: int = 1, repeats: int = 5, budget_s: float = 0.05):
         self.path = Path(path)
@@ -109,9 +112,9 @@ class MeasuredOpCosts:
             best, spent, n = float("inf"), 0.0, 0
             while n < self.repeats or (spent < self.budget_s and n < 50):
                 func_args, func_kwargs = (call_args(call, "cpu")[1:] if _writes(func) else (args, kwargs))
-                t0 = time.perf_counter()
+                t0 = time.thread_time_ns()
                 func(*func_args, **func_kwargs)
-                dt = time.perf_counter() - t0
+                dt = (time.thread_time_ns() - t0) * 1e-9
                 best, spent, n = min(best, dt), spent + dt, n + 1
             return best
         finally:

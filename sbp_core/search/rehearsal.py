@@ -27,6 +27,7 @@ itself exports none.
 from __future__ import annotations
 
 import contextlib
+import logging
 import weakref
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -37,7 +38,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._pytree import tree_leaves
 
 from .. import ledger as _ledger
-from ..dispatch import explain, forget_decisions
+from ..dispatch import decisions, explain
 from ..global_tensor import GlobalTensor
 from ..process_groups import forget_groups
 
@@ -157,12 +158,18 @@ class _Recorder(FakeTensorMode):
         return out
 
 
+# Decisions made in fake worlds, where this process is always rank 0: valid across rehearsals, never
+# for a real world (which ``dispatch`` keeps in its own cache).
+_FAKE_DECISIONS: dict = {}
+
+
 class Rehearsal:
     """``with Rehearsal(world_size) as r:`` — a fake world of ``world_size`` ranks (this one is rank 0).
 
     Build modules and inputs inside (they become fake); run each phase of a
-    step under ``with r.phase(name) as trace:``. On exit the fake process
-    group is destroyed and sbp_core's cached groups and decisions are
+    step under ``with r.phase(name) as trace:``. Signature decisions go to a
+    cache of their own (shared by rehearsals, never seen by real runs). On
+    exit the fake process group is destroyed and sbp_core's cached groups
     dropped, so a real world can start afterwards in this process.
     """
 
@@ -190,6 +197,10 @@ class Rehearsal:
 
         dist.init_process_group("fake", rank=0, world_size=self.world_size, store=dist.HashStore())
         try:
+            self._exit.enter_context(decisions(_FAKE_DECISIONS))
+            quiet = logging.getLogger("torch._subclasses.fake_tensor")  # a refused layout is reported by raising
+            level, quiet.level = quiet.level, logging.CRITICAL
+            self._exit.callback(setattr, quiet, "level", level)
             self._exit.enter_context(_Recorder(self))
             pre = torch.nn.modules.module.register_module_forward_pre_hook(self._enter_module)
             post = torch.nn.modules.module.register_module_forward_hook(self._leave_module)
@@ -207,7 +218,6 @@ class Rehearsal:
             self._close()
 
     def _close(self):
-        forget_decisions()
         forget_groups()
         dist.destroy_process_group()
 

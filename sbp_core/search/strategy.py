@@ -56,7 +56,11 @@ class Strategy:
             raise ValueError(f"Strategy.zero={self.zero!r}: must be one of 0, 1, 2, 3")
         for pattern, sbp in self.ops:
             parse_sbp(sbp)
-        object.__setattr__(self, "ops", tuple(sorted((str(p), str(s)) for p, s in self.ops)))
+        ops = tuple(sorted((str(p), str(s)) for p, s in self.ops))
+        if self.tp == 1:  # a one-device tp axis lays everything out B: per-op layouts and sequence parallel are moot
+            ops = ()
+            object.__setattr__(self, "sequence_parallel", False)
+        object.__setattr__(self, "ops", ops)
 
     @property
     def world(self) -> int:
