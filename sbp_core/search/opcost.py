@@ -90,17 +90,21 @@ class MeasuredOpCosts:
         self.path = Path(path)
         self.threads = threads
         self.repeats, self.budget_s = repeats, budget_s
-        self._table: dict = {}
+        self._table: dict = {}  # repr(call key) -> seconds, as stored on disk
+        self._hot: dict = {}  # call key -> seconds, for lookups without repr
         if self.path.exists():
             self._table = json.loads(self.path.read_text())
         self._dirty = False
 
     def seconds(self, call: OpCall) -> float:
-        key = repr(call.key)
-        got = self._table.get(key)
+        got = self._hot.get(call.key)
         if got is None:
-            got = self._table[key] = self.measure(call)
-            self._dirty = True
+            key = repr(call.key)
+            got = self._table.get(key)
+            if got is None:
+                got = self._table[key] = self.measure(call)
+                self._dirty = True
+            self._hot[call.key] = got
         return got
 
     def measure(self, call: OpCall) -> float:
