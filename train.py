@@ -1,6 +1,6 @@
 """Train a recipe: ``python train.py recipe=gpt2 parallel=dp2_tp4_pp2``.
 
-Hydra composes ``configs/`` (``model=``, ``parallel=`` any ``dpX_tpY_ppZ``
+Hydra composes ``configs/`` (``recipe=``, ``model=``, ``parallel=`` any ``dpX_tpY_ppZ``
 name or ``parallel.dp=..``, ``data=``, ``trainer.*``, ``logger=none``); the
 config is validated before any process starts; without torchrun or Slurm
 this spawns dp*tp*pp local processes (gloo on CPU, NCCL with a GPU each).
@@ -28,8 +28,7 @@ def run(cfg):
 def main(cfg):
     from recipes.registry import get
 
-    layout = validate(cfg)
-    get(cfg.recipe.name)
+    layout = validate(cfg, get(cfg.recipe.name))
     save_resolved_config(cfg, cfg.run_dir)
     return launch(run, cfg, layout.world_size)
 

@@ -148,7 +148,7 @@ class Ours:
     def batches(self, steps: int) -> list:
         """This rank's micro-batches (token ids) of steps ``0 .. steps-1``, read now, for a peer."""
         mb, accum = self.job.train_batches, self.job.layout.accumulation
-        return [[mb.load(i, k) for k in range(accum)] for i in range(steps)]
+        return [[mb.load(i, k)["input_ids"] for k in range(accum)] for i in range(steps)]
 
     def loss(self, value):
         return value  # the global mean on rank 0 and the last stage, else None

@@ -5,13 +5,15 @@ rank 0 (``enabled``), so the trainer needs no rank checks. Each
 :meth:`MetricsLogger.log` call appends one JSON object to
 ``<run_dir>/metrics.jsonl``, prints one line, and mirrors the values to W&B.
 
-Row keys. Training rows: ``step``, ``loss``, ``lr``, ``grad_norm``,
-``tokens_per_s``, ``tflops``, ``mfu``, ``mem``; evaluation rows (:meth:`log_eval`):
-``step``, ``val_loss``, ``val_ppl``. ``mem`` is filled in when not given: the
+Row keys. Training rows: ``step``, ``loss``, ``lr``, ``grad_norm``, the
+throughput (``throughput_key``: ``tokens_per_s``, ``images_per_s`` or
+``samples_per_s`` by recipe), ``tflops``, ``mfu``, ``mem``; evaluation rows
+(:meth:`log_eval`): ``step`` and the recipe's metrics (``val_loss`` gets
+``val_ppl``). ``mem`` is filled in when not given: the
 peak bytes of this process (``torch.cuda.max_memory_allocated`` on CUDA,
 otherwise the peak resident set size from ``getrusage``). ``tflops`` and
-``mfu`` are filled in from ``tokens_per_s`` when the logger knows
-``flops_per_token`` and ``peak_tflops`` (see :mod:`toolkit.flops`; ``mfu`` is
+``mfu`` are filled in from the throughput when the logger knows
+``flops_per_item`` and ``peak_tflops`` (see :mod:`toolkit.flops`; ``mfu`` is
 against ``peak_tflops * n_devices``). Values must be JSON numbers, strings,
 booleans or ``None``; tensors are converted with ``.item()``. Non-finite
 floats are written as ``null`` (strict JSON) and shown as ``nan``/``inf`` on the console.
@@ -75,6 +77,7 @@ def _format(row: dict) -> str:
     parts = [f"step {row['step']}"]
     fmt = {"loss": "loss {:.4f}", "val_loss": "val_loss {:.4f}", "val_ppl": "val_ppl {:.2f}",
            "lr": "lr {:.2e}", "grad_norm": "grad_norm {:.3f}", "tokens_per_s": "{:,.0f} tok/s",
+           "images_per_s": "{:,.1f} img/s", "samples_per_s": "{:,.0f} samples/s",
            "tflops": "{:.3f} TFLOP/s", "mfu": "mfu {:.1%}"}
     for key, value in row.items():
         if key == "step" or value is None:
@@ -93,15 +96,17 @@ class MetricsLogger:
 
     ``cfg``: the job config (a DictConfig or dict with a ``logger`` node);
     ``enabled``: whether this process writes anything (default: rank 0).
-    ``flops_per_token``, ``peak_tflops``, ``n_devices``: for ``tflops``/``mfu``.
+    ``flops_per_item`` (per unit of ``throughput_key``), ``peak_tflops``,
+    ``n_devices``: for ``tflops``/``mfu``.
     """
 
     def __init__(self, run_dir: str | Path, cfg: Any, enabled: Optional[bool] = None, *,
-                 flops_per_token: Optional[float] = None, peak_tflops: Optional[float] = None,
-                 n_devices: int = 1, console: bool = True):
+                 flops_per_item: Optional[float] = None, peak_tflops: Optional[float] = None,
+                 n_devices: int = 1, console: bool = True, throughput_key: str = "tokens_per_s"):
         self.enabled = _this_rank() == 0 if enabled is None else bool(enabled)
         self.run_dir = Path(run_dir)
-        self.flops_per_token = flops_per_token
+        self.flops_per_item = flops_per_item
+        self.throughput_key = throughput_key
         self.peak_tflops = peak_tflops
         self.n_devices = n_devices
         self.console = console
@@ -143,26 +148,28 @@ class MetricsLogger:
             return None
         row = {"step": int(step)}
         row.update({k: _plain(v) for k, v in metrics.items()})
-        tps = row.get("tokens_per_s")
-        if tps is not None and self.flops_per_token is not None:
+        rate = row.get(self.throughput_key)
+        if rate is not None and self.flops_per_item is not None:
             from toolkit import flops
 
-            row.setdefault("tflops", flops.tflops(tps, self.flops_per_token))
+            row.setdefault("tflops", flops.tflops(rate, self.flops_per_item))
             if self.peak_tflops:
-                row.setdefault("mfu", flops.mfu(tps, self.flops_per_token, self.peak_tflops, self.n_devices))
+                row.setdefault("mfu", flops.mfu(rate, self.flops_per_item, self.peak_tflops, self.n_devices))
         if "mem" not in row:
             row["mem"] = peak_memory_bytes()
         self._write(row)
         return row
 
-    def log_eval(self, step: int, val_loss: float, **metrics: Any) -> Optional[dict]:
-        """Record an evaluation row: ``val_loss`` and ``val_ppl = exp(val_loss)``."""
+    def log_eval(self, step: int, **metrics: Any) -> Optional[dict]:
+        """Record an evaluation row of ``metrics``; a ``val_loss`` gets ``val_ppl = exp(val_loss)`` beside it."""
         if not self.enabled:
             return None
-        loss = _plain(val_loss)
-        ppl = math.exp(loss) if loss is not None and loss < 700 else float("inf")
-        row = {"step": int(step), "val_loss": loss, "val_ppl": ppl}
-        row.update({k: _plain(v) for k, v in metrics.items()})
+        row = {"step": int(step)}
+        for key, value in metrics.items():
+            row[key] = _plain(value)
+            if key == "val_loss":
+                loss = row[key]
+                row["val_ppl"] = math.exp(loss) if loss is not None and loss < 700 else float("inf")
         self._write(row)
         return row
 

@@ -1,4 +1,4 @@
-"""AdamW with decoupled weight decay on weights only, and the warmup + cosine learning-rate schedule.
+"""AdamW (or SGD) with weight decay on weights only, and the warmup + cosine learning-rate schedule.
 
 Weight decay applies to parameters with 2 or more dimensions (matmul weights
 and embeddings) and not to biases or LayerNorm gains/shifts (1-D). The
@@ -52,11 +52,18 @@ def param_groups(model: nn.Module | Iterable[tuple[str, nn.Parameter]], weight_d
             {"params": no_decay, "weight_decay": 0.0, "names": no_decay_names}]
 
 
-def build_optimizer(model: nn.Module, trainer: Any, **kwargs) -> torch.optim.AdamW:
-    """AdamW from a ``trainer`` config node (``lr``, ``weight_decay``, ``betas``, ``eps``).
+def build_optimizer(model: nn.Module, trainer: Any, **kwargs) -> torch.optim.Optimizer:
+    """``trainer.optimizer`` from a ``trainer`` config node: AdamW (``lr``, ``weight_decay``, ``betas``,
+    ``eps``) or SGD with momentum (``lr``, ``weight_decay``, ``momentum``), same parameter groups.
 
-    Extra ``kwargs`` go to ``torch.optim.AdamW`` (e.g. ``foreach=False``).
+    Extra ``kwargs`` go to the torch optimizer (e.g. ``foreach=False``).
     """
+    kind = str(trainer.get("optimizer", "adamw"))
+    if kind == "sgd":
+        return torch.optim.SGD(param_groups(model, trainer.weight_decay), lr=float(trainer.lr),
+                               momentum=float(trainer.momentum), **kwargs)
+    if kind != "adamw":
+        raise ValueError(f"trainer.optimizer={kind!r}: unknown; valid: adamw, sgd")
     betas = tuple(float(b) for b in trainer.betas)
     if len(betas) != 2:
         raise ValueError(f"trainer.betas={list(betas)}: must be two numbers, e.g. [0.9, 0.95]")

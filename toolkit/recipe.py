@@ -1,37 +1,196 @@
-"""What a recipe hands the trainer: a plain torch model and its parallel plan, as data.
+"""What a recipe hands the trainer: a plain torch model, its data and its parallel plan, as data.
 
-The trainer (``toolkit.trainer``) knows nothing of GPT-2; a recipe package
-(``recipes/gpt2``) fills a ``Recipe``:
+One contract for language, vision and recommendation models: the trainer
+(``toolkit.trainer``) calls these hooks and nothing recipe-specific. A
+recipe package ``recipes/<name>/recipe.py`` defines ``RECIPE = <a subclass
+instance>``; ``recipes.registry.get(name)`` finds it.
 
-- ``build_model(model_cfg) -> nn.Module``: the full model on every rank
-  (the same seed gives the same values);
-- ``mesh_plan(sequence_parallel) -> dict``: parameter patterns and
-  ``<module>:input/output`` pins to an SBP on the stage's ``(dp, tp)`` mesh;
-- ``pipeline``: ``{"layers", "first", "last"}`` module paths (see
-  ``toolkit.stages``), ``tied``: parameter-name pairs shared by the first and
-  last stage;
-- ``stage_forward(module, x, labels)``: a stage's output, or the loss on the
-  last stage;
-- ``data_sbp`` / ``act_sbp``: token ids and stage-boundary activations on the
-  mesh; ``hidden_size(model_cfg)``: the boundary activation's last dim;
-- ``checkpoint_layers(module)``: wrap each repeated layer in activation
-  checkpointing (``torch.utils.checkpoint``), in place.
+Configuration. ``cfg.model`` and ``cfg.data`` are typed by the recipe's
+``model_schema`` / ``data_schema`` dataclasses (unknown keys and wrong types
+are a ``ConfigError`` before any process starts, see
+``toolkit.config.validate``); ``check`` adds the recipe's own cross-field
+rules. ``configs/recipe/<name>.yaml`` picks the recipe's default model, data
+and trainer groups.
+
+Data. Every micro-batch is a dict of fields (``batch_fields``: per-sample
+shape and dtype), all laid out ``data_sbp`` on a stage's ``(dp, tp)`` mesh.
+Its ``S(0)`` mesh axes cut the batch into shards (GPT-2's ``(S(0), B)``: one
+shard per dp index, read by every tp rank; ``(S(0), S(0))``: one shard per
+rank). ``data`` returns a rank's shard of every micro-batch as runtime
+data-pipeline actors (``toolkit.data.MicroBatches`` over any indexable
+source does the sampling and sharding). The first stage reads the
+``inputs`` fields, the last stage the ``labels`` fields.
+
+Computation. ``stage_forward(module, x, labels)``: ``x`` is the dict of input
+fields (global tensors) on the first stage, else the boundary activation
+(``act_shape``/``act_sbp``); ``labels`` the dict of label fields on the last
+stage, else ``None``. It returns the stage's output, or the scalar loss on
+the last stage. ``pipeline`` names the repeated layers and the modules before
+and after them (``toolkit.stages``); ``None`` means the model is not split
+into stages (``check`` refuses ``pp > 1``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from sbp_core.sbp import Broadcast, Split
 
 
-@dataclass(frozen=True)
+def sbp_text(sbp: tuple) -> str:
+    return "(" + ", ".join(map(str, sbp)) + ")"
+
+
 class Recipe:
-    name: str
-    build_model: Callable
-    mesh_plan: Callable
-    pipeline: dict
-    stage_forward: Callable
-    data_sbp: tuple
-    act_sbp: tuple
-    hidden_size: Callable
-    checkpoint_layers: Callable
-    tied: list = field(default_factory=list)
+    """Base class of every recipe; subclasses set the attributes and override what differs.
+
+    Attributes: ``name``; ``model_schema``/``data_schema`` (dataclasses);
+    ``data_sbp`` (the batch on the ``(dp, tp)`` mesh); ``inputs``/``labels``
+    (field names); ``pipeline`` (dict or ``None``); ``act_sbp`` (stage
+    boundary activations); ``tied`` (parameter-name pairs shared by the first
+    and last stage); ``throughput_unit`` ("tokens", "images", "samples": the
+    metrics key is ``<unit>_per_s``).
+    """
+
+    name: str = ""
+    model_schema: type = None
+    data_schema: type = None
+    data_sbp: tuple = (Split(0), Broadcast())
+    inputs: tuple = ()
+    labels: tuple = ()
+    pipeline: dict | None = None
+    act_sbp: tuple = (Split(0), Broadcast())
+    tied: tuple = ()
+    throughput_unit: str = "samples"
+
+    # -- configuration -------------------------------------------------------------------------
+
+    def check(self, cfg, layout) -> list:
+        """Problems with ``cfg`` this recipe knows of (``layout``: the generic ``JobLayout``), as strings.
+
+        Called by ``toolkit.config.validate`` after the generic checks passed,
+        before any process starts. The base refuses ``pp > 1`` without a
+        ``pipeline``.
+        """
+        if self.pipeline is None and layout.pp > 1:
+            return [f"parallel.pp={layout.pp}: recipe {self.name} is not split into pipeline stages; valid: pp=1 "
+                    f"(use dp and tp)"]
+        return []
+
+    def n_layers(self, model_cfg) -> int:
+        """Length of the ``pipeline["layers"]`` ModuleList (the unit of the stage split)."""
+        raise NotImplementedError(f"recipe {self.name} has no pipeline split")
+
+    # -- model and plan ------------------------------------------------------------------------
+
+    def build_model(self, model_cfg) -> nn.Module:
+        raise NotImplementedError
+
+    def mesh_plan(self, cfg) -> dict:
+        """Parameter patterns and ``<module>:input/output`` pins to an SBP on a stage's ``(dp, tp)`` mesh."""
+        return {}
+
+    def stage_forward(self, module, x, labels=None):
+        raise NotImplementedError
+
+    def act_shape(self, cfg, rows: int) -> tuple:
+        """A micro-batch's stage-boundary activation (global shape) for ``rows`` samples."""
+        raise NotImplementedError(f"recipe {self.name} has no pipeline split")
+
+    def checkpoint_layers(self, module) -> None:
+        """Wrap each repeated layer in activation checkpointing, in place."""
+        raise NotImplementedError(f"recipe {self.name} does not support trainer.activation_checkpointing")
+
+    def build_optimizer(self, module, trainer_cfg):
+        """The optimizer of this rank's stage (default: ``trainer.optimizer``, AdamW or SGD)."""
+        from toolkit.optim import build_optimizer
+
+        return build_optimizer(module, trainer_cfg)
+
+    # -- data ----------------------------------------------------------------------------------
+
+    def batch_fields(self, cfg) -> dict:
+        """``{field: (per-sample shape, dtype)}`` of one micro-batch."""
+        raise NotImplementedError
+
+    def prepare(self, cfg):
+        """Every rank, before the model: build or find the data (cached; safe under concurrent ranks)."""
+        return None
+
+    def data(self, cfg, prepared, split: str, shard: int, n_shards: int, layout):
+        """Shard ``shard`` of ``n_shards`` of ``split`` ("train" or "val")'s micro-batches, or ``None`` (no such split).
+
+        ``prepared``: what ``prepare`` returned; ``layout``: the ``JobLayout``
+        (``global_batch_size``, ``accumulation``).
+        The result has ``stages(device, quota, prefix)`` (runtime data-pipeline
+        actors), a settable ``step``, and yields ``{field: local tensor}`` per
+        piece (see ``toolkit.data.MicroBatches``).
+        """
+        raise NotImplementedError
+
+    # -- evaluation and accounting -------------------------------------------------------------
+
+    def evaluate(self, job) -> dict | None:
+        """Evaluation metrics for the eval row (known on rank 0; other ranks may return ``None``).
+
+        Called on every rank every ``trainer.eval_every`` steps. Default: the
+        mean loss of ``trainer.eval_steps`` validation batches through the
+        pipeline, as ``val_loss``.
+        """
+        if job.val_batches is None:
+            return None
+        return {"val_loss": job.evaluate_loss()}
+
+    def items_per_sample(self, cfg) -> int:
+        """Throughput items in one sample (tokens per sequence for a language model)."""
+        return 1
+
+    def flops_per_item(self, cfg, n_params: int) -> float | None:
+        """Training FLOPs per throughput item (for TFLOP/s and MFU), or ``None`` if not modelled."""
+        return None
+
+    # -- run files -----------------------------------------------------------------------------
+
+    def init_weights(self, model, path: str, cfg) -> bool:
+        """Load ``trainer.init_from`` weights of a foreign format into the full ``model``; ``False`` if not one."""
+        return False
+
+    def extra_state(self, cfg) -> dict:
+        """JSON-able facts saved with every checkpoint (e.g. what an exporter needs)."""
+        return {}
+
+    def on_start(self, job) -> None:
+        """Rank 0, once the job is built: write run artifacts (e.g. the tokenizer)."""
+
+
+def field_layout(placement, sbp: tuple, rows: int, shape: tuple, dtype: torch.dtype):
+    """The ``sbp_core.Layout`` of a data field: ``rows`` samples of ``shape`` on ``placement``."""
+    from sbp_core import Layout
+
+    return Layout(placement, tuple(sbp), torch.Size((rows, *shape)), dtype)
+
+
+def data_shard(sbp: tuple, mesh_shape: tuple, mesh_index: tuple) -> tuple:
+    """``(shard, n_shards)`` of the rank at ``mesh_index``: the mesh axes whose SBP splits dim 0 cut the batch.
+
+    Nested in mesh-axis order (the first such axis outermost), as nested
+    ``tensor_split`` lays out an N-d ``S(0)``.
+    """
+    shard, count = 0, 1
+    for s, size, i in zip(sbp, mesh_shape, mesh_index):
+        if isinstance(s, Split):
+            if s.axis != 0:
+                raise ValueError(f"data_sbp {sbp_text(sbp)}: a batch may only be split on dim 0 (samples)")
+            shard, count = shard * size + i, count * size
+    return shard, count
+
+
+def recipe_batch(cfg: Any, recipe: Recipe) -> dict:
+    """``{field: (shape, dtype)}`` checked: every input and label field is listed."""
+    fields = recipe.batch_fields(cfg)
+    missing = [f for f in (*recipe.inputs, *recipe.labels) if f not in fields]
+    if missing:
+        raise ValueError(f"recipe {recipe.name}: inputs/labels {missing} are not batch fields {sorted(fields)}")
+    return fields

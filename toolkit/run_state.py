@@ -7,18 +7,15 @@ AdamW state keyed by parameter name, the LR schedule, the sampler position
 and the step. Checkpoints live in ``<run_dir>/checkpoints/step_<N>``;
 ``trainer.resume=auto`` continues from the newest complete one, in any
 layout. ``trainer.init_from`` starts from weights only: one of our
-checkpoints, or a Hugging Face GPT-2 directory (``config.json`` +
-safetensors/bin), read into the full model before it is split and laid out.
+checkpoints (here), or a format the recipe reads into the full model before
+it is split and laid out (``Recipe.init_weights``, e.g. a Hugging Face GPT-2
+directory).
 """
 from __future__ import annotations
 
 import os
 
-import torch
-
 from toolkit import checkpoint as ckpt
-from toolkit.checkpoint.hf_gpt2 import from_hf, read_hf_dir
-from toolkit.config import gpt2_config_kwargs
 
 
 def checkpoint_root(run_dir: str) -> str:
@@ -33,7 +30,7 @@ def _state(job, step: int) -> dict:
         "sampler": {"step": step, "seed": int(job.cfg.trainer.seed)},
         "step": step,
         "rng": ckpt.rng_state(),
-        "extra": {"model_config": gpt2_config_kwargs(job.cfg.model)},  # convert_hf.py export reads it
+        "extra": job.recipe.extra_state(job.cfg),
     }
 
 
@@ -62,37 +59,7 @@ def _refresh(job) -> None:
         job.zero.refresh()
 
 
-def is_hf_dir(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, "config.json")) and not os.path.isfile(os.path.join(path, "manifest.json"))
-
-
-def load_hf_into(model, path: str, model_cfg) -> None:
-    """Copy a Hugging Face GPT-2 directory's weights into the full (not yet split) ``model``."""
-    config, hf_sd = read_hf_dir(path)
-    ours = {k: int(model_cfg[k]) for k in ("n_embd", "n_head", "n_layer", "vocab_size", "n_positions")}
-    for key in ("n_layer", "n_embd", "n_head", "vocab_size", "n_positions"):
-        if int(config.get(key, -1)) != int(model_cfg[key]):
-            raise ValueError(f"trainer.init_from={path}: its {key}={config.get(key)} but model.{key}="
-                             f"{model_cfg[key]}; choose the model preset that matches it")
-    state = from_hf(hf_sd, ours)
-    with torch.no_grad():
-        missing = model.load_state_dict({k: v for k, v in state.items()}, strict=False)
-    if missing.missing_keys:
-        raise ValueError(f"trainer.init_from={path}: no weights for {missing.missing_keys[:5]}")
-
-
 def load_weights(job, path: str) -> None:
     """Every rank: this rank's stage parameters from our checkpoint at ``path`` (any saved layout)."""
     ckpt.load(path, {"model": job.module.state_dict()}, tied=job.recipe.tied)
     _refresh(job)
-
-
-def write_tokenizer(job) -> None:
-    """Rank 0: a copy of the run's tokenizer in the run directory (``generate.py`` reads it)."""
-    src = job.data.tokenizer_path
-    dst = os.path.join(str(job.cfg.run_dir), "tokenizer.json")
-    if os.path.abspath(src) != os.path.abspath(dst):
-        os.makedirs(os.path.dirname(dst), exist_ok=True)
-        with open(src, "rb") as f, open(dst + ".tmp", "wb") as g:
-            g.write(f.read())
-        os.replace(dst + ".tmp", dst)

@@ -40,6 +40,14 @@ def mesh_plan(sequence_parallel: bool = False) -> dict:
 
 
 def stage_forward(module, x, labels=None):
-    """A stage's step: the loss on the last stage (``labels`` given), its output hidden states before."""
+    """A stage's step: the loss on the last stage (``labels`` given), its output hidden states before.
+
+    ``x``: ``{"input_ids": ...}`` on the first stage, else the hidden states;
+    ``labels``: ``{"input_ids": ...}`` (GPT-2 shifts them) on the last stage.
+    """
+    if isinstance(x, dict):
+        x = x["input_ids"]
+    if isinstance(labels, dict):
+        labels = labels["input_ids"]
     out, loss = module(x, labels)
     return out if labels is None else loss

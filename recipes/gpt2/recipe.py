@@ -1,29 +1,104 @@
-"""The GPT-2 recipe: the model, its plan and its pipeline split, for ``toolkit.trainer``."""
+"""The GPT-2 recipe: the model, its token data, its plan and its pipeline split, for ``toolkit.trainer``."""
 from __future__ import annotations
 
+import os
+
+import torch
 from torch.utils.checkpoint import checkpoint
 
-from toolkit.config import gpt2_config_kwargs
+from toolkit import flops
+from toolkit.data import MicroBatches, prepare
 from toolkit.recipe import Recipe
 
+from . import config
 from .model import GPT2Config, GPT2LMHeadModel
 from .plan import ACT_SBP, DATA_SBP, PIPELINE, TIED, mesh_plan, stage_forward
 
 
-def build_model(model_cfg) -> GPT2LMHeadModel:
-    return GPT2LMHeadModel(GPT2Config(**gpt2_config_kwargs(model_cfg)))
+class GPT2Recipe(Recipe):
+    """Next-token prediction on a tokenized corpus; Megatron's layout in SBP (``plan.py``).
+
+    One batch field, ``input_ids`` (``[seq_len]`` int64 per sample), read by
+    the first stage (the tokens) and the last (the labels: GPT-2 shifts them).
+    """
+
+    name = "gpt2"
+    model_schema = config.ModelConfig
+    data_schema = config.DataConfig
+    data_sbp = DATA_SBP
+    act_sbp = ACT_SBP
+    inputs = labels = ("input_ids",)
+    pipeline = PIPELINE
+    tied = tuple(TIED)
+    throughput_unit = "tokens"
+
+    def check(self, cfg, layout) -> list:
+        return config.problems(cfg, layout)
+
+    def n_layers(self, model_cfg) -> int:
+        return int(model_cfg.n_layer)
+
+    def build_model(self, model_cfg) -> GPT2LMHeadModel:
+        return GPT2LMHeadModel(GPT2Config(**config.gpt2_config_kwargs(model_cfg)))
+
+    def mesh_plan(self, cfg) -> dict:
+        return mesh_plan(bool(cfg.parallel.sequence_parallel))
+
+    def stage_forward(self, module, x, labels=None):
+        return stage_forward(module, x, labels)
+
+    def act_shape(self, cfg, rows: int) -> tuple:
+        return (rows, int(cfg.data.seq_len), int(cfg.model.n_embd))
+
+    def checkpoint_layers(self, module) -> None:
+        """Recompute each transformer block's activations in backward instead of keeping them."""
+        for block in module.transformer.h:
+            if block is not None:
+                inner = block.forward
+                block.forward = lambda x, inner=inner: checkpoint(inner, x, use_reentrant=False)
+
+    def batch_fields(self, cfg) -> dict:
+        return {"input_ids": ((int(cfg.data.seq_len),), torch.int64)}
+
+    def prepare(self, cfg):
+        """The tokenizer and the train/validation token files (built once, cached, safe under concurrent ranks)."""
+        d = cfg.data
+        return prepare(d.path if d.source == "text" else d.source, int(d.vocab_size), int(d.seq_len),
+                       float(d.val_fraction), os.path.expanduser(str(d.cache_dir)), max_bytes=d.max_bytes,
+                       seed=int(cfg.trainer.seed), tokenizer=d.tokenizer, text_field=d.text_field)
+
+    def data(self, cfg, prepared, split: str, shard: int, n_shards: int, layout):
+        if split == "val" and not prepared.n_val_sequences:
+            return None
+        return MicroBatches.from_prepared(prepared, split, layout.global_batch_size, int(cfg.trainer.seed),
+                                          layout.accumulation, n_shards, shard)
+
+    def items_per_sample(self, cfg) -> int:
+        return int(cfg.data.seq_len)
+
+    def flops_per_item(self, cfg, n_params: int) -> float:
+        return flops.model_flops_per_token(cfg.model, int(cfg.data.seq_len), n_params=n_params)
+
+    def init_weights(self, model, path: str, cfg) -> bool:
+        from toolkit.checkpoint.hf_gpt2 import is_hf_dir, load_hf_into
+
+        if not is_hf_dir(path):
+            return False
+        load_hf_into(model, path, cfg.model)
+        return True
+
+    def extra_state(self, cfg) -> dict:
+        return {"model_config": config.gpt2_config_kwargs(cfg.model)}  # convert_hf.py export reads it
+
+    def on_start(self, job) -> None:
+        """A copy of the run's tokenizer in the run directory (``generate.py`` reads it)."""
+        src = job.data.tokenizer_path
+        dst = os.path.join(str(job.cfg.run_dir), "tokenizer.json")
+        if os.path.abspath(src) != os.path.abspath(dst):
+            os.makedirs(os.path.dirname(dst), exist_ok=True)
+            with open(src, "rb") as f, open(dst + ".tmp", "wb") as g:
+                g.write(f.read())
+            os.replace(dst + ".tmp", dst)
 
 
-def checkpoint_layers(module) -> None:
-    """Recompute each transformer block's activations in backward instead of keeping them."""
-    for block in module.transformer.h:
-        if block is not None:
-            inner = block.forward
-            block.forward = lambda x, inner=inner: checkpoint(inner, x, use_reentrant=False)
-
-
-RECIPE = Recipe(
-    name="gpt2", build_model=build_model, mesh_plan=mesh_plan, pipeline=PIPELINE, stage_forward=stage_forward,
-    data_sbp=DATA_SBP, act_sbp=ACT_SBP, hidden_size=lambda m: m.n_embd, checkpoint_layers=checkpoint_layers,
-    tied=TIED,
-)
+RECIPE = GPT2Recipe()

@@ -4,7 +4,9 @@ Every rank builds the same plan from the stages' placements and runs its
 own actors. For stage ``s`` of ``pp`` on each of its ranks ``r``:
 
 - ``s{s}.data@r`` (data queue; first and last stage): micro-batch ``k``'s
-  token ids, a global tensor laid out ``data_sbp`` (no communication);
+  fields (``batch``), global tensors laid out ``data_sbp`` (no
+  communication); the first stage reads the ``inputs`` fields, the last the
+  ``labels`` fields;
 - ``s{s}.F@r`` (compute): the stage's forward of micro-batch ``k``; its out
   register is the *activation stash* (the input leaf, the output and the
   autograd graph between them). Its quota is ``pp - s`` under 1F1B and
@@ -59,14 +61,22 @@ class Stash:
 
 @dataclass
 class PipelineConfig:
-    """Everything every rank must agree on. ``act_shape``: a micro-batch's boundary activation (global)."""
+    """Everything every rank must agree on.
+
+    ``batch``: ``{field: (global shape, dtype)}`` of one micro-batch, every
+    field laid out ``data_sbp``; ``inputs``/``labels``: the fields the first
+    and the last stage read; ``act_shape``: a micro-batch's boundary
+    activation (global; ``None`` for one stage).
+    """
 
     placements: list
     micro_batches: int
-    data_shape: tuple
-    act_shape: tuple
+    batch: dict
+    act_shape: tuple | None
     data_sbp: tuple
     act_sbp: tuple
+    inputs: tuple
+    labels: tuple
     schedule: str = "1f1b"
     max_grad_norm: float | None = None
     tied: list = field(default_factory=list)  # [(first-stage name, last-stage name)]
@@ -79,6 +89,11 @@ class PipelineConfig:
         if not isinstance(m, int) or m < pp:
             raise ValueError(f"{m} micro-batches for {pp} stages: a pipeline needs at least as many "
                              f"micro-batches as stages (raise gradient accumulation to >= {pp})")
+        missing = [f for f in (*self.inputs, *self.labels) if f not in self.batch]
+        if missing:
+            raise ValueError(f"inputs/labels {missing} are not fields of the batch {sorted(self.batch)}")
+        if pp > 1 and self.act_shape is None:
+            raise ValueError(f"{pp} stages need act_shape, the boundary activation's global shape")
         seen = set()
         for s, p in enumerate(self.placements):
             if seen & set(p.ranks):
@@ -145,19 +160,25 @@ class PipelineStep:
 
         return [ActorSpec(prefix, data if mine else None, queue="data", rank=r)], prefix
 
-    def _global_ids(self, local):
-        if isinstance(local, dict):
-            local = local["input_ids"]
-        layout = Layout(self.cfg.placements[self.stage], tuple(self.cfg.data_sbp), torch.Size(self.cfg.data_shape),
-                        torch.int64)
-        return GlobalTensor(local, layout)
+    def _global_fields(self, local, names: tuple) -> dict:
+        """``{field: GlobalTensor}`` of ``names`` from this rank's local micro-batch (no communication)."""
+        if not isinstance(local, dict):
+            if len(self.cfg.batch) != 1:
+                raise TypeError(f"the batch has fields {sorted(self.cfg.batch)}: its data must be a dict of them")
+            local = {next(iter(self.cfg.batch)): local}
+        out = {}
+        for name in names:
+            shape, dtype = self.cfg.batch[name]
+            layout = Layout(self.cfg.placements[self.stage], tuple(self.cfg.data_sbp), torch.Size(shape), dtype)
+            out[name] = GlobalTensor(local[name], layout)
+        return out
 
     def _forward(self, k, x, labels=None):
         s, last = self.stage, self.stage == self.pp - 1
         if s == 0:
-            x = self._global_ids(x)
+            x = self._global_fields(x, self.cfg.inputs)
         if last:
-            labels = self._global_ids(labels)
+            labels = self._global_fields(labels, self.cfg.labels)
         out = self.forward(self.module, x, labels)
         if not last:
             out = out.to_global(sbp=self.cfg.act_sbp)
@@ -234,7 +255,8 @@ class PipelineStep:
         cfg, pp = self.cfg, self.pp
         device = cfg.placements[0].device()
         actors, lockstep = [], []
-        act = [Layout(p, tuple(cfg.act_sbp), torch.Size(cfg.act_shape), torch.float32) for p in cfg.placements]
+        act = [Layout(p, tuple(cfg.act_sbp), torch.Size(cfg.act_shape), torch.float32) for p in cfg.placements] \
+            if pp > 1 else []
         fwd_in, bwd_in = {}, {}
         for s in range(pp - 1):
             acts, asm = boundary_actors(f"s{s}.act", {r: f"s{s}.F@{r}" for r in cfg.placements[s].ranks},

@@ -5,14 +5,12 @@ import os
 import subprocess
 import sys
 
-from tests.cli.test_train_cli import ROOT, TINY, _train
+from tests.cli.test_train_cli import ROOT
 
 
-def test_generate_continues_a_prompt_from_a_trained_run(sbp_cache, tmp_path):
-    args = [a for a in TINY if not a.startswith("trainer.max_steps")]
-    out = _train([*args, "trainer.max_steps=1", f"hydra.run.dir={tmp_path}"], sbp_cache)
-    assert out.returncode == 0, out.stderr[-3000:]
-    gen = subprocess.run([sys.executable, os.path.join(ROOT, "generate.py"), f"run={tmp_path}", "prompt=def f(x):",
+def test_generate_continues_a_prompt_from_a_trained_run(single_run):
+    run, _ = single_run  # the layout tests' one-process reference run; it ends with a checkpoint
+    gen = subprocess.run([sys.executable, os.path.join(ROOT, "generate.py"), f"run={run}", "prompt=def f(x):",
                           "tokens=16", "seed=1"], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert gen.returncode == 0, gen.stderr[-2000:]
     assert gen.stdout.startswith("def f(x):") and len(gen.stdout) > len("def f(x):")

@@ -1,20 +1,23 @@
-"""Resuming is exact: N steps straight equal N/2, stop, resume, N/2 — in the same layout and in another."""
+"""Resuming is exact: N steps straight equal N/2, stop, resume, N/2 — in the same layout and in another.
+
+The jobs run on the shared rank pool (``tests.cli.pooled``): the ranks' side
+of ``python train.py ... trainer.resume=auto``.
+"""
 from __future__ import annotations
 
 import shutil
 
 import pytest
 
-from tests.cli.test_train_cli import TINY, _losses, _train
+from tests.cli.pooled import train_pooled
+from tests.cli.test_train_cli import TINY
 
 STEPS = [a for a in TINY if not a.startswith("trainer.max_steps")]
 
 
 def _run(sbp_cache, run_dir, layout, steps, resume=False):
-    args = [*STEPS, f"parallel={layout}", f"trainer.max_steps={steps}", f"hydra.run.dir={run_dir}"]
-    out = _train(args + (["trainer.resume=auto"] if resume else []), sbp_cache)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return _losses(run_dir)
+    args = [*STEPS, f"parallel={layout}", f"trainer.max_steps={steps}"]
+    return train_pooled(args + (["trainer.resume=auto"] if resume else []), run_dir, sbp_cache)
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,8 @@ from scripts.verify_pipeline import LAYOUTS, MICRO, compare, run_pipeline, sched
 from toolkit.rank_pool import get_pool
 from toolkit.stages import stage_ranges
 
+BATCH = {"ids": ((2, 4), torch.int64)}
+
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_one_device(name):
@@ -51,9 +53,11 @@ def test_timeline_counts_held_micro_batches_and_idle_time():
 
 def test_bad_pipeline_input_is_refused_before_anything_runs():
     with pytest.raises(ValueError, match="at least as many micro-batches as stages"):
-        PipelineConfig([object()] * 4, 2, (2, 4), (2, 4, 8), (), ()).check()
+        PipelineConfig([object()] * 4, 2, BATCH, (2, 4, 8), (), (), ("ids",), ("ids",)).check()
     with pytest.raises(ValueError, match="pp_schedule 'zb' is not one of"):
-        PipelineConfig([], 2, (2, 4), (2, 4, 8), (), (), schedule="zb").check()
+        PipelineConfig([], 2, BATCH, (2, 4, 8), (), (), ("ids",), ("ids",), schedule="zb").check()
+    with pytest.raises(ValueError, match=r"inputs/labels \['labels'\] are not fields of the batch \['ids'\]"):
+        PipelineConfig([object()] * 2, 2, BATCH, (2, 4, 8), (), (), ("ids",), ("labels",)).check()
     with pytest.raises(ValueError, match="cannot be split uniformly into pp=3"):
         stage_ranges(4, 3)
     with pytest.raises(ValueError, match="every stage needs at least one layer"):

@@ -11,8 +11,10 @@ from hydra.errors import HydraException
 from hypothesis import given, strategies as st
 from omegaconf import OmegaConf
 
-from toolkit.config import (CONFIG_DIR, ConfigError, compose, gpt2_config_kwargs, load_config,
-                            parallel_name, parse_parallel_name, save_resolved_config, typed)
+from recipes.gpt2.config import ModelConfig as GPT2ModelConfig, gpt2_config_kwargs
+from recipes.gpt2.recipe import RECIPE as GPT2
+from toolkit.config import (CONFIG_DIR, ConfigError, compose, load_config, parallel_name, parse_parallel_name,
+                            save_resolved_config, typed, validate)
 from toolkit.config.schema import ParallelConfig, TrainConfig
 
 DOCUMENTED_LAYOUTS = ["single", "dp2", "tp2", "pp2", "dp2_tp2", "dp2_tp2_pp2", "dp2_tp4_pp2",
@@ -112,7 +114,7 @@ def test_malformed_layout_name_fails_at_composition_with_the_grammar(bad, fragme
     ("trainer.lrr=1", "lrr"),
     ("trainer.lr=fast", "fast"),
     ("parallel.dp=two", "two"),
-    ("model.n_layer=1.5", "1.5"),
+    ("model.n_layr=2", "n_layr"),
 ])
 def test_unknown_keys_and_wrong_types_fail_at_composition(bad, fragment):
     with pytest.raises(HydraException) as info:
@@ -122,11 +124,23 @@ def test_unknown_keys_and_wrong_types_fail_at_composition(bad, fragment):
 
 
 def test_keys_added_with_plus_are_rejected_by_validate():
-    from toolkit.config import validate
-
     cfg = compose(["+parallel.ep=2"], run_dir="/tmp/run")  # Hydra lets '+' add keys ...
     with pytest.raises(ConfigError, match=r"parallel\.ep: Key 'ep' not in 'ParallelConfig'"):
-        validate(cfg)  # ... the schema does not
+        validate(cfg, GPT2)  # ... the schema does not
+
+
+@pytest.mark.parametrize("bad, fragment", [
+    ("model.n_layer=1.5", r"model\.n_layer: Value '1\.5' .* could not be converted to Integer"),
+    ("+model.n_inner=64", r"model\.n_inner: Key 'n_inner' not in 'ModelConfig'"),
+    ("+data.shuffle=true", r"data\.shuffle: Key 'shuffle' not in 'DataConfig'"),
+])
+def test_recipe_groups_are_typed_by_the_recipe_schema(bad, fragment):
+    """``model`` and ``data`` belong to the recipe: its dataclasses catch what composition cannot."""
+    with pytest.raises(ConfigError, match=fragment) as info:
+        validate(compose([bad], run_dir="/tmp/run"), GPT2)
+    assert "recipes.gpt2.config" in str(info.value) and "(recipe gpt2)" in str(info.value)
+    typed_cfg = typed(compose(run_dir="/tmp/run"), GPT2)
+    assert OmegaConf.get_type(typed_cfg.model) is GPT2ModelConfig
 
 
 def test_unknown_group_option_lists_the_choices():
@@ -221,7 +235,9 @@ from toolkit.config import CONFIG_DIR, validate
 
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="config")
 def main(cfg):
-    layout = validate(cfg, world_size=cfg.parallel.dp * cfg.parallel.tp * cfg.parallel.pp)
+    from recipes.registry import get
+
+    layout = validate(cfg, get(cfg.recipe.name), world_size=cfg.parallel.dp * cfg.parallel.tp * cfg.parallel.pp)
     print("LAYOUT", layout.name, layout.world_size, layout.accumulation, cfg.run_dir, flush=True)
 
 if __name__ == "__main__":

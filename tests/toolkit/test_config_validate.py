@@ -3,8 +3,14 @@ from __future__ import annotations
 
 import pytest
 
-from toolkit.config import ConfigError, ConfigWarning, compose, validate
+from recipes.gpt2.recipe import RECIPE as GPT2
+from toolkit.config import ConfigError, ConfigWarning, compose
+from toolkit.config import validate as validate_for
 from toolkit.config.validate import layouts_for
+
+
+def validate(cfg, world_size=None):
+    return validate_for(cfg, GPT2, world_size=world_size)
 
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                "SLURM_PROCID", "SLURM_LOCALID", "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS_PER_NODE")
@@ -40,7 +46,7 @@ def test_valid_layouts(layout, world, accumulation, stages):
     job = validate(cfg_of(f"parallel={layout}", "trainer.global_batch_size=32"))
     assert (job.name, job.world_size, job.accumulation, job.stage_layers) == (layout, world, accumulation, stages)
     assert job.device == "cpu" and job.launched is None
-    assert job.tokens_per_step == 32 * 256
+    assert job.items_per_step == 32 * 256 and job.data_shards == job.dp
 
 
 def test_world_size_must_match():
@@ -83,7 +89,7 @@ def test_gpt2_vocab_needs_padding_for_tp():
 
 def test_layers_divide_by_pp_or_stage_layers():
     text = problems("parallel=pp3", "trainer.global_batch_size=48")
-    assert "model.n_layer=4: does not divide into parallel.pp*pp_virtual=3" in text
+    assert "model: 4 layers do not divide into parallel.pp*pp_virtual=3" in text
     assert "parallel.stage_layers" in text
     job = validate(cfg_of("parallel=pp3", "trainer.global_batch_size=48", "parallel.stage_layers=[2,1,1]"))
     assert job.stage_layers == (2, 1, 1)
@@ -139,7 +145,9 @@ def test_sequence_parallel_needs_seq_len_multiple_of_tp():
 
 
 @pytest.mark.parametrize("override, fragment", [
-    ("recipe.name=bert", "recipe.name='bert': unknown choice; valid: gpt2"),
+    ("recipe.name=bert", "recipe.name='bert': does not name the recipe validated against, 'gpt2'"),
+    ("trainer.optimizer=lamb", "trainer.optimizer='lamb': unknown choice; valid: adamw, sgd"),
+    ("trainer.momentum=1.5", "trainer.momentum=1.5: must be in [0, 1)"),
     ("device=tpu", "device='tpu': unknown choice; valid: auto, cpu, cuda"),
     ("parallel.pp_schedule=zb", "parallel.pp_schedule='zb': unknown choice; valid: 1f1b, gpipe"),
     ("trainer.precision=fp16", "trainer.precision='fp16': unknown choice; valid: fp32, bf16"),

@@ -62,23 +62,23 @@ def test_ranks_and_micro_batches_cover_each_step_exactly(tokens, global_batch, a
     ranks = [MicroBatches(tokens, sampler, accum, dp, r) for r in range(dp)]
     for step in (0, 1, 4, 9):
         rows = sampler.rows(step)
-        loaded = [ranks[r].load(step, j) for j in range(accum) for r in range(dp)]
+        loaded = [ranks[r].load(step, j)['input_ids'] for j in range(accum) for r in range(dp)]
         assert torch.equal(torch.cat(loaded), _expected(rows))
         for j in range(accum):
             for r in range(dp):
                 share = micro_batch_rows(rows, accum, j, dp, r)
-                assert torch.equal(ranks[r].load(step, j), _expected(share))
-                assert ranks[r].load(step, j).shape == (len(share), SEQ)
+                assert torch.equal(ranks[r].load(step, j)['input_ids'], _expected(share))
+                assert ranks[r].load(step, j)['input_ids'].shape == (len(share), SEQ)
 
 
 def test_the_actor_pipeline_reads_what_load_reads(tokens):
     accum, steps = 2, 3
-    batches = MicroBatches(tokens, GlobalBatchSampler(len(tokens), 8, seed=1), accum=accum, dp_size=2, dp_rank=1,
+    batches = MicroBatches(tokens, GlobalBatchSampler(len(tokens), 8, seed=1), accum=accum, n_shards=2, shard=1,
                            step=4)
     plan = Plan(batches.stages(quota=2) + [ActorSpec("step", lambda k, b: b["input_ids"].clone(),
                                                     inputs=("data.to_device",))])
     seen = run(plan, accum * steps, timeout=30).outputs["step"]
-    want = [batches.load(4 + k // accum, k % accum) for k in range(accum * steps)]
+    want = [batches.load(4 + k // accum, k % accum)['input_ids'] for k in range(accum * steps)]
     assert len(seen) == len(want) and all(torch.equal(a, b) for a, b in zip(seen, want))
     assert all(s.dtype == torch.int64 and s.shape == (2, SEQ) for s in seen)
 
@@ -87,13 +87,13 @@ def test_for_step_is_unaffected_by_a_later_step_change(tokens):
     batches = MicroBatches(tokens, GlobalBatchSampler(len(tokens), 6, seed=2), accum=3)
     bound = batches.for_step(7)
     batches.step = 0
-    assert bound.step == 7 and torch.equal(bound.read(1).to(torch.int64), batches.load(7, 1))
+    assert bound.step == 7 and torch.equal(bound.read(1).to(torch.int64), batches.load(7, 1)['input_ids'])
     assert torch.equal(bound.rows(4), batches.rows(3 * 8 + 1))  # piece 4 of step 7 = micro 1 of step 8
 
 
 def test_empty_shares_collate_to_an_empty_batch(tokens):
-    batches = MicroBatches(tokens, GlobalBatchSampler(len(tokens), 2, seed=0), accum=1, dp_size=3, dp_rank=2)
-    out = batches.load(0, 0)
+    batches = MicroBatches(tokens, GlobalBatchSampler(len(tokens), 2, seed=0), accum=1, n_shards=3, shard=2)
+    out = batches.load(0, 0)['input_ids']
     assert out.shape == (0, SEQ) and out.dtype == torch.int64
 
 
@@ -101,7 +101,7 @@ def test_bad_arguments_name_the_value(tokens):
     sampler = GlobalBatchSampler(len(tokens), 4)
     with pytest.raises(ValueError, match=r"dp_rank must be an int in \[0, dp_size=2\), got 2"):
         MicroBatches(tokens, sampler, 1, 2, 2)
-    with pytest.raises(ValueError, match="sampler draws from 100 sequences but .* holds 37"):
+    with pytest.raises(ValueError, match="sampler draws from 100 samples but .* holds 37"):
         MicroBatches(tokens, GlobalBatchSampler(100, 4), 1, 1, 0)
     with pytest.raises(ValueError, match=r"micro must be an int in \[0, accum=2\), got 2"):
         MicroBatches(tokens, sampler, accum=2).load(0, 2)

@@ -19,7 +19,7 @@ def cfg_with(backend="none", mode=None, name=None):
 
 
 def test_rows_console_and_derived_fields(tmp_path, capsys):
-    with MetricsLogger(tmp_path, cfg_with(), enabled=True, flops_per_token=1e6, peak_tflops=0.5,
+    with MetricsLogger(tmp_path, cfg_with(), enabled=True, flops_per_item=1e6, peak_tflops=0.5,
                        n_devices=2) as log:
         row = log.log(10, loss=torch.tensor(3.25), lr=6e-4, grad_norm=0.5, tokens_per_s=2e5)
         log.log_eval(10, val_loss=2.0)
@@ -48,7 +48,7 @@ def test_non_finite_values_are_strict_json(tmp_path, capsys):
 
 def test_disabled_logger_writes_nothing(tmp_path):
     log = MetricsLogger(tmp_path / "run", cfg_with("wandb"), enabled=False)
-    assert log.log(1, loss=1.0) is None and log.log_eval(1, 1.0) is None
+    assert log.log(1, loss=1.0) is None and log.log_eval(1, val_loss=1.0) is None
     log.close()
     assert not (tmp_path / "run").exists()
 

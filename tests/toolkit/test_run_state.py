@@ -3,8 +3,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from recipes.gpt2.recipe import build_model
-from toolkit.run_state import is_hf_dir, load_hf_into
+from recipes.gpt2.recipe import RECIPE
+from toolkit.checkpoint.hf_gpt2 import is_hf_dir, load_hf_into
+
+build_model = RECIPE.build_model
 
 
 def test_init_from_a_hugging_face_directory_gives_its_logits(tmp_path):

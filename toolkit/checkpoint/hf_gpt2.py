@@ -168,3 +168,22 @@ def write_hf_dir(path: str, config: dict, hf_sd: dict) -> None:
               metadata={"format": "pt"})
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)
+
+
+def is_hf_dir(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "config.json")) and not os.path.isfile(os.path.join(path, "manifest.json"))
+
+
+def load_hf_into(model, path: str, model_cfg) -> None:
+    """Copy a Hugging Face GPT-2 directory's weights into the full (not yet split) ``model``."""
+    config, hf_sd = read_hf_dir(path)
+    ours = {k: int(model_cfg[k]) for k in ("n_embd", "n_head", "n_layer", "vocab_size", "n_positions")}
+    for key in ("n_layer", "n_embd", "n_head", "vocab_size", "n_positions"):
+        if int(config.get(key, -1)) != int(model_cfg[key]):
+            raise ValueError(f"trainer.init_from={path}: its {key}={config.get(key)} but model.{key}="
+                             f"{model_cfg[key]}; choose the model preset that matches it")
+    state = from_hf(hf_sd, ours)
+    with torch.no_grad():
+        missing = model.load_state_dict({k: v for k, v in state.items()}, strict=False)
+    if missing.missing_keys:
+        raise ValueError(f"trainer.init_from={path}: no weights for {missing.missing_keys[:5]}")

@@ -12,12 +12,13 @@ config (see :mod:`toolkit.config.parallel_source`). Both are named in
 
     @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="config")
     def main(cfg):
-        layout = validate(cfg)          # ConfigError before any process starts
+        recipe = recipes.registry.get(cfg.recipe.name)
+        layout = validate(cfg, recipe)  # ConfigError before any process starts
         ...
 
 Public API: :func:`validate` -> :class:`JobLayout`, :class:`ConfigError`,
 :class:`ConfigWarning`, :func:`parse_parallel_name`, :func:`parallel_name`,
-:func:`typed`, :func:`gpt2_config_kwargs`, :func:`save_resolved_config`,
+:func:`typed`, :func:`save_resolved_config`,
 :func:`load_config`, :func:`cluster_env`, :data:`CONFIG_DIR`.
 """
 from __future__ import annotations
@@ -27,7 +28,7 @@ from toolkit.config.errors import ConfigError, ConfigWarning
 from toolkit.config.parallel_name import parallel_name, parse_parallel_name
 from toolkit.config.parallel_source import ParallelNameSource, register_parallel_source
 from toolkit.config.run_config import CONFIG_DIR, compose, load_config, save_resolved_config
-from toolkit.config.schema import TrainConfig, gpt2_config_kwargs, register_schema, typed
+from toolkit.config.schema import TrainConfig, register_schema, typed
 from toolkit.config.validate import JobLayout, validate
 
 register_schema()
@@ -35,6 +36,6 @@ register_parallel_source()
 
 __all__ = [
     "CONFIG_DIR", "ClusterEnv", "ConfigError", "ConfigWarning", "JobLayout", "ParallelNameSource",
-    "TrainConfig", "cluster_env", "compose", "gpt2_config_kwargs", "load_config", "parallel_name",
+    "TrainConfig", "cluster_env", "compose", "load_config", "parallel_name",
     "parse_parallel_name", "resolve_device", "save_resolved_config", "typed", "validate",
 ]

@@ -5,59 +5,42 @@ One dataclass per Hydra config group plus the root :class:`TrainConfig`.
 Hydra's ``ConfigStore``; ``configs/config.yaml`` lists ``sbp_schema`` first in
 its defaults, so every group YAML and every command-line override is merged
 *into these types*: an unknown key (``trainer.lrr=1``) or a wrong type
-(``trainer.lr=fast``) fails at composition, before anything starts. Value
-ranges and cross-field rules (degrees vs. world size, batch arithmetic, ...)
-are checked afterwards by :func:`toolkit.config.validate.validate`.
+(``trainer.lr=fast``) fails at composition, before anything starts. The
+``model`` and ``data`` groups belong to the recipe (language, vision and
+recommendation models share nothing there): their dataclasses are the
+recipe's ``model_schema``/``data_schema``, applied by :func:`typed` with the
+recipe, which :func:`toolkit.config.validate.validate` does before anything
+starts. Value ranges and cross-field rules (degrees vs. world size, batch
+arithmetic, ...) are checked there too.
 
-Choices that are strings (``trainer.precision``, ``data.source``, ...) are
-kept as ``str`` so the trainer compares plain strings; ``validate`` checks
-them against the tuples below.
+Choices that are strings (``trainer.precision``, ``trainer.optimizer``, ...)
+are kept as ``str`` so the trainer compares plain strings; ``validate``
+checks them against the tuples below.
 
-Interpolations: ``data.seq_len`` defaults to ``${model.n_positions}`` and
-``data.vocab_size`` to ``${model.vocab_size}``; ``run_dir`` is Hydra's output
-directory. :func:`typed` rebuilds a typed config from a plain container (what
-crosses process boundaries).
+``run_dir`` is Hydra's output directory. :func:`typed` rebuilds a typed
+config from a plain container (what crosses process boundaries).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
-from omegaconf import II, DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
-RECIPES = ("gpt2",)
 DEVICES = ("auto", "cpu", "cuda")
 PP_SCHEDULES = ("1f1b", "gpipe")
 PRECISIONS = ("fp32", "bf16")
 RESUME_MODES = ("none", "auto")
-DATA_SOURCES = ("stdlib", "text")
+OPTIMIZERS = ("adamw", "sgd")
 LOGGER_BACKENDS = ("wandb", "none")
 WANDB_MODES = ("online", "offline", "disabled")
 
 
 @dataclass
 class RecipeConfig:
-    """Which recipe (model family + parallel plan) the job runs."""
+    """Which recipe (model family, data and parallel plan) the job runs: a name ``recipes.registry`` knows."""
 
     name: str = "gpt2"
-
-
-@dataclass
-class ModelConfig:
-    """GPT-2 dimensions; ``dropout`` sets GPT-2's three dropout probabilities at once.
-
-    ``name`` labels the preset (run names, W&B); the dimensions are what count.
-    """
-
-    name: str = "gpt2-tiny"
-    vocab_size: int = 8192
-    n_positions: int = 256
-    n_embd: int = 128
-    n_layer: int = 4
-    n_head: int = 4
-    dropout: float = 0.0
-    layer_norm_epsilon: float = 1e-5
-    initializer_range: float = 0.02
 
 
 @dataclass
@@ -87,39 +70,12 @@ class ParallelConfig:
 
 
 @dataclass
-class DataConfig:
-    """The token stream (mapped onto ``toolkit.data.prepare``).
-
-    - ``source``: ``stdlib`` (this Python's standard-library source, always
-      available) or ``text`` (the local ``path``: a file or directory of
-      ``.txt``/``.jsonl``/``.parquet``; ``text_field`` names the column of the
-      latter two).
-    - ``vocab_size``: ids of the BPE tokenizer trained on the corpus (at most
-      ``model.vocab_size``, which may be padded above it); ``tokenizer``: a
-      ``tokenizer.json`` to use instead of training one.
-    - ``seq_len``: tokens per sample (at most ``model.n_positions``).
-    - ``val_fraction``: share of documents held out for evaluation (0 only
-      with ``trainer.eval_every=0``).
-    - ``cache_dir``: where tokenizers and token files are cached.
-    - ``max_bytes``: corpus bytes read at most (``None`` = all).
-    """
-
-    source: str = "stdlib"
-    path: Optional[str] = None
-    text_field: str = "text"
-    tokenizer: Optional[str] = None
-    vocab_size: int = II("model.vocab_size")
-    seq_len: int = II("model.n_positions")
-    val_fraction: float = 0.05
-    cache_dir: str = "${oc.env:SBP_CACHE_DIR,'~/.cache/sbp-recipes'}"
-    max_bytes: Optional[int] = 4_000_000
-
-
-@dataclass
 class TrainerConfig:
     """Optimisation, evaluation, checkpointing and precision of the training loop.
 
-    Batch sizes are in samples (sequences). ``grad_clip`` 0 disables clipping;
+    Batch sizes are in samples (sequences, images, rows). ``optimizer``:
+    ``adamw`` (``betas``, ``eps``) or ``sgd`` (``momentum``), unless the
+    recipe builds its own. ``grad_clip`` 0 disables clipping;
     ``eval_every`` / ``save_every`` 0 disable periodic evaluation / saving.
     ``peak_tflops`` is one device's peak for MFU (``None`` = measured by
     :func:`toolkit.flops.measured_peak_tflops`). ``resume: auto`` continues
@@ -129,6 +85,8 @@ class TrainerConfig:
 
     max_steps: int = 200
     seed: int = 1234
+    optimizer: str = "adamw"
+    momentum: float = 0.9
     micro_batch_size: int = 4
     global_batch_size: int = 32
     lr: float = 6e-4
@@ -170,14 +128,17 @@ class LoggerConfig:
 class TrainConfig:
     """The root: one field per config group plus the run directory and device kind.
 
+    ``model`` and ``data`` belong to the recipe: :func:`typed` with the
+    recipe merges them into its ``model_schema``/``data_schema``.
+
     ``device``: ``auto`` (CUDA when there are enough visible devices for the
     local ranks, else CPU), ``cpu`` or ``cuda``.
     """
 
     recipe: RecipeConfig = field(default_factory=RecipeConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: Any = field(default_factory=dict)  # typed by the recipe's model_schema (see typed)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
+    data: Any = field(default_factory=dict)  # typed by the recipe's data_schema
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     run_dir: str = "runs/default"
@@ -194,28 +155,21 @@ def register_schema() -> None:
     ConfigStore.instance().store(name=SCHEMA_NAME, node=TrainConfig)
 
 
-def typed(cfg: Any) -> DictConfig:
+def typed(cfg: Any, recipe: Any = None) -> DictConfig:
     """A typed :class:`TrainConfig` DictConfig from a DictConfig or plain dict.
 
-    Raises ``omegaconf`` validation errors (wrapped by callers) for unknown
-    keys and wrong types; missing keys take the schema defaults. A DictConfig
-    is merged as a plain container (interpolations kept, not resolved):
-    merging typed nodes into typed nodes would let keys added with Hydra's
-    ``+key=value`` through.
+    ``recipe`` (a ``toolkit.recipe.Recipe``): ``model`` and ``data`` are
+    typed by its ``model_schema`` and ``data_schema`` too; without it they
+    stay plain nodes. Raises ``omegaconf`` validation errors (wrapped by
+    callers) for unknown keys and wrong types; missing keys take the schema
+    defaults. A DictConfig is merged as a plain container (interpolations
+    kept, not resolved): merging typed nodes into typed nodes would let keys
+    added with Hydra's ``+key=value`` through.
     """
     if OmegaConf.is_config(cfg):
         cfg = OmegaConf.to_container(cfg, resolve=False)
-    return OmegaConf.merge(OmegaConf.structured(TrainConfig), cfg)
-
-
-def gpt2_config_kwargs(model: Any) -> dict:
-    """Keyword arguments of ``recipes.gpt2.model.GPT2Config`` for a ``model`` config node.
-
-    ``dropout`` becomes ``embd_pdrop``, ``resid_pdrop`` and ``attn_pdrop``.
-    Use: ``GPT2Config(**gpt2_config_kwargs(cfg.model))``.
-    """
-    return dict(vocab_size=int(model.vocab_size), n_positions=int(model.n_positions),
-                n_embd=int(model.n_embd), n_layer=int(model.n_layer), n_head=int(model.n_head),
-                embd_pdrop=float(model.dropout), resid_pdrop=float(model.dropout),
-                attn_pdrop=float(model.dropout), layer_norm_epsilon=float(model.layer_norm_epsilon),
-                initializer_range=float(model.initializer_range))
+    base = OmegaConf.structured(TrainConfig)
+    if recipe is not None:
+        base = OmegaConf.merge(base, {"model": OmegaConf.structured(recipe.model_schema),
+                                      "data": OmegaConf.structured(recipe.data_schema)})
+    return OmegaConf.merge(base, cfg)

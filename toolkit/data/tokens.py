@@ -33,7 +33,9 @@ class TokenSequences:
     ``i`` as an int64 tensor ``[seq_len]``; ``self.gather(rows)`` is the
     sequences ``rows`` (any 1-d integer tensor or list) as int64
     ``[len(rows), seq_len]``; ``self.read(rows)`` the same in the file's
-    dtype (a copy, so the mapping's pages are read here).
+    dtype (a copy, so the mapping's pages are read here); ``decode`` and
+    ``collate`` finish a batch (``toolkit.data.MicroBatches``' sample-source
+    protocol): ``{"input_ids": int64 [len(rows), seq_len]}``.
     """
 
     def __init__(self, path: str, seq_len: int, dtype: torch.dtype = torch.uint16):
@@ -81,6 +83,16 @@ class TokenSequences:
     def gather(self, rows) -> torch.Tensor:
         """Sequences ``rows`` as int64 token ids, ``[len(rows), seq_len]``."""
         return self.read(rows).to(torch.int64)
+
+    def decode(self, raw: torch.Tensor) -> list:
+        """Each row of ``read``'s result as an int64 sequence of ``seq_len`` token ids."""
+        return list(raw.to(torch.int64).unbind(0))
+
+    def collate(self, samples: list) -> dict:
+        """``{"input_ids": LongTensor[len(samples), seq_len]}`` (``[0, seq_len]`` for no samples)."""
+        if not samples:
+            return {"input_ids": torch.empty(0, self.seq_len, dtype=torch.int64)}
+        return {"input_ids": torch.stack(samples)}
 
     def __getitem__(self, i: int) -> torch.Tensor:
         if not -self.n_sequences <= i < self.n_sequences:

@@ -1,0 +1,142 @@
+"""GPT-2's ``cfg.model`` and ``cfg.data``: the typed schemas and the checks only a language model needs.
+
+``configs/model/gpt2*.yaml`` and ``configs/data/{stdlib,text}.yaml`` fill
+them. Interpolations: ``data.seq_len`` defaults to ``${model.n_positions}``
+and ``data.vocab_size`` to ``${model.vocab_size}``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from omegaconf import II
+
+DATA_SOURCES = ("stdlib", "text")
+
+#: Dimensions of the published GPT-2 checkpoints (for ``trainer.init_from``).
+HF_GPT2_DIMS = {
+    "gpt2": dict(n_layer=12, n_head=12, n_embd=768, n_positions=1024),
+    "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024, n_positions=1024),
+    "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280, n_positions=1024),
+    "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600, n_positions=1024),
+}
+
+
+@dataclass
+class ModelConfig:
+    """GPT-2 dimensions; ``dropout`` sets GPT-2's three dropout probabilities at once.
+
+    ``name`` labels the preset (run names, W&B); the dimensions are what count.
+    """
+
+    name: str = "gpt2-tiny"
+    vocab_size: int = 8192
+    n_positions: int = 256
+    n_embd: int = 128
+    n_layer: int = 4
+    n_head: int = 4
+    dropout: float = 0.0
+    layer_norm_epsilon: float = 1e-5
+    initializer_range: float = 0.02
+
+
+@dataclass
+class DataConfig:
+    """The token stream (mapped onto ``toolkit.data.prepare``).
+
+    - ``source``: ``stdlib`` (this Python's standard-library source, always
+      available) or ``text`` (the local ``path``: a file or directory of
+      ``.txt``/``.jsonl``/``.parquet``; ``text_field`` names the column of the
+      latter two).
+    - ``vocab_size``: ids of the BPE tokenizer trained on the corpus (at most
+      ``model.vocab_size``, which may be padded above it); ``tokenizer``: a
+      ``tokenizer.json`` to use instead of training one.
+    - ``seq_len``: tokens per sample (at most ``model.n_positions``).
+    - ``val_fraction``: share of documents held out for evaluation (0 only
+      with ``trainer.eval_every=0``).
+    - ``cache_dir``: where tokenizers and token files are cached.
+    - ``max_bytes``: corpus bytes read at most (``None`` = all).
+    """
+
+    source: str = "stdlib"
+    path: Optional[str] = None
+    text_field: str = "text"
+    tokenizer: Optional[str] = None
+    vocab_size: int = II("model.vocab_size")
+    seq_len: int = II("model.n_positions")
+    val_fraction: float = 0.05
+    cache_dir: str = "${oc.env:SBP_CACHE_DIR,'~/.cache/sbp-recipes'}"
+    max_bytes: Optional[int] = 4_000_000
+
+
+def gpt2_config_kwargs(model: Any) -> dict:
+    """Keyword arguments of ``recipes.gpt2.model.GPT2Config`` for a ``model`` config node.
+
+    ``dropout`` becomes ``embd_pdrop``, ``resid_pdrop`` and ``attn_pdrop``.
+    Use: ``GPT2Config(**gpt2_config_kwargs(cfg.model))``.
+    """
+    return dict(vocab_size=int(model.vocab_size), n_positions=int(model.n_positions),
+                n_embd=int(model.n_embd), n_layer=int(model.n_layer), n_head=int(model.n_head),
+                embd_pdrop=float(model.dropout), resid_pdrop=float(model.dropout),
+                attn_pdrop=float(model.dropout), layer_norm_epsilon=float(model.layer_norm_epsilon),
+                initializer_range=float(model.initializer_range))
+
+
+def problems(cfg, layout) -> list:
+    """GPT-2's rules: dimensions, whole heads and vocabulary per tp rank, sequence and vocabulary of the data."""
+    p: list = []
+    m, data, par, tr = cfg.model, cfg.data, cfg.parallel, cfg.trainer
+    dims_ok = True
+    for key in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"):
+        if m[key] < 1:
+            p.append(f"model.{key}={m[key]!r}: must be >= 1")
+            dims_ok = False
+    if not dims_ok:
+        return p
+    if m.n_embd % m.n_head:
+        p.append(f"model.n_embd={m.n_embd}: must divide by model.n_head={m.n_head} (head dim)")
+    if not 0.0 <= m.dropout < 1.0:
+        p.append(f"model.dropout={m.dropout}: must be in [0, 1)")
+    if m.n_head % layout.tp:
+        p.append(f"model.n_head={m.n_head}: must divide by parallel.tp={layout.tp} (whole heads per "
+                 f"rank); valid tp: {[d for d in range(1, m.n_head + 1) if m.n_head % d == 0]}")
+    if m.vocab_size % layout.tp:
+        padded = math.ceil(m.vocab_size / (128 * layout.tp)) * 128 * layout.tp
+        p.append(f"model.vocab_size={m.vocab_size}: must divide by parallel.tp={layout.tp} (vocab-"
+                 f"parallel embedding and loss); valid: pad it, e.g. model.vocab_size={padded}")
+    if data.source not in DATA_SOURCES:
+        p.append(f"data.source={data.source!r}: unknown choice; valid: {', '.join(DATA_SOURCES)}")
+    elif data.source == "text" and data.path is None:
+        p.append("data.path=None: data.source=text needs a path; valid: a .txt/.jsonl/.parquet file "
+                 "or a directory of them")
+    seq_len = data.seq_len
+    if seq_len < 2:
+        p.append(f"data.seq_len={seq_len!r}: must be >= 2 (next-token targets)")
+    elif seq_len > m.n_positions:
+        p.append(f"data.seq_len={seq_len}: exceeds model.n_positions={m.n_positions}; "
+                 f"valid: 2..{m.n_positions}")
+    if par.sequence_parallel and layout.tp > 1 and seq_len % layout.tp:
+        p.append(f"data.seq_len={seq_len}: sequence_parallel splits it over parallel.tp={layout.tp}; "
+                 "valid: a multiple of tp, or parallel.sequence_parallel=false")
+    if not 2 <= data.vocab_size <= m.vocab_size:
+        p.append(f"data.vocab_size={data.vocab_size}: token ids must index the embedding; "
+                 f"valid: 2..model.vocab_size={m.vocab_size}")
+    if not 0.0 <= data.val_fraction < 1.0:
+        p.append(f"data.val_fraction={data.val_fraction}: must be in [0, 1)")
+    elif data.val_fraction == 0 and tr.eval_every > 0:
+        p.append(f"data.val_fraction=0.0: holds out nothing, but trainer.eval_every={tr.eval_every} "
+                 "evaluates; valid: data.val_fraction > 0, or trainer.eval_every=0")
+    if data.max_bytes is not None and data.max_bytes < 1:
+        p.append(f"data.max_bytes={data.max_bytes!r}: must be >= 1 (or null for the whole corpus)")
+    if tr.init_from in HF_GPT2_DIMS:
+        want = HF_GPT2_DIMS[tr.init_from]
+        wrong = {k: m[k] for k, v in want.items() if m[k] != v}
+        if wrong:
+            p.append(f"trainer.init_from={tr.init_from!r}: the checkpoint has "
+                     f"{ {k: want[k] for k in wrong} } but the model has {wrong}; valid: "
+                     f"model={tr.init_from}")
+        if m.vocab_size < 50257:
+            p.append(f"trainer.init_from={tr.init_from!r}: the checkpoint has 50257 tokens, "
+                     f"model.vocab_size={m.vocab_size} is smaller; valid: >= 50257")
+    return p

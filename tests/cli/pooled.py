@@ -1,0 +1,47 @@
+"""Training jobs on the shared rank pool: each rank's side of ``python train.py``, without spawning it.
+
+A ``train.py`` run spawns its ranks, and every rank imports torch and the
+toolkit before doing any work (seconds of CPU per rank). Layout parity and
+resume only need what runs on the ranks, so they compose the config as
+``train.py`` does (Hydra, validated against the recipe), then call the same
+``toolkit.trainer.train`` on the reusable pool of local gloo ranks
+(``toolkit.rank_pool``). ``test_train_cli.py`` keeps the command line's own
+path: Hydra's parsing, errors before any process starts, the launcher, a
+sweep and the 16-process run.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from omegaconf import OmegaConf
+
+from toolkit.config import compose, save_resolved_config, validate
+from toolkit.rank_pool import get_pool
+
+
+def _rank_train(container: dict):
+    from recipes.registry import get
+    from recipes.zero import apply_zero
+    from toolkit.trainer import train
+
+    cfg = OmegaConf.create(container)
+    return train(cfg, get(cfg.recipe.name), apply_zero)
+
+
+def train_pooled(overrides: list, run_dir, cache: str, timeout: float = 900.0) -> list:
+    """Run the job ``overrides`` composes with its run directory ``run_dir``; returns its per-step losses."""
+    from recipes.registry import get
+
+    cfg = compose([*overrides, f"data.cache_dir={cache}"], run_dir=str(run_dir))
+    layout = validate(cfg, get(cfg.recipe.name))
+    save_resolved_config(cfg, run_dir)  # as train.py does (generate.py and resume read it)
+    get_pool(layout.world_size).run(_rank_train, OmegaConf.to_container(cfg, resolve=True), call_timeout=timeout)
+    return losses(run_dir)
+
+
+def losses(run_dir) -> list:
+    """The ``loss`` of every training row of ``<run_dir>/metrics.jsonl``."""
+    with open(os.path.join(str(run_dir), "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    return [r["loss"] for r in rows if "loss" in r]
