@@ -7,13 +7,16 @@ A "device" here is one process of ours; the devices share the CPU. Measured:
 - ``capacity``: cores our busy threads actually get, for 1, 2, 4 and 8 busy
   processes spinning at once (other jobs on the machine take the rest;
   on an idle machine this is ``min(n, cores)``);
+- ``contention``: CPU seconds per training step (a small GPT-2, one thread)
+  when 1, 2, 4 and 8 processes step at once, relative to one alone: the
+  slowdown of shared caches and of more processes than cores;
 - ``device.thread_speedup``: a 512^3 fp32 matmul with 2 intra-op threads vs 1
   (best of many: the kernel's speed, not the load's);
 - ``device.dispatch_us`` and ``device.kernel_factor``: our cost per op on
   global tensors beyond its kernel, and how much longer kernels take inside
   a step than measured alone (cold caches, fresh memory) — from two real
   one-device GPT-2 steps (forward, backward, AdamW; process CPU time, best
-  of 5), one dispatch-bound and one kernel-bound, against the measured
+  of 20), one dispatch-bound and one kernel-bound, against the measured
   kernels of the same calls (from a rehearsal, ``sbp_core.search``);
 - ``device.memory_bandwidth_gbs``: best-of copy of 64 MB on one thread;
 - ``links.intra_node``: two gloo ranks (``toolkit.rank_pool``) all-reducing
@@ -61,15 +64,13 @@ def capacity(ns=(1, 2, 4, 8), seconds: float = 0.6) -> list:
     for n in ns:
         q = ctx.Queue()
         procs = [ctx.Process(target=_spin, args=(seconds, q)) for _ in range(n)]
-        t0 = time.perf_counter()
         for p in procs:
             p.start()
         cpu = [q.get() for _ in procs]
         for p in procs:
             p.join()
-        wall = max(seconds, time.perf_counter() - t0)
-        out.append([n, round(min(float(n), sum(cpu) / seconds), 3)])
-        del wall
+        # each spins ``seconds`` of wall time from its own start (starts are staggered: clamp to the cores)
+        out.append([n, round(min(float(n), float(os.cpu_count() or n), sum(cpu) / seconds), 3)])
     return out
 
 
@@ -106,7 +107,7 @@ def _host_run(conf, rows: int, costs) -> tuple:
     """``(CPU seconds of a real step, seconds of its kernels measured alone, global ops)`` for one GPT-2 config.
 
     The step is forward, backward and an AdamW update on a one-device
-    placement (best of 5 by process CPU time); the kernels come from a
+    placement (best of 20 by process CPU time); the kernels come from a
     rehearsal of the same step priced by ``costs``.
     """
     import sbp_core as sc
@@ -136,7 +137,7 @@ def _host_run(conf, rows: int, costs) -> tuple:
     ids = sc.to_global(torch.randint(0, vocab, (rows, seq)), placement=p, sbp=(sc.sbp.split(0), sc.sbp.broadcast))
     step(model, opt, ids)
     best = float("inf")
-    for _ in range(5):
+    for _ in range(20):
         c0 = time.process_time()
         step(model, opt, ids)
         best = min(best, time.process_time() - c0)
@@ -150,6 +151,65 @@ def _host_run(conf, rows: int, costs) -> tuple:
     return best, sum(costs.seconds(c) for c in ph.calls), len(ph.global_ops)
 
 
+def _calibration_gpt(large: bool):
+    from recipes.gpt2.model import GPT2Config
+
+    if large:  # big activations (its logits are 16 MB a micro-batch of 2), so kernels dominate
+        return GPT2Config(vocab_size=8192, n_positions=256, n_embd=64, n_layer=1, n_head=2, embd_pdrop=0.0,
+                          resid_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2Config(vocab_size=512, n_positions=16, n_embd=64, n_layer=2, n_head=2, embd_pdrop=0.0,
+                      resid_pdrop=0.0, attn_pdrop=0.0)
+
+
+def _contended_steps(barrier, q, steps: int) -> None:
+    """One process of ``contention``: CPU seconds of each of ``steps`` training steps run alongside the others."""
+    import sbp_core as sc
+    from recipes.gpt2.model import GPT2LMHeadModel
+
+    torch.set_num_threads(1)
+    conf = _calibration_gpt(True)
+    p = sc.placement("cpu", [[0]])
+    model = sc.distribute_module(GPT2LMHeadModel(conf), p, {})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = sc.to_global(torch.randint(0, conf.vocab_size, (2, conf.n_positions)), placement=p,
+                       sbp=(sc.sbp.split(0), sc.sbp.broadcast))
+
+    def step():
+        model(ids, ids)[1].backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    barrier.wait()
+    cpus = []
+    for _ in range(steps):
+        c0 = time.process_time()
+        step()
+        cpus.append(time.process_time() - c0)
+    q.put(statistics.median(cpus))
+
+
+def contention(ns=(1, 2, 4, 8), steps: int = 6, base: float | None = None) -> tuple:
+    """``([[n, CPU time per step with n processes stepping at once / base]], base)`` (one thread each).
+
+    ``base``: the CPU seconds of one step alone on a quiet machine (``device.probe_step_s``
+    of the cluster file); ``None`` takes this run's one-process step.
+    """
+    ctx = mp.get_context("spawn")
+    out = []
+    for n in ns:
+        barrier, q = ctx.Barrier(n), ctx.Queue()
+        procs = [ctx.Process(target=_contended_steps, args=(barrier, q, steps)) for _ in range(n)]
+        for p in procs:
+            p.start()
+        cpu = statistics.median(q.get() for _ in procs)
+        for p in procs:
+            p.join()
+        base = base or cpu
+        out.append([n, round(max(1.0, cpu / base), 3)])
+    return out, base
+
+
 def host_costs() -> tuple:
     """``(seconds per global op beyond its kernel, in-situ factor on measured kernel seconds)``.
 
@@ -159,16 +219,11 @@ def host_costs() -> tuple:
     two numbers. Kernels measured alone run on warm caches and reused
     memory, so in a real step they take longer (``factor`` > 1).
     """
-    from recipes.gpt2.model import GPT2Config
     from sbp_core.search.opcost import MeasuredOpCosts
 
     torch.set_num_threads(1)
     costs = MeasuredOpCosts(op_cost_path(), threads=1)
-    small = GPT2Config(vocab_size=512, n_positions=16, n_embd=64, n_layer=2, n_head=2, embd_pdrop=0.0,
-                       resid_pdrop=0.0, attn_pdrop=0.0)
-    large = GPT2Config(vocab_size=4096, n_positions=128, n_embd=96, n_layer=2, n_head=2, embd_pdrop=0.0,
-                       resid_pdrop=0.0, attn_pdrop=0.0)
-    (ca, ka, na), (cb, kb, nb) = _host_run(small, 1, costs), _host_run(large, 4, costs)
+    (ca, ka, na), (cb, kb, nb) = _host_run(_calibration_gpt(False), 1, costs), _host_run(_calibration_gpt(True), 2, costs)
     costs.save()
     # ca = f*ka + na*d, cb = f*kb + nb*d
     det = ka * nb - kb * na
@@ -226,9 +281,11 @@ def main() -> None:
     t0 = time.time()
     load = os.getloadavg()[0]
     cap = capacity()
+    slow, probe = contention()
     speed = thread_speedup()
     bw = memory_bandwidth()
-    disp, factor = host_costs()
+    runs = sorted(host_costs() for _ in range(3))  # the VM's CPU time is noisy: the median of three fits
+    disp, factor = runs[1]
     link = gloo_link()
     cores = os.cpu_count() or 1
     text = f"""# This machine, measured by scripts/calibrate_machine.py on {time.strftime('%Y-%m-%d %H:%M')}
@@ -242,6 +299,8 @@ cores: {cores}
 costs: measured
 # [busy threads of ours, cores they got]: other jobs take the rest
 capacity: {cap}
+# [busy processes of ours, CPU time per step relative to one alone]: oversubscription and shared caches
+contention: {slow}
 device:
   kind: cpu-process
   memory_gib: {memory_gib()}
@@ -250,6 +309,8 @@ device:
   dispatch_us: {disp * 1e6:.1f}
   kernel_factor: {factor:.3f}
   thread_speedup: {speed}
+  # CPU seconds of one contention-probe step alone (scripts/verify_simulator.py rescales contention by it)
+  probe_step_s: {probe:.4f}
 links:
   intra_node: {{bandwidth_gbs: {link['bandwidth_gbs']}, latency_us: {link['latency_us']}}}
 """

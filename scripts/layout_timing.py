@@ -9,10 +9,14 @@ strategy per round, rounds interleaving all strategies so that other load
 on the machine hits them alike. A step's wall time is the max over ranks
 after a barrier; its CPU time the max over ranks of the process CPU time.
 Before each round ``capacity()`` (``calibrate_machine``) measures how many
-cores our busy threads get right now.
+cores our busy threads get right now, and ``contention()`` how much CPU time
+a fixed training step takes with 1-8 of our processes stepping at once,
+relative to the calibration's quiet-machine value (other jobs slow the work
+itself, not only our share of the cores).
 
-A strategy's per-op layouts reach the trainer as a recipe whose plan has
-the strategy's overrides first (``toolkit.autoparallel.stage_spec.mesh_plan``).
+A strategy reaches the trainer as its config (``parallel.*`` with the
+per-op layouts in ``parallel.plan``, ``trainer.micro_batch_size``), exactly
+as ``parallel=auto`` hands it over.
 """
 from __future__ import annotations
 
@@ -29,19 +33,17 @@ _JOBS: dict = {}
 
 def _job(key, overrides, strategy_dict):
     if key not in _JOBS:
-        from recipes.gpt2.recipe import RECIPE
+        from recipes.registry import get
         from recipes.zero import apply_zero
         from sbp_core.search.strategy import Strategy
-        from toolkit.autoparallel.stage_spec import mesh_plan
+        from toolkit.autoparallel.stage_spec import strategy_cfg
         from toolkit.config import compose
         from toolkit.trainer import Job
 
-        s = Strategy.from_dict(strategy_dict)
-        cfg = compose(list(overrides) + [
-            f"parallel.dp={s.dp}", f"parallel.tp={s.tp}", f"parallel.pp={s.pp}", f"parallel.zero={s.zero}",
-            f"parallel.sequence_parallel={s.sequence_parallel}", f"trainer.micro_batch_size={s.micro_batch_size}",
-            "logger=none", "trainer.eval_every=0", "trainer.max_steps=100000"], run_dir=tempfile.mkdtemp())
-        recipe = dataclasses.replace(RECIPE, mesh_plan=lambda sp, s=s: mesh_plan(RECIPE, s))
+        base = compose(list(overrides) + ["logger=none", "trainer.eval_every=0", "trainer.max_steps=100000"],
+                       run_dir=tempfile.mkdtemp())
+        recipe = get(base.recipe.name)
+        cfg = strategy_cfg(base, recipe, Strategy.from_dict(strategy_dict))
         _JOBS[key] = [Job(cfg, recipe, apply_zero), 0]
     return _JOBS[key]
 
@@ -78,8 +80,10 @@ class Timing:
 
 
 class LayoutTimer:
-    def __init__(self, overrides, cores: int | None = None, timeout: float = 600.0):
+    def __init__(self, overrides, cores: int | None = None, timeout: float = 600.0, probe_step: float = 0.0):
         self.overrides = list(overrides)
+        self.probe_step = probe_step  # > 0: also measure contention each round, relative to it
+        self.contentions: list = []
         self.cores = cores or os.cpu_count() or 1
         self.timeout = timeout
         self.capacities: list = []  # one capacity curve per round
@@ -94,7 +98,7 @@ class LayoutTimer:
 
     def measure(self, strategies, rounds: int = 3, steps: int = 2, warmup: int = 1, log=print) -> dict:
         """``{strategy: Timing}`` over ``rounds`` interleaved rounds of ``steps`` steps each."""
-        from calibrate_machine import capacity
+        from calibrate_machine import capacity, contention
 
         out = {s: Timing([], []) for s in strategies}
         for s in strategies:
@@ -103,17 +107,28 @@ class LayoutTimer:
             log(f"  built {s.describe()} in {time.time() - t0:.0f} s (load {os.getloadavg()[0]:.1f})")
         for r in range(rounds):
             self.capacities.append(capacity(seconds=0.4))
+            if self.probe_step:
+                self.contentions.append(contention(steps=3, base=self.probe_step)[0])
             order = strategies[r % len(strategies):] + strategies[: r % len(strategies)]
             for s in order:
                 walls, cpus = self._run(s, steps)
                 out[s].walls += walls
                 out[s].cpus += cpus
-            log(f"  round {r + 1}/{rounds} done (load {os.getloadavg()[0]:.1f}, capacity {self.capacities[-1]})")
+            log(f"  round {r + 1}/{rounds} done (load {os.getloadavg()[0]:.1f}, capacity {self.capacities[-1]}"
+                + (f", contention {self.contentions[-1]})" if self.contentions else ")"))
         return out
 
     def capacity(self) -> tuple:
         """The median over rounds of the cores our busy threads got, per thread count."""
-        if not self.capacities:
-            return ()
-        ns = [n for n, _ in self.capacities[0]]
-        return tuple((n, statistics.median(c[i][1] for c in self.capacities)) for i, n in enumerate(ns))
+        return _median_curve(self.capacities)
+
+    def contention(self) -> tuple:
+        """The median over rounds of the CPU time per unit of work (vs the calibration's), per busy processes."""
+        return _median_curve(self.contentions)
+
+
+def _median_curve(curves) -> tuple:
+    if not curves:
+        return ()
+    ns = [n for n, _ in curves[0]]
+    return tuple((n, statistics.median(c[i][1] for c in curves)) for i, n in enumerate(ns))

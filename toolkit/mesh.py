@@ -40,3 +40,15 @@ def plan_for_module(module, plan: dict, full_names: tuple) -> dict:
         if any(fnmatch.fnmatchcase(n, target) for n in here):
             out[key] = sbp
     return out
+
+
+def with_overrides(plan: dict, overrides) -> dict:
+    """``plan`` with per-op layouts first: ``{pattern: tp-axis SBP text}`` -> ``(B, SBP)`` on a ``(dp, tp)`` mesh.
+
+    ``distribute_module`` takes the first matching pattern, so an override
+    wins over the recipe's entry for the same parameters.
+    """
+    from sbp_core.search.strategy import parse_sbp
+
+    first = {str(k): (sc.sbp.broadcast, parse_sbp(v)) for k, v in dict(overrides or {}).items()}
+    return {**first, **{k: v for k, v in plan.items() if k not in first}}

@@ -37,7 +37,7 @@ import sbp_core as sc
 from runtime.pipeline import PipelineConfig, PipelineStep
 from toolkit import flops, run_state
 from toolkit.config import typed, validate
-from toolkit.mesh import plan_for_module, stage_placements
+from toolkit.mesh import plan_for_module, stage_placements, with_overrides
 from toolkit.metrics import MetricsLogger
 from toolkit.optim import build_scheduler, lr_at
 from toolkit.recipe import data_shard, recipe_batch
@@ -83,7 +83,7 @@ class Job:
             self.module = keep_stage(model, recipe.pipeline, ranges, self.stage)
         if tr.activation_checkpointing:
             recipe.checkpoint_layers(self.module)
-        plan = plan_for_module(self.module, recipe.mesh_plan(cfg), names)
+        plan = plan_for_module(self.module, with_overrides(recipe.mesh_plan(cfg), cfg.parallel.plan), names)
         self.zero = None
         if lay.zero and zero is None:
             raise ValueError(f"parallel.zero={lay.zero} needs ZeRO's apply function: call "

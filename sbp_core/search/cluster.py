@@ -20,7 +20,9 @@ A machine whose devices are processes sharing a CPU (``this_machine.yaml``,
 written by ``scripts/calibrate_machine.py``) instead says ``costs: measured``
 (per-op seconds measured here, ``sbp_core.search.opcost``), how many
 ``cores`` there are, ``capacity``: ``[[busy threads, cores they get], ...]``
-(other jobs take the rest), ``device.dispatch_us`` (our Python cost per
+(other jobs take the rest), ``contention``: ``[[busy processes, CPU time per
+unit of work relative to one process], ...]`` (oversubscribed cores and a
+shared cache slow every process down), ``device.dispatch_us`` (our Python cost per
 global op), ``device.kernel_factor`` (kernels inside a step vs alone),
 ``device.thread_speedup`` (a process with 2 intra-op threads vs
 1 on big kernels), and ``memory_shared: true`` (all processes share the
@@ -59,6 +61,8 @@ class Cluster:
     capacity: tuple = ()  # ((busy threads, cores they get), ...)
     thread_speedup: float = 1.0
     kernel_factor: float = 1.0  # measured kernels take this much longer inside a step than alone
+    contention: tuple = ()  # ((busy processes, CPU time per unit of work relative to one), ...)
+    probe_step: float = 0.0  # CPU seconds of the calibration's contention probe step alone (measured machines)
     memory_shared: bool = False
     source: str = ""
 
@@ -83,18 +87,29 @@ class Cluster:
         return self.memory
 
     def cores_for(self, threads: float) -> float:
-        """Cores ``threads`` busy threads of ours get (interpolated in ``capacity``; all of them if unmeasured)."""
+        """Cores ``threads`` busy threads of ours get (``capacity``; all they want up to ``cores`` if unmeasured)."""
         if not self.cores:
             return float("inf")
         if not self.capacity:
             return min(threads, self.cores)
-        pts = sorted(self.capacity)
-        if threads <= pts[0][0]:
-            return pts[0][1] * threads / pts[0][0]
-        for (n0, c0), (n1, c1) in zip(pts, pts[1:]):
-            if threads <= n1:
-                return c0 + (c1 - c0) * (threads - n0) / (n1 - n0)
-        return pts[-1][1]
+        return _interpolate(self.capacity, threads, through_origin=True)
+
+    def thread_rate(self, threads: float) -> float:
+        """Speed of each of ``threads`` busy threads: its share of the cores, over the contention slowdown."""
+        share = min(1.0, self.cores_for(threads) / threads) if threads > 0 else 1.0
+        slow = _interpolate(self.contention, threads) if self.contention else 1.0
+        return share / max(1.0, slow)
+
+
+def _interpolate(points, x: float, through_origin: bool = False) -> float:
+    """Piecewise-linear through ``points`` ((x, y), ...); flat beyond the last, and below the first unless ``through_origin``."""
+    pts = sorted(points)
+    if x <= pts[0][0]:
+        return pts[0][1] * x / pts[0][0] if through_origin else pts[0][1]
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return pts[-1][1]
 
 
 def _need(d: dict, key: str, where: str):
@@ -108,7 +123,7 @@ def _link(d: dict, where: str) -> Link:
 
 
 def cluster_from_dict(d: dict, source: str = "<dict>") -> Cluster:
-    known = {"name", "nodes", "devices_per_node", "device", "links", "cores", "capacity", "costs", "calibrated"}
+    known = {"name", "nodes", "devices_per_node", "device", "links", "cores", "capacity", "contention", "costs"}
     unknown = sorted(set(d) - known)
     if unknown:
         raise ValueError(f"cluster file {source}: unknown keys {unknown}; valid: {sorted(known)}")
@@ -133,6 +148,8 @@ def cluster_from_dict(d: dict, source: str = "<dict>") -> Cluster:
         host_overhead=float(dev.get("host_overhead_us", dev.get("dispatch_us", 0.0))) * 1e-6,
         costs=costs, cores=float(d.get("cores", 0.0)),
         capacity=tuple((float(n), float(c)) for n, c in (d.get("capacity") or ())),
+        contention=tuple((float(n), float(c)) for n, c in (d.get("contention") or ())),
+        probe_step=float(dev.get("probe_step_s", 0.0)),
         thread_speedup=float(dev.get("thread_speedup", 1.0)), kernel_factor=float(dev.get("kernel_factor", 1.0)),
         memory_shared=bool(dev.get("memory_shared", False)),
         source=source)

@@ -10,8 +10,8 @@ first time a changed stage acted (``simulator.resimulate``); the result is
 identical to the full path.
 
 ``model`` is what the layer that knows the recipe provides
-(``toolkit.autoparallel.search_model``): ``global_batch``, ``schedule``,
-``grad_clip``, ``trace(strategy, stage) -> StageTrace`` and
+(``toolkit.autoparallel.search_model``): ``micro_batches(strategy)``,
+``schedule``, ``grad_clip``, ``trace(strategy, stage) -> StageTrace`` and
 ``tied_bytes(strategy) -> int | None``.
 
 Memory of a stage's device: parameters, gradients and optimizer state as
@@ -88,13 +88,13 @@ class Evaluator:
         return collective_seconds(Collective("send", (0, 1), nbytes), self.cluster, (first[0], last[0]), first)
 
     def graph(self, strategy, works: list):
-        m = strategy.micro_batches(self.model.global_batch)
-        cap = self.cluster.cores_for if self.cluster.cores else None
+        m = self.model.micro_batches(strategy)
+        rate = self.cluster.thread_rate if self.cluster.cores else None
         return pipeline_graph(works, m, self.model.schedule, tied=self._tied_seconds(strategy),
-                              clip=bool(self.model.grad_clip), capacity=cap)
+                              clip=bool(self.model.grad_clip), rate=rate)
 
     def predict(self, strategy, base: Prediction | None = None) -> Prediction:
-        m = strategy.micro_batches(self.model.global_batch)
+        m = self.model.micro_batches(strategy)
         traces = [self.model.trace(strategy, s) for s in range(strategy.pp)]
         same_shape = base is not None and _structure(base.strategy) == _structure(strategy)
         works = [base.works[s] if same_shape and base.traces[s] is tr else self.stage_work(strategy, s, tr)

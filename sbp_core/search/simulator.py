@@ -13,10 +13,10 @@ comes out of the stash quota exactly as in training, not from a schedule.
 Time: each piece of an actor needs ``work`` seconds at full speed. On a
 machine whose devices have their own processors every running task goes at
 speed 1. When devices share cores (processes on a CPU), running actors
-with ``weight`` w (the threads each keeps busy) share what the machine
-gives them: ``capacity(busy threads)`` cores (a measured curve: other jobs
-take the rest), each thread at ``min(1, capacity(n) / n)`` — processor
-sharing; actors of weight 0 always go at speed 1.
+with ``weight`` w (the threads each keeps busy) share them: with ``n``
+busy threads each runs at ``rate(n)`` (``Cluster.thread_rate``: processor
+sharing of the cores other jobs leave us, slowed by the contention of
+oversubscribed cores); actors of weight 0 always go at speed 1.
 
 ``simulate(graph)`` runs the whole graph (*full* simulation) and returns a
 ``Timeline`` that also keeps snapshots of the simulator's state.
@@ -53,7 +53,7 @@ class SimActor:
 class TaskGraph:
     actors: list
     pieces: int
-    capacity: object = None  # cores_for(busy threads) when weighted actors share cores; None: no sharing
+    rate: object = None  # speed of each busy thread given how many are busy (shared cores); None: no sharing
 
     def by_name(self) -> dict:
         return {a.name: a for a in self.actors}
@@ -161,10 +161,9 @@ class _Sim:
             s.running[q] = [a, piece, a.work_of(piece), s.t, reads]
 
     def _rate(self, s: _State, a: SimActor) -> float:
-        if a.weight <= 0 or self.g.capacity is None:
+        if a.weight <= 0 or self.g.rate is None:
             return 1.0
-        busy = sum(r[0].weight for r in s.running.values())
-        return min(1.0, self.g.capacity(busy) / busy)
+        return self.g.rate(sum(r[0].weight for r in s.running.values()))
 
     def _finish(self, s: _State, q: str) -> None:
         a, piece, _, start, reads = s.running.pop(q)

@@ -3,8 +3,8 @@
 A strategy (``strategy.Strategy``) sets dp, tp and pp (using all of a
 cluster's devices; on a machine whose devices are processes sharing a CPU,
 any power-of-two count up to them), the ZeRO stage (with dp > 1), the
-micro-batch size (a divisor of ``global_batch / dp``, with at least ``pp``
-micro-batches), sequence parallel (with tp > 1) and one candidate per
+micro-batch size (a divisor of ``global_batch`` over the batch's shards —
+``dp`` for GPT-2 — with at least ``pp`` micro-batches), sequence parallel (with tp > 1) and one candidate per
 per-op choice point (``model.choices``: index 0 is the recipe's own
 layout). ``model.problems(strategy)`` has the last word on validity.
 
@@ -34,11 +34,11 @@ class SearchSpace:
         self.choices = list(model.choices) if per_op else []
         self._valid: dict = {}
 
-    def micro_batch_sizes(self, dp: int, pp: int) -> list:
-        gb = self.model.global_batch
-        if gb % dp:
+    def micro_batch_sizes(self, dp: int, tp: int, pp: int) -> list:
+        gb, shards = self.model.global_batch, self.model.data_shards(dp, tp)
+        if gb % shards:
             return []
-        return [mb for mb in divisors(gb // dp) if pp == 1 or gb // (dp * mb) >= pp]
+        return [mb for mb in divisors(gb // shards) if pp == 1 or gb // (shards * mb) >= pp]
 
     def valid(self, s: Strategy) -> bool:
         got = self._valid.get(s)
@@ -50,7 +50,7 @@ class SearchSpace:
         """Every valid ``(dp, tp, pp)`` with its valid micro-batch sizes (recipe's per-op layouts, no ZeRO)."""
         out = []
         for dp, tp, pp in self.degrees:
-            mbs = [mb for mb in self.micro_batch_sizes(dp, pp) if self.valid(Strategy(dp, tp, pp, micro_batch_size=mb))]
+            mbs = [mb for mb in self.micro_batch_sizes(dp, tp, pp) if self.valid(Strategy(dp, tp, pp, micro_batch_size=mb))]
             if mbs:
                 out.append(((dp, tp, pp), mbs))
         return out
@@ -87,13 +87,13 @@ class SearchSpace:
         move = rng.choice(self._moves(s))
         if move == "degrees":
             dp, tp, pp = rng.choice([d for d in self.degrees if d != (s.dp, s.tp, s.pp)] or self.degrees)
-            mbs = self.micro_batch_sizes(dp, pp) or [1]
+            mbs = self.micro_batch_sizes(dp, tp, pp) or [1]
             mb = min(mbs, key=lambda x: (abs(x - s.micro_batch_size), x))
             zero = s.zero if dp > 1 else 0
             return replace(s, dp=dp, tp=tp, pp=pp, micro_batch_size=mb, zero=zero,
                            sequence_parallel=s.sequence_parallel and tp > 1)
         if move == "micro_batch":
-            mbs = [m for m in self.micro_batch_sizes(s.dp, s.pp) if m != s.micro_batch_size]
+            mbs = [m for m in self.micro_batch_sizes(s.dp, s.tp, s.pp) if m != s.micro_batch_size]
             return replace(s, micro_batch_size=rng.choice(mbs)) if mbs else s
         if move == "zero":
             return replace(s, zero=rng.choice([z for z in self.zero_stages if z != s.zero]))

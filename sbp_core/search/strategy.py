@@ -7,8 +7,9 @@ a plan file stores for training to run unchanged:
   ``pp_i*dp*tp + dp_i*tp + tp_i``; each stage is the ``(dp, tp)`` mesh of
   its ranks);
 - ``zero``: ZeRO stage 0..3 over the dp axis;
-- ``micro_batch_size``: rows per micro-batch per dp replica (the number of
-  micro-batches is ``global_batch / (micro_batch_size * dp)``);
+- ``micro_batch_size``: rows per micro-batch per data shard (the number of
+  micro-batches is ``global_batch / (micro_batch_size * shards)``, shards
+  being ``dp`` for a batch laid out ``(S(0), B)``);
 - ``sequence_parallel``: the recipe's sequence-parallel activation pins;
 - ``ops``: per-op signature choices, as ``(parameter pattern, tp-axis SBP)``
   pairs that override the recipe's plan (the dp axis of a parameter is
@@ -79,9 +80,6 @@ class Strategy:
         if self.ops:
             extras.append(f"{len(self.ops)} op override(s)")
         return f"{self.name} ({', '.join(extras)})"
-
-    def micro_batches(self, global_batch: int) -> int:
-        return global_batch // (self.micro_batch_size * self.dp)
 
     def with_op(self, pattern: str, sbp: str | None) -> "Strategy":
         """This strategy with ``pattern``'s tp-axis SBP set (``None``: back to the recipe's)."""

@@ -63,13 +63,13 @@ def stage_actor_names(stage: int, pp: int) -> list:
 
 
 def pipeline_graph(stages: list, micro_batches: int, schedule: str = "1f1b", tied: float | None = None,
-                   clip: bool = False, capacity=None) -> TaskGraph:
+                   clip: bool = False, rate=None) -> TaskGraph:
     """One training step of ``len(stages)`` stages over ``micro_batches`` micro-batches.
 
     ``tied``: seconds of the tied-gradient exchange between the first and last
     stage (``None``: no tied parameters); ``clip``: global-norm clipping;
-    ``capacity``: ``cores_for(threads)`` of a machine whose cores the stages
-    share (``None``: every device has its own processor).
+    ``rate``: speed per busy thread on a machine whose cores the stages share
+    (``Cluster.thread_rate``; ``None``: every device has its own processor).
     """
     pp, m = len(stages), micro_batches
     if pp < 1:
@@ -115,4 +115,4 @@ def pipeline_graph(stages: list, micro_batches: int, schedule: str = "1f1b", tie
             u_in += [f"s{j}.reduce" for j in range(pp) if j != s]
         actors.append(SimActor(f"s{s}.update", f"s{s}.compute", w.update, tuple(u_in), quota=1, priority=3,
                                every=m, weight=w.weight))
-    return TaskGraph(actors, m, capacity=capacity)
+    return TaskGraph(actors, m, rate=rate)

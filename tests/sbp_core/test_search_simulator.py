@@ -49,7 +49,7 @@ def test_transfers_delay_the_next_stage():
 def test_processor_sharing():
     # One core, two busy threads: each runs at half speed until the shorter task ends.
     g = TaskGraph([SimActor("a", "q1", 1.0, weight=1), SimActor("b", "q2", 2.0, weight=1)], pieces=1,
-                  capacity=lambda n: min(n, 1.0))
+                  rate=lambda n: min(1.0, 1.0 / n))
     tl = simulate(g)
     assert {a: (s, e) for a, _, s, e in tl.tasks} == {"a": (0, 2.0), "b": (0, 3.0)}
 
@@ -75,13 +75,13 @@ def test_delta_equals_full(pp, m, sched):
         return StageWork(*(round(rng.uniform(0.1, 2), 3) for _ in range(5)), send=0.05, copy=0.01, weight=1)
 
     stages = [stage() for _ in range(pp)]
-    cap = (lambda n: min(n, 2.0))
-    old = simulate(pipeline_graph(stages, m, sched, tied=0.2, clip=True, capacity=cap))
+    rate = (lambda n: min(1.0, 2.0 / n))
+    old = simulate(pipeline_graph(stages, m, sched, tied=0.2, clip=True, rate=rate))
     for _ in range(5):
         s = rng.randrange(pp)
         stages = list(stages)
         stages[s] = stage()
-        graph = pipeline_graph(stages, m, sched, tied=0.2, clip=True, capacity=cap)
+        graph = pipeline_graph(stages, m, sched, tied=0.2, clip=True, rate=rate)
         new = resimulate(old, graph, stage_actor_names(s, pp))
         full = simulate(graph)
         assert new.tasks == full.tasks and new.makespan == full.makespan

@@ -28,10 +28,11 @@ import torch
 from sbp_core.search.rehearsal import GlobalOp, PhaseTrace
 from sbp_core.search.stage_trace import StageTrace, trace_stage
 from sbp_core.search.strategy import Strategy, parse_sbp
-from toolkit.config import ConfigError, validate
+from toolkit.config import ConfigError, typed, validate
+from toolkit.recipe import data_shard
 from toolkit.stages import stage_ranges
 
-from .stage_spec import mesh_plan, stage_spec
+from .stage_spec import mesh_plan, stage_layers, stage_spec, strategy_cfg
 
 _INDEX = re.compile(r"\.(\d+)\.")
 
@@ -73,11 +74,12 @@ def _extrapolate(t2: StageTrace, t3: StageTrace, blocks: int) -> StageTrace | No
 
 class RecipeSearchModel:
     def __init__(self, recipe, cfg, zero=None, per_layer: bool | None = None, direct_blocks: int = 3):
-        self.recipe, self.cfg, self.zero = recipe, cfg, zero
+        self.recipe, self.zero = recipe, zero
+        self.cfg = cfg = typed(cfg, recipe)
         self.global_batch = int(cfg.trainer.global_batch_size)
         self.schedule = str(cfg.parallel.pp_schedule)
         self.grad_clip = float(cfg.trainer.grad_clip) > 0
-        self.n_layer = int(cfg.model.n_layer)
+        self.n_layer = recipe.n_layers(cfg.model) if recipe.pipeline is not None else 0
         self.direct_blocks = direct_blocks
         self.per_layer = self.n_layer <= 8 if per_layer is None else per_layer
         with torch.device("meta"):
@@ -88,10 +90,17 @@ class RecipeSearchModel:
         self.rehearsals = 0
         self.choices = self._choices(model)
 
+    def data_shards(self, dp: int, tp: int) -> int:
+        """How many shards a micro-batch is cut into on a ``(dp, tp)`` mesh (the recipe's ``data_sbp``)."""
+        return data_shard(self.recipe.data_sbp, (dp, tp), (0, 0))[1]
+
+    def micro_batches(self, strategy: Strategy) -> int:
+        return self.global_batch // (strategy.micro_batch_size * self.data_shards(strategy.dp, strategy.tp))
+
     # -- per-op choices ------------------------------------------------------------------------
 
     def _choices(self, model) -> list:
-        plan = self.recipe.mesh_plan(False)
+        plan = self.recipe.mesh_plan(strategy_cfg(self.cfg, self.recipe, Strategy()))
         modules = sorted({k.rsplit(".", 1)[0] for k in plan if ":" not in k})
         out = []
         for pattern in modules:
@@ -151,16 +160,9 @@ class RecipeSearchModel:
     # -- validity -----------------------------------------------------------------------------
 
     def problems(self, strategy: Strategy) -> list:
-        from omegaconf import OmegaConf
-
-        cfg = OmegaConf.create(OmegaConf.to_container(self.cfg, resolve=False))
-        cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp = strategy.dp, strategy.tp, strategy.pp
-        cfg.parallel.zero, cfg.parallel.sequence_parallel = strategy.zero, strategy.sequence_parallel
-        cfg.trainer.micro_batch_size = strategy.micro_batch_size
-        cfg.parallel.stage_layers = None
         out = []
         try:
-            validate(cfg, world_size=strategy.world)
+            validate(strategy_cfg(self.cfg, self.recipe, strategy), self.recipe, world_size=strategy.world)
         except ConfigError as err:
             out += err.problems
         for pat, sbp in strategy.ops:
@@ -177,6 +179,8 @@ class RecipeSearchModel:
     def _stage_names(self, strategy: Strategy, stage: int) -> set:
         """Parameter names on ``stage``: its layers', the pipeline's first modules' on stage 0, last ones' on the last."""
         pipe = self.recipe.pipeline
+        if pipe is None:
+            return set(self.shapes)
         r = stage_ranges(self.n_layer, strategy.pp)[stage]
         layer = re.compile(re.escape(pipe["layers"]) + r"\.(\d+)\.")
 
@@ -203,26 +207,26 @@ class RecipeSearchModel:
 
     def trace(self, strategy: Strategy, stage: int) -> StageTrace:
         pp = strategy.pp
-        blocks = len(stage_ranges(self.n_layer, pp)[stage])
+        layers = stage_layers(self.recipe, self.cfg, pp, stage)
         ops = self._ops_for(strategy, stage, self._stage_names(strategy, stage))
         uniform = all(_layer_uniform(p) for p, _ in ops)
         where = (stage == 0, stage == pp - 1)
         common = (strategy.dp, strategy.tp, strategy.zero, strategy.micro_batch_size, strategy.sequence_parallel,
                   where, ops)
-        if blocks > self.direct_blocks and uniform:
-            key = common + (blocks,)
+        if len(layers) > self.direct_blocks and uniform:
+            key = common + (len(layers),)
             if key not in self._traces:
-                shallow = [self._rehearse(strategy, stage, b, ops, common + (("blocks", b),)) for b in (2, 3)]
-                out = _extrapolate(shallow[0], shallow[1], blocks)
-                self._traces[key] = out if out is not None else self._rehearse(strategy, stage, None, ops, key)
+                shallow = [self._rehearse(strategy, stage, layers[:b], ops, common + (("layers", b),)) for b in (2, 3)]
+                out = _extrapolate(shallow[0], shallow[1], len(layers))
+                self._traces[key] = out if out is not None else self._rehearse(strategy, stage, layers, ops, key)
             return self._traces[key]
-        key = common + ((blocks,) if uniform else (stage, pp))
-        return self._rehearse(strategy, stage, None, ops, key)
+        key = common + ((len(layers),) if uniform else (layers.start, layers.stop))
+        return self._rehearse(strategy, stage, layers, ops, key)
 
-    def _rehearse(self, strategy, stage, blocks, ops, key) -> StageTrace:
+    def _rehearse(self, strategy, stage, layers, ops, key) -> StageTrace:
         got = self._traces.get(key)
         if got is None:
-            spec = stage_spec(self.recipe, self.cfg, replace(strategy, ops=ops), stage, blocks, self.zero)
+            spec = stage_spec(self.recipe, self.cfg, replace(strategy, ops=ops), stage, layers, self.zero)
             got = self._traces[key] = trace_stage(spec)
             self.rehearsals += 1
         return got
@@ -231,7 +235,7 @@ class RecipeSearchModel:
         """Bytes of one tied gradient copy on a rank (what the first and last stage exchange), or None."""
         if not self.tied or strategy.pp == 1:
             return None
-        plan = mesh_plan(self.recipe, strategy)
+        plan = mesh_plan(self.recipe, self.cfg, strategy)
         total = 0
         for group in self.tied:
             name = group[0]
