@@ -105,7 +105,7 @@ class Job:
             max_grad_norm=float(tr.grad_clip) if tr.grad_clip else None, tied=list(recipe.tied))
         forward = recipe.stage_forward
         if tr.precision == "bf16":
-            forward = _autocast(forward, device_type)
+            forward = autocast_forward(forward, device_type)
         self.pipe = PipelineStep(self.pipe_cfg, self.module, self.optimizer, forward, self.train_batches,
                                  self.scheduler)
         self.val_batches = None
@@ -129,7 +129,8 @@ class Job:
         return self.pipe.evaluate(self.val_batches, n, index=0)
 
 
-def _autocast(forward, device_type):
+def autocast_forward(forward, device_type):
+    """``forward`` under bf16 autocast, returning fp32 (``trainer.precision=bf16``)."""
     def run(module, x, labels=None):
         with torch.autocast(device_type, dtype=torch.bfloat16):
             out = forward(module, x, labels)

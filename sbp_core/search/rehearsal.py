@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -201,6 +202,8 @@ class Rehearsal:
             quiet = logging.getLogger("torch._subclasses.fake_tensor")  # a refused layout is reported by raising
             level, quiet.level = quiet.level, logging.CRITICAL
             self._exit.callback(setattr, quiet, "level", level)
+            self._exit.enter_context(warnings.catch_warnings())
+            warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
             self._exit.enter_context(_Recorder(self))
             pre = torch.nn.modules.module.register_module_forward_pre_hook(self._enter_module)
             post = torch.nn.modules.module.register_module_forward_hook(self._leave_module)

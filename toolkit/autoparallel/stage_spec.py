@@ -6,7 +6,8 @@ the recipe's plan with the strategy's per-op layouts first
 (``toolkit.mesh.with_overrides``, as ``parallel.plan`` does in training),
 ZeRO's rewrite or ``distribute_module``, the recipe's optimizer, and one
 micro-batch's global inputs (the ``inputs`` fields on the first stage, the
-boundary activation elsewhere, the ``labels`` fields on the last).
+boundary activation elsewhere, the ``labels`` fields on the last);
+activation checkpointing and bf16 autocast as the trainer applies them.
 ``layers`` keeps other repeated layers than the uniform split's, so that a
 deep stage can be priced from shallow rehearsals
 (``toolkit.autoparallel.search_model``).
@@ -23,6 +24,7 @@ from toolkit.config import typed
 from toolkit.mesh import plan_for_module, with_overrides
 from toolkit.recipe import data_shard, recipe_batch
 from toolkit.stages import keep_layers, stage_ranges
+from toolkit.trainer import autocast_forward
 
 
 def strategy_cfg(cfg, recipe, strategy: Strategy):
@@ -58,6 +60,8 @@ def stage_spec(recipe, cfg, strategy: Strategy, stage: int, layers=None, zero=No
         names = tuple({n for n, _ in model.named_parameters(remove_duplicate=False)}
                       | {n for n, _ in model.named_modules()})
         module = model if recipe.pipeline is None else keep_layers(model, recipe.pipeline, layers, first, last)
+        if cfg.trainer.activation_checkpointing:
+            recipe.checkpoint_layers(module)
         plan = plan_for_module(module, with_overrides(recipe.mesh_plan(cfg), cfg.parallel.plan), names)
         if strategy.zero and strategy.dp > 1:
             if zero is None:
@@ -81,8 +85,11 @@ def stage_spec(recipe, cfg, strategy: Strategy, stage: int, layers=None, zero=No
         return x, (batch(placement, recipe.labels) if last else None)
 
     m = int(cfg.trainer.global_batch_size) // rows
+    forward = recipe.stage_forward
+    if cfg.trainer.precision == "bf16":
+        forward = autocast_forward(forward, "cpu")  # the rehearsal's tensors are (fake) CPU tensors
     return StageSpec(dp=strategy.dp, tp=strategy.tp, first=first, last=last, build=build, inputs=inputs,
-                     forward=recipe.stage_forward, act_sbp=tuple(recipe.act_sbp), micro_batches=m,
+                     forward=forward, act_sbp=tuple(recipe.act_sbp), micro_batches=m,
                      grad_clip=float(cfg.trainer.grad_clip) or None)
 
 
