@@ -3,24 +3,30 @@ from __future__ import annotations
 
 import fnmatch
 
-from sbp_core.sbp import format_sbp
+from sbp_core.sbp import Broadcast, format_sbp
 
 # Ops that only re-view or alias a tensor: left out of the per-op table.
 _VIEWS = {"view", "_unsafe_view", "transpose", "t", "detach", "split", "slice", "unsqueeze", "expand", "permute",
           "alias", "select", "squeeze", "reshape", "as_strided", "clone"}
 
 
-def parameter_table(plan: dict, shapes: dict) -> list:
-    """``[(parameter, shape, N-d SBP)]`` of every parameter under ``plan`` (first matching pattern, else ``B``)."""
+def parameter_table(plan: dict, shapes: dict, mesh: tuple) -> list:
+    """``[(parameter, shape, N-d SBP)]`` of every parameter under ``plan`` on a ``mesh``-shaped stage.
+
+    First matching pattern, else ``B``; a split over a one-device axis is
+    ``B`` (as ``distribute_module`` lays it out).
+    """
     rows = []
     for name, shape in sorted(shapes.items()):
         sbp = next((v for k, v in plan.items() if ":" not in k and fnmatch.fnmatchcase(name, k)), None)
-        rows.append((name, shape, format_sbp(sbp) if sbp is not None else "(B, B)"))
+        sbp = tuple(Broadcast() if sbp is None or (n == 1 and x.is_split) else x
+                    for x, n in zip(sbp or (None,) * len(mesh), mesh))
+        rows.append((name, shape, format_sbp(sbp)))
     return rows
 
 
-def op_table(trace, stage: int) -> list:
-    """``[(stage, module, op, input SBPs, chosen input SBPs, output SBPs, boxing bytes)]`` of a stage's forward."""
+def op_table(trace, stage) -> list:
+    """``[(stage(s), module, op, input SBPs, chosen input SBPs, output SBPs, boxing bytes)]`` of a stage's forward."""
     rows = []
     for g in trace.phases["F"].global_ops:
         short = g.op.split(".")[1] if g.op.count(".") >= 2 else g.op
@@ -40,12 +46,16 @@ def describe(prediction, plan: dict, shapes: dict, micro_batches: int, max_ops: 
              f"predicted step time {prediction.step_seconds:.4g} s, peak memory per device "
              f"{prediction.peak_memory / 2**30:.3g} GiB of {prediction.capacity / 2**30:.3g} GiB",
              "", "parameter layouts on each stage's (dp, tp) mesh:"]
-    for name, shape, sbp in parameter_table(plan, shapes):
+    for name, shape, sbp in parameter_table(plan, shapes, (s.dp, s.tp)):
         lines.append(f"  {name:45s} {str(shape):18s} {sbp}")
-    lines += ["", "per-op signatures (forward, views left out): stage | module | op | inputs => chosen -> outputs | boxing"]
-    rows = [r for st, tr in enumerate(prediction.traces) for r in op_table(tr, st)]
+    lines += ["", "per-op signatures (forward, views left out; stages of the same shape share one rehearsal, "
+              "named by its modules): stage | module | op | inputs => chosen -> outputs | boxing"]
+    groups: dict = {}
+    for st, tr in enumerate(prediction.traces):
+        groups.setdefault(id(tr), (tr, []))[1].append(str(st))
+    rows = [r for tr, stages in groups.values() for r in op_table(tr, ",".join(stages))]
     for st, mod, op, ins, req, outs, nbytes in rows[:max_ops]:
-        lines.append(f"  {st} | {mod:32s} | {op:40s} | {ins} => {req} -> {outs} | {nbytes:.0f} B")
+        lines.append(f"  {st:5s} | {mod:30s} | {op:40s} | {ins} => {req} -> {outs} | {nbytes:.0f} B")
     if len(rows) > max_ops:
         lines.append(f"  ... {len(rows) - max_ops} more")
     return "\n".join(lines)
