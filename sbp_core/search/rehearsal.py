@@ -73,10 +73,14 @@ class Collective(NamedTuple):
 
 
 class GlobalOp(NamedTuple):
-    """One op on global tensors and the signature the dispatcher chose (``required`` ``"decomposed"`` if so)."""
+    """One op of the program's logical graph (global shapes, in program order) and the signature the dispatcher chose.
+
+    ``required`` is ``"decomposed"`` when the op ran as other ops (listed after it).
+    """
 
     op: str
     module: str
+    shapes: tuple  # global shape of each global input
     inputs: tuple  # N-d SBP of each global input as it arrived
     required: object  # N-d SBP each input was boxed to, or "decomposed"
     outputs: tuple  # N-d SBP of each output
@@ -138,7 +142,8 @@ class _Recorder(FakeTensorMode):
             return super().__torch_dispatch__(func, types, args, kwargs)
         leaves = tree_leaves((args, kwargs))
         if any(isinstance(a, GlobalTensor) for a in leaves):
-            r.global_calls.append((_op_name(func), r.module()))
+            r.global_calls.append((_op_name(func), r.module(),
+                                   tuple(tuple(a.shape) for a in leaves if isinstance(a, GlobalTensor))))
             return super().__torch_dispatch__(func, types, args, kwargs)
         if any(getattr(a, "type", None) == "meta" or getattr(getattr(a, "device", None), "type", None) == "meta"
                for a in leaves if isinstance(a, (torch.Tensor, torch.device))):
@@ -277,10 +282,10 @@ class Rehearsal:
         steps = [s for s in steps]
         calls = [c for c in calls if c[0] != "aten._local_scalar_dense.default"]
         if len(calls) != len(steps):  # a call the dispatcher did not explain: keep decisions, lose modules
-            calls = [(s[0], "") for s in steps]
+            calls = [(s[0], "", ()) for s in steps]
         out = []
-        for (op, module), (_, actual, required, outs, cost) in zip(calls, steps):
-            out.append(GlobalOp(op, module, tuple(actual), required, tuple(outs or ()), float(cost)))
+        for (op, module, shapes), (_, actual, required, outs, cost) in zip(calls, steps):
+            out.append(GlobalOp(op, module, shapes, tuple(actual), required, tuple(outs or ()), float(cost)))
         return out
 
     # -- memory -----------------------------------------------------------------------------

@@ -73,6 +73,10 @@ def test_rehearsal_communicates_what_the_real_step_does(plan):
         mm = [tuple(c.args[0][1].shape) for c in tr.phases["F"].calls if c.op == "aten.mm.default"]
         assert mm == [(16, 16), (16, 16)]
         assert tr.param_bytes == (32 * 16 + 16 * 32) * 4 // 2
+        # the logical graph: global ops with global shapes and the signature chosen for them
+        g = [g for g in tr.phases["F"].global_ops if g.op == "aten.mm.default"]
+        assert [g.shapes for g in g] == [((8, 16), (16, 32)), ((8, 32), (32, 16))]
+        assert [g.outputs for g in g] == [((S0, S1),), ((S0, sc.sbp.partial_sum),)]
     assert tr.stash_bytes > 0
 
 

@@ -33,7 +33,9 @@ def op_table(trace, stage) -> list:
         if short in _VIEWS:
             continue
         req = "decomposed" if g.required == "decomposed" else ", ".join(format_sbp(r) for r in g.required)
-        rows.append((stage, g.module or "-", short, ", ".join(format_sbp(a) for a in g.inputs), req,
+        ins = ", ".join(f"{format_sbp(a)}{list(sh)}" for a, sh in zip(g.inputs, g.shapes)) if g.shapes else \
+            ", ".join(format_sbp(a) for a in g.inputs)
+        rows.append((stage, g.module or "-", short, ins, req,
                      ", ".join(format_sbp(o) for o in g.outputs), g.boxing_bytes))
     return rows
 
