@@ -273,19 +273,16 @@ def memory_gib() -> float:
     return 8.0
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=str(ROOT / "configs" / "cluster" / "this_machine.yaml"))
-    ap.add_argument("--devices", type=int, default=8, help="processes the search may use")
-    o = ap.parse_args()
+def calibrate(out: str, devices: int = 8) -> str:
+    """Measure this machine and write its cluster file to ``out``; returns the text."""
     t0 = time.time()
     load = os.getloadavg()[0]
     cap = capacity()
     slow, probe = contention()
     speed = thread_speedup()
     bw = memory_bandwidth()
-    runs = sorted(host_costs() for _ in range(3))  # the VM's CPU time is noisy: the median of three fits
-    disp, factor = runs[1]
+    fits = [host_costs() for _ in range(3)]  # the VM's CPU time is noisy: the median of three fits
+    disp, factor = statistics.median(f[0] for f in fits), statistics.median(f[1] for f in fits)
     link = gloo_link()
     cores = os.cpu_count() or 1
     text = f"""# This machine, measured by scripts/calibrate_machine.py on {time.strftime('%Y-%m-%d %H:%M')}
@@ -294,7 +291,7 @@ def main() -> None:
 # times are measured on first use into {op_cost_path()}.
 name: this-machine
 nodes: 1
-devices_per_node: {o.devices}
+devices_per_node: {devices}
 cores: {cores}
 costs: measured
 # [busy threads of ours, cores they got]: other jobs take the rest
@@ -314,9 +311,17 @@ device:
 links:
   intra_node: {{bandwidth_gbs: {link['bandwidth_gbs']}, latency_us: {link['latency_us']}}}
 """
-    Path(o.out).write_text(text)
-    print(text)
-    print(f"calibrated in {time.time() - t0:.0f} s -> {o.out}")
+    Path(out).write_text(text)
+    print(f"calibrated in {time.time() - t0:.0f} s -> {out}")
+    return text
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(ROOT / "configs" / "cluster" / "this_machine.yaml"))
+    ap.add_argument("--devices", type=int, default=8, help="processes the search may use")
+    o = ap.parse_args()
+    print(calibrate(o.out, o.devices))
 
 
 if __name__ == "__main__":

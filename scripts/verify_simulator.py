@@ -10,8 +10,9 @@
    busy threads get are measured (``capacity``: other jobs share the machine),
    and the CPU time a fixed probe step takes with 1-8 of our processes at once
    relative to the calibration's quiet value (``contention``).
-2. **Predicted**: the simulator (``sbp_core.search``) on
-   ``configs/cluster/this_machine.yaml`` (``scripts/calibrate_machine.py``)
+2. **Predicted**: the simulator (``sbp_core.search``) on this machine's
+   cluster file, calibrated first by ``scripts/calibrate_machine.py`` (into a
+   scratch file; ``--cluster`` gives one instead)
    with the capacity and contention measured in step 1 (medians) — rehearsed
    stages, per-op CPU seconds measured here, the task graph of the runtime's
    actors, processor sharing of the cores. No step time of step 1 enters a
@@ -36,6 +37,7 @@ import os
 import random
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -96,12 +98,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--budget", type=int, default=60, help="search proposals")
     ap.add_argument("--changes", type=int, default=20, help="per-op changes timed for delta vs full")
-    ap.add_argument("--cluster", default="this_machine")
+    ap.add_argument("--cluster", default=None, help="a measured cluster file (default: calibrate this machine now)")
     o = ap.parse_args()
     t_start = time.time()
     print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())} ({os.cpu_count()} cores)")
 
-    from calibrate_machine import op_cost_path
+    from calibrate_machine import calibrate, op_cost_path
     from layout_timing import LayoutTimer
     from recipes.registry import get
     from recipes.zero import apply_zero
@@ -113,6 +115,10 @@ def main() -> None:
     from toolkit.autoparallel.search_model import RecipeSearchModel
     from toolkit.config import compose
 
+    if o.cluster is None:  # the machine as it is now (scripts/calibrate_machine.py, into a scratch file)
+        o.cluster = os.path.join(tempfile.mkdtemp(), "this_machine.yaml")
+        print("calibrating this machine (scripts/calibrate_machine.py)")
+        calibrate(o.cluster)
     overrides = ["model=gpt2-tiny"]
     cfg = compose(overrides, run_dir="/tmp/verify_simulator")
     recipe = get(cfg.recipe.name)
