@@ -119,8 +119,13 @@ class LayoutTimer:
         return out
 
     def capacity(self) -> tuple:
-        """The median over rounds of the cores our busy threads got, per thread count."""
-        return _median_curve(self.capacities)
+        """The median over rounds of the cores our busy threads got, per thread count (made non-decreasing:
+        more busy threads never get fewer cores, so a dip is a probe that other load hit)."""
+        out, best = [], 0.0
+        for n, c in _median_curve(self.capacities):
+            best = max(best, c)
+            out.append((n, best))
+        return tuple(out)
 
     def contention(self) -> tuple:
         """The median over rounds of the CPU time per unit of work (vs the calibration's), per busy processes."""
