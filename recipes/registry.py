@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import importlib
 
-RECIPES = ("gpt2",)
+RECIPES = ("gpt2", "insightface")
 
 
 def get(name: str):

@@ -46,6 +46,8 @@ def to_device(batch, device):
 
     def move(x):
         if isinstance(x, torch.Tensor):
+            if x.device == device:  # decoded on the device already (e.g. by DALI)
+                return x
             return x.pin_memory().to(device, non_blocking=True)
         if isinstance(x, dict):
             return {k: move(v) for k, v in x.items()}

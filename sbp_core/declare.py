@@ -69,12 +69,16 @@ def _validate(metas: dict, placement: Placement, sbp: tuple) -> tuple:
     return gshape, getattr(torch, dtype0.replace("torch.", ""))
 
 
-def to_global(local, placement=None, sbp=None) -> GlobalTensor:
+def to_global(local, placement=None, sbp=None, shape=None) -> GlobalTensor:
     """A global tensor from this rank's shard ``local`` laid out as ``sbp`` on ``placement``.
 
     Called on every rank; ranks outside ``placement`` pass ``None``. A
     ``GlobalTensor`` argument is boxed instead (``x.to_global``). Differentiable:
     the local leaf gets its gradient in the declared layout.
+
+    ``shape``: the global shape, when every rank already knows it. Then
+    nothing is exchanged (no collective): each member checks its own shard
+    against it, and ranks outside pass a tensor of the dtype (e.g. empty).
     """
     if isinstance(local, GlobalTensor):
         return local.to_global(placement, sbp)
@@ -86,6 +90,8 @@ def to_global(local, placement=None, sbp=None) -> GlobalTensor:
     member = me in placement
     if member and not isinstance(local, torch.Tensor):
         raise TypeError(f"rank {me} is in {placement} and must pass its shard as a tensor, got {local!r}")
+    if shape is not None:
+        return _declared(local, placement, sbp, torch.Size(shape), member)
     meta = (tuple(local.shape), str(local.dtype), local.device.type, local.requires_grad) if member else None
     gathered = collectives.all_gather_object(meta, list(range(world_size())))
     metas = {r: m for r, m in enumerate(gathered) if r in placement}
@@ -96,6 +102,23 @@ def to_global(local, placement=None, sbp=None) -> GlobalTensor:
         grad = any(m[3] for m in metas.values())
         local = torch.empty(0, dtype=dtype, device=placement.device(), requires_grad=grad)
     return FromLocal.apply(local, Layout(placement, sbp, shape, dtype))
+
+
+def _declared(local, placement, sbp, shape, member: bool) -> GlobalTensor:
+    """``to_global`` with a known global shape: a local check instead of an exchange."""
+    from .boxing.autograd import FromLocal
+
+    if not isinstance(local, torch.Tensor):
+        raise TypeError(f"to_global(shape=...) needs a tensor on every rank (its dtype), got {local!r}")
+    check_split_axes(sbp, len(shape))
+    if member:
+        want = local_shape(shape, placement.shape, sbp, placement.coords(world_rank()))
+        if tuple(local.shape) != tuple(want):
+            raise ValueError(f"rank {world_rank()}'s shard has shape {list(local.shape)} but sbp {format_sbp(sbp)} "
+                             f"of a global {list(shape)} tensor gives it {list(want)}")
+    else:
+        local = torch.empty(0, dtype=local.dtype, device=placement.device(), requires_grad=local.requires_grad)
+    return FromLocal.apply(local, Layout(placement, sbp, shape, local.dtype))
 
 
 def distribute(full: torch.Tensor, placement, sbp, requires_grad: bool = False) -> GlobalTensor:

@@ -7,7 +7,8 @@ N-d SBP:
   first matching pattern wins; unmatched ones are ``B`` on every axis;
 - ``"<module pattern>:input"`` / ``":output"``: the module's first tensor
   input / its tensor output is boxed to that layout (a forward hook calling
-  ``to_global``, differentiable). This is how a plan pins activation
+  ``to_global``, differentiable); ``":inputs"``: every positional global
+  tensor input (e.g. a class-split loss head's embeddings and labels). This is how a plan pins activation
   layouts — Megatron's ``B`` before a column-parallel linear, or sequence
   parallel's ``S(1)`` around LayerNorm — without touching the model code.
 
@@ -88,8 +89,8 @@ def distribute_module(module: nn.Module, placement, plan: dict | None = None) ->
     for pattern in plan:
         target, _, where = pattern.partition(":")
         pool = module_names if where else names
-        if where not in ("", "input", "output"):
-            raise ValueError(f"plan key {pattern!r}: after ':' use 'input' or 'output'")
+        if where not in ("", "input", "inputs", "output"):
+            raise ValueError(f"plan key {pattern!r}: after ':' use 'input', 'inputs' or 'output'")
         if not any(fnmatch.fnmatchcase(n, target) for n in pool):
             kind = "module" if where else "parameter or buffer"
             raise ValueError(f"plan key {pattern!r} matches no {kind} of {type(module).__name__}; "
@@ -114,7 +115,7 @@ def distribute_module(module: nn.Module, placement, plan: dict | None = None) ->
                 continue
             sbp = _on_mesh(nd_sbp(_match(plan, prefix + bname) or broadcast, placement.ndim), placement)
             mod._buffers[bname] = distribute(buf, placement, sbp)
-        for where in ("input", "output"):
+        for where in ("input", "inputs", "output"):
             for pattern, sbp in plan.items():
                 if pattern.endswith(":" + where) and fnmatch.fnmatchcase(mod_name, pattern.rsplit(":", 1)[0]):
                     _pin(mod, where, _on_mesh(nd_sbp(sbp, placement.ndim), placement))
@@ -129,6 +130,8 @@ def _pin(mod: nn.Module, where: str, sbp: tuple) -> None:
 
     if where == "input":
         mod.register_forward_pre_hook(lambda m, args: (box(args[0]),) + tuple(args[1:]) if args else args)
+    elif where == "inputs":
+        mod.register_forward_pre_hook(lambda m, args: tuple(box(a) for a in args))
     else:
         mod.register_forward_hook(lambda m, args, out: box(out) if isinstance(out, torch.Tensor) else out)
 

@@ -74,7 +74,7 @@ class Job:
         if init and recipe.init_weights(model, init, cfg):
             init = None  # a foreign format, read into the full model
         names = tuple({n for n, _ in model.named_parameters(remove_duplicate=False)}
-                      | {n for n, _ in model.named_modules()})
+                      | {n for n, _ in model.named_buffers()} | {n for n, _ in model.named_modules()})
         self.n_params = sum(p.numel() for p in model.parameters())
         self.module = model
         if recipe.pipeline is not None:

@@ -28,6 +28,12 @@ batch norm's statistics.
 - ``max_pool2d_with_indices``, ``avg_pool2d``, ``_adaptive_avg_pool2d`` and
   backwards: ``S`` on a batch or channel dim -> same; ``B`` -> ``B``; the
   linear ones (average pools, every backward in its gradient) ``P`` -> ``P``.
+- ``_prelu_kernel(x, w)`` (``F.prelu``, ``w`` reshaped to broadcast over the
+  channel dim): element-wise (``S(d)`` with ``w`` ``S`` or ``B`` as it
+  broadcasts; ``B``). ``_prelu_kernel_backward(g, x, w)`` -> ``(dx, dw)``,
+  both of ``x``'s shape (autograd then sums ``dw`` to ``w``'s shape): the same
+  element-wise signatures for both outputs; ``g`` ``P`` -> ``(P, P)`` (linear in
+  the gradient).
 - ``_embedding_bag`` (Wide&Deep; ids and offsets ``B``; splitting the bags
   is not offered, a split would cut bags): ``w`` ``S(1)`` -> ``S(1)`` (any
   mode); ``w`` ``S(0)`` (vocab rows) -> ``P`` for mode sum: each rank sums
@@ -45,6 +51,7 @@ from .common import B, P
 from .loss import _row_stat
 from .nn import _rows
 from .per_axis import axis_of
+from .pointwise import pointwise
 from .registry import Call, Sig, register
 
 aten = torch.ops.aten
@@ -308,3 +315,17 @@ def _psw_backward_local(func, args, kwargs, ctx):
 def embedding_bag_psw_backward(call):
     # (grad, weight, indices, offsets, offset2bag): dot products over D, or over this rank's rows.
     return [Sig((S1, S1, B, B, B), (P,)), Sig((B, S0, B, B, B), (P,)), Sig((B,) * 5, (B,))]
+
+
+# -- PReLU ---------------------------------------------------------------------------------
+
+
+register(aten._prelu_kernel.default)(pointwise)
+
+
+@register(aten._prelu_kernel_backward.default)
+def _prelu_backward(call):
+    sigs = [Sig(s.inputs, s.outputs * 2) for s in pointwise(call)]
+    if call.partial_here(0):
+        sigs.append(Sig((P, B, B), (P, P)))
+    return sigs

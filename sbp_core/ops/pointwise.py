@@ -10,6 +10,9 @@ On each mesh axis:
   ``P + P``, ``P - P``, ``P * B``, ``B * P``, ``P / B``, ``-P``, ``lerp(P, P)``,
   ``where(B, P, P)``, casts and copies. An op with a plain number added to
   a partial value is not linear that way and gets no ``P`` signature.
+- ``masked_fill(x, mask, value)`` (and in place; untagged in aten, reached by
+  norm backwards): element-wise with ``mask`` broadcast; ``(P, B) -> P`` when
+  ``value`` is 0.
 """
 from __future__ import annotations
 
@@ -71,3 +74,11 @@ def pointwise(call) -> list:
 register_tag(torch.Tag.pointwise, pointwise)
 register(aten.clone.default, aten.alias.default, aten.detach.default, aten._to_copy.default,
          aten.where.ScalarSelf, aten.where.ScalarOther)(pointwise)
+
+
+@register(aten.masked_fill.Scalar, aten.masked_fill_.Scalar)
+def _masked_fill(call):
+    sigs = pointwise(call)
+    if call.partial_here(0) and not call.partial_here(1) and call.arg(2, "value") == 0:
+        sigs.append(Sig((P, B), (P,)))
+    return sigs

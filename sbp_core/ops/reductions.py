@@ -6,6 +6,13 @@
   of uneven size stay exact.
 - ``amax``/``amin``: a reduced split dim -> ``P(max)``/``P(min)``; partial
   max stays partial max.
+- vector norms (``norm.ScalarOpt_dim``, what ``F.normalize`` reaches, and
+  ``linalg_vector_norm``): ``S(d)`` on a kept dim -> ``S`` on its new index;
+  ``B -> B`` (a partial input is boxed first: a norm is not linear). Over a
+  split reduced dim the norm is *decomposed* into ``|x|^p`` summed to
+  ``P(sum)`` then the ``1/p`` power (which boxes the partial sum: one
+  reduction of the output's size); ``p = inf`` into ``|x|`` reduced by ``amax``. Their
+  backward is autograd's element-wise formula.
 """
 from __future__ import annotations
 
@@ -70,3 +77,43 @@ def _mean_local(func, args, kwargs, ctx):
 
 
 register(aten.mean.default, aten.mean.dim, local=_mean_local)(_rule(P))
+
+
+# -- vector norms ------------------------------------------------------------------------
+
+
+def _norm_args(call) -> tuple:
+    """``(p, reduced dims, keepdim)`` of ``norm.ScalarOpt_dim(x, p, dim, keepdim)`` / ``linalg_vector_norm(x, ord, dim, keepdim)``."""
+    p = call.arg(1, "ord" if call.func is aten.linalg_vector_norm.default else "p", 2)
+    dims = _reduced_dims(Call(call.func, (None, call.arg(2, "dim", None)), {}, []), call.metas[0].ndim)
+    return (2 if p is None else p), dims, bool(call.arg(3, "keepdim", False))
+
+
+def _norm_rule(call):
+    m = call.metas[0]
+    _, dims, keep = _norm_args(call)
+    sigs = [Sig((B,), (B,))]
+    for d in range(m.ndim):
+        if d not in dims:
+            sigs.append(Sig((Split(d),), (Split(d if keep else d - sum(1 for r in dims if r < d)),)))
+    return sigs
+
+
+def _norm_over_split(call) -> bool:
+    _, dims, _ = _norm_args(call)
+    return any(s.is_split and s.axis in dims for s in call.sbps[0])
+
+
+def _vector_norm(x, p=2, dim=None, keepdim=False, dtype=None):
+    p = 2.0 if p is None else float(p)
+    dims = list(range(x.dim())) if dim is None or (isinstance(dim, (list, tuple)) and not dim) else dim
+    a = x.abs() if dtype is None else x.abs().to(dtype)
+    if p == math.inf:
+        return a.amax(dims, keepdim)
+    if p <= 0:
+        raise NotImplementedError(f"a norm of order {p} over a split dim has no decomposition; use p > 0 or inf")
+    return a.pow(p).sum(dims, keepdim=keepdim).pow(1.0 / p)
+
+
+register(aten.norm.ScalarOpt_dim, aten.linalg_vector_norm.default, decompose=_vector_norm,
+         decompose_when=_norm_over_split)(_norm_rule)

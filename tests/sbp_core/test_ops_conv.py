@@ -1,4 +1,4 @@
-"""Convolution, batch norm, pooling and embedding-bag rules reproduce single-device torch.
+"""Convolution, batch norm, pooling, PReLU and embedding-bag rules reproduce single-device torch.
 
 Values and input gradients to 1e-5 on 2 and 3 ranks (uneven) and a 2x2 mesh;
 batch norm's running statistics are compared too (SyncBatchNorm semantics).
@@ -141,6 +141,30 @@ def test_pooling():
         (adaptive_pool, [x], [(S1, S0)], M22, [(S1, S0)]),
         (global_pool, [x], [S1], R3, [S1]),
         (avg_pool_of_partial, [x, rnd(4, 3, 3, 3)], [S1, S1], R3, [P]),
+    ])
+
+
+# -- PReLU ------------------------------------------------------------------------
+
+
+def prelu(x, w):
+    return F.prelu(x, w)
+
+
+def prelu_then_column_parallel(x, w, m):
+    # prelu's output gradient comes back P from the mm with a column-split m.
+    return F.prelu(x, w).flatten(1) @ m
+
+
+def test_prelu():
+    x, w = rnd(5, 4, 3, 3), rnd(4).abs() * 0.25
+    run([
+        (prelu, [x, w], [S0, B], R3, [S0]),
+        (prelu, [x, w], [S1, S0], R2, [S1]),
+        (prelu, [x, w], [S2, B], R3, [S2]),
+        (prelu, [x, w], [B, B], R2, [B]),
+        (prelu, [x, w], [(S0, S1), (B, S0)], M22, [(S0, S1)]),
+        (prelu_then_column_parallel, [x, w, rnd(36, 6)], [B, B, S1], R3, [S1]),
     ])
 
 

@@ -1,0 +1,1 @@
+"""InsightFace's data: MXNet RecordIO face records, image folders, synthetic identities, verification pairs."""

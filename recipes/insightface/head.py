@@ -1,0 +1,92 @@
+"""The margin-softmax classification head over class centres, plain torch plus Partial FC's sampling.
+
+``MarginSoftmaxHead(num_classes, embedding_size, margin, sample_rate)(emb, labels)``
+is the mean cross-entropy of ``margin(cos(emb_i, w_c))`` over the classes
+(``margin``: ``margin.CombinedMargin``, scale included):
+
+- ``weight`` ``[C, E]`` holds the class centres (``N(0, 0.01)`` like
+  InsightFace); ``class_ids`` (a buffer, ``arange(C)``) is laid out like its
+  rows, so the target mask ``labels[:, None] == class_ids`` is computed where
+  the logits are, without knowing the layout;
+- cosines ``normalize(emb) @ normalize(weight).T`` clamped to ``[-1, 1]``
+  (at least fp32 under autocast, as PartialFC does); each row's target
+  cosine (a masked row sum) goes through ``margin`` and replaces the target
+  entry; every logit is scaled by ``margin.s``;
+- the loss ``-sum(target mask * log_softmax(logits)) / N``.
+
+Under the recipe's plan (``plan.py``) ``weight`` and ``class_ids`` are
+``S(0)`` over every mesh axis and ``emb``/``labels`` ``B``, so the logits are
+``S(1)``; the target cosines are a ``P(sum)`` ``[N, 1]`` that the plan pins
+``B`` at ``head.margin:input`` (one all-reduce of ``N`` values, and their
+gradient expands back onto the split logits without traffic); log-softmax
+runs as sbp_core's class-split softmax: a row ``max`` (``P(max)``) and a row
+sum of exponentials (``P(sum)``) reduced across shards, ``[N, 1]`` each,
+never the logits.
+
+With ``sample_rate < 1`` in training, each class shard uses only its
+Partial FC sample of centres (``partial_fc.sample``); padding columns (class
+id ``-1``) are masked to ``-inf``. ``sampled_rows()`` hands the optimizer the
+local rows sampled since the last call. The sampling seed is drawn from the
+default generator at construction (so it follows the run seed) and the draw
+counter is a buffer (checkpointed: a resumed run draws what the straight run
+would have).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import partial_fc
+from .margin import CombinedMargin
+
+
+class MarginSoftmaxHead(nn.Module):
+    def __init__(self, num_classes: int, embedding_size: int, margin: CombinedMargin, sample_rate: float = 1.0):
+        super().__init__()
+        if not 0.0 < sample_rate <= 1.0:
+            raise ValueError(f"sample_rate {sample_rate} must be in (0, 1]")
+        self.margin, self.sample_rate = margin, float(sample_rate)
+        self.weight = nn.Parameter(torch.normal(0.0, 0.01, (num_classes, embedding_size)))
+        self.register_buffer("class_ids", torch.arange(num_classes), persistent=False)
+        self.register_buffer("draws", torch.zeros((), dtype=torch.int64))
+        self.seed = int(torch.randint(0, 2 ** 62, ()))
+        self._touched = None  # local row mask of the weight's shard, since the last sampled_rows()
+
+    def forward(self, emb, labels):
+        weight, ids = self.weight, self.class_ids
+        sampling = self.training and self.sample_rate < 1.0 and torch.is_grad_enabled()
+        if sampling:
+            weight, ids, rows = partial_fc.sample(weight, ids, labels, self.sample_rate, self.seed,
+                                                  int(self._local(self.draws)))
+            self.draws.add_(1)
+            self._mark(rows)
+        cos = F.linear(F.normalize(emb), F.normalize(weight))
+        cos = cos.to(torch.promote_types(cos.dtype, torch.float32)).clamp(-1.0, 1.0)
+        target = labels[:, None] == ids[None, :]
+        t = torch.where(target, cos, 0.0).sum(1, keepdim=True)  # each row's target cosine
+        logits = torch.where(target, self.margin(t), cos) * self.margin.s
+        if sampling:
+            logits = torch.where(ids[None, :] >= 0, logits, float("-inf"))
+        logp = F.log_softmax(logits, dim=1)
+        return -torch.where(target, logp, 0.0).sum(1).mean()
+
+    @staticmethod
+    def _local(t):
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    def _mark(self, rows: torch.Tensor) -> None:
+        local = self._local(self.weight)
+        if self._touched is None or self._touched.numel() != local.shape[0]:
+            self._touched = torch.zeros(local.shape[0], dtype=torch.bool, device=local.device)
+        self._touched[rows] = True
+
+    def sampled_rows(self):
+        """Local rows of ``weight`` sampled since the last call (``None``: every row; no sampling)."""
+        if self.sample_rate >= 1.0:
+            return None
+        touched = self._touched
+        self._touched = None
+        if touched is None:
+            return torch.empty(0, dtype=torch.int64)
+        return touched.nonzero().flatten()

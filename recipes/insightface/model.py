@@ -1,0 +1,43 @@
+"""The face-recognition model: a backbone that embeds images and the margin-softmax head, plain torch.
+
+``FaceModel(backbone, head)(images, labels)`` is the training loss;
+``embed(images)`` the embeddings verification compares. ``build(...)`` makes
+one from the recipe's model config values.
+"""
+from __future__ import annotations
+
+from torch import nn
+
+from .head import MarginSoftmaxHead
+from .iresnet import DEPTHS, iresnet
+from .margin import CombinedMargin
+from .mobilefacenet import MobileFaceNet
+
+ARCHS = tuple(DEPTHS) + ("mobilefacenet",)
+
+
+class FaceModel(nn.Module):
+    def __init__(self, backbone: nn.Module, head: MarginSoftmaxHead):
+        super().__init__()
+        self.backbone, self.head = backbone, head
+
+    def embed(self, images):
+        return self.backbone(images)
+
+    def forward(self, images, labels):
+        return self.head(self.backbone(images), labels)
+
+
+def build_backbone(arch: str, width: int, image_size: int, embedding_size: int, dropout: float = 0.0) -> nn.Module:
+    if arch == "mobilefacenet":
+        return MobileFaceNet(width, image_size, embedding_size)
+    if arch in DEPTHS:
+        return iresnet(arch, width=width, image_size=image_size, embedding_size=embedding_size, dropout=dropout)
+    raise ValueError(f"model arch {arch!r} is unknown; valid: {', '.join(ARCHS)}")
+
+
+def build(arch: str, width: int, image_size: int, embedding_size: int, num_classes: int, loss: str = "arcface",
+          s: float = 64.0, margins=None, sample_rate: float = 1.0, dropout: float = 0.0) -> FaceModel:
+    backbone = build_backbone(arch, width, image_size, embedding_size, dropout)
+    head = MarginSoftmaxHead(num_classes, embedding_size, CombinedMargin.named(loss, s, margins), sample_rate)
+    return FaceModel(backbone, head)

@@ -1,0 +1,66 @@
+"""SGD for Partial FC: the class centres update only the rows sampled since the last step.
+
+``PartialFCSGD(params, sampled_rows={weight: head.sampled_rows}, lr=..., momentum=..., weight_decay=...)``
+is ``torch.optim.SGD`` (no dampening, no Nesterov) for every parameter, except
+that for a parameter listed in ``sampled_rows`` whose callable returns local
+row indices, only those rows of its local shard (its global tensor's shard, or
+the whole tensor on one device) take the step: their weight decay, momentum
+buffer and update. Un-sampled rows, and their momentum, stay exactly as they
+were (Partial FC keeps every centre but trains only the sampled ones). A
+callable returning ``None`` means every row (no sampling): plain SGD.
+
+The momentum buffer of a sampled parameter is a tensor of the parameter's
+layout stored under torch's key ``momentum_buffer``, so checkpoints
+(``toolkit.checkpoint.optimizer_state_dict``) and LR schedulers treat it like
+any SGD state. Zero-initialised buffers are equivalent to torch's "first
+step copies the gradient" (dampening 0).
+"""
+from __future__ import annotations
+
+import torch
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class PartialFCSGD(torch.optim.SGD):
+    def __init__(self, params, sampled_rows: dict | None = None, **sgd):
+        sgd.setdefault("foreach", False)
+        if sgd.get("nesterov") or sgd.get("dampening", 0):
+            raise ValueError("PartialFCSGD supports plain momentum only (nesterov=False, dampening=0)")
+        super().__init__(params, **sgd)
+        self.sampled_rows = dict(sampled_rows or {})
+
+    def _group_of(self, p) -> dict:
+        return next(g for g in self.param_groups if any(q is p for q in g["params"]))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        rowwise = []
+        for p, rows_of in self.sampled_rows.items():
+            rows = rows_of()
+            if rows is not None and p.grad is not None:
+                rowwise.append((p, p.grad, rows))
+                p.grad = None  # torch's SGD skips parameters without a gradient
+        loss = super().step(closure)
+        for p, grad, rows in rowwise:
+            p.grad = grad
+            self._rows_step(p, grad, rows)
+        return loss
+
+    def _rows_step(self, p, grad, rows: torch.Tensor) -> None:
+        group = self._group_of(p)
+        lr, momentum, decay = group["lr"], group["momentum"], group["weight_decay"]
+        w = _local(p)
+        d = _local(grad)[rows]
+        if decay:
+            d = d + decay * w[rows]
+        if momentum:
+            state = self.state[p]
+            if state.get("momentum_buffer") is None:
+                state["momentum_buffer"] = torch.zeros_like(p)
+            buf = _local(state["momentum_buffer"])
+            d = buf[rows].mul_(momentum).add_(d)
+            buf[rows] = d
+        w[rows] = w[rows] - lr * d

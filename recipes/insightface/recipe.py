@@ -1,0 +1,156 @@
+"""The InsightFace recipe: face recognition with a class-split margin-softmax FC, for ``toolkit.trainer``.
+
+Batch fields ``image`` (``float32 [3, S, S]``, read by the model) and
+``label`` (``int64``, read by the loss), both ``S(0)`` over every rank of the
+``(dp, tp)`` mesh (``plan.py``); the model is not split into pipeline stages
+(``pp > 1`` is refused before spawn). Data: ``data.source`` synthetic
+(default), rec or image_folder, decoded on the runtime's data queue.
+Evaluation every ``trainer.eval_every`` steps: verification accuracy and
+TAR@FAR=1e-3 on the pairs ``.bin`` (embeddings of each image plus its
+mirror image, as InsightFace evaluates). Optimizer: SGD whose class centres
+update only Partial FC's sampled rows (``optim.PartialFCSGD``), or the
+trainer's default when ``trainer.optimizer`` is not ``sgd``.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+import sbp_core as sc
+from toolkit.data import MicroBatches
+from toolkit.data.sampler import GlobalBatchSampler
+from toolkit.optim import param_groups
+from toolkit.recipe import Recipe
+
+from . import config
+from .data import dali, synthetic
+from .data.face_records import FaceRecords
+from .data.image_folder import ImageFolder
+from .data.images import ImageSource, normalize
+from .data.pairs import read_pairs
+from .data.verification import verification_metrics
+from .model import FaceModel, build, build_backbone
+from .optim import PartialFCSGD
+from .plan import DATA_SBP, mesh_plan
+
+
+@dataclass
+class Prepared:
+    """What ``prepare`` found: the training source, and the verification pairs (or ``None``)."""
+
+    source: ImageSource
+    pairs: tuple | None  # (uint8 [2P, 3, S, S] images, bool [P] issame)
+    root: str
+
+
+class InsightFaceRecipe(Recipe):
+    name = "insightface"
+    model_schema = config.ModelConfig
+    data_schema = config.DataConfig
+    data_sbp = DATA_SBP
+    inputs = ("image",)
+    labels = ("label",)
+    pipeline = None
+    throughput_unit = "images"
+
+    def check(self, cfg, layout) -> list:
+        return super().check(cfg, layout) + config.problems(cfg, layout)
+
+    def build_model(self, model_cfg) -> FaceModel:
+        h = model_cfg.head
+        return build(str(model_cfg.arch), int(model_cfg.width), int(model_cfg.image_size), int(h.embedding_size),
+                     int(model_cfg.num_classes), str(h.loss), float(h.s), config.head_margins(h),
+                     float(h.sample_rate),
+                     float(model_cfg.dropout))
+
+    def mesh_plan(self, cfg) -> dict:
+        return mesh_plan(cfg)
+
+    def stage_forward(self, module, x, labels=None):
+        return module(x["image"], labels["label"])
+
+    def build_optimizer(self, module, trainer_cfg):
+        if str(trainer_cfg.optimizer) != "sgd":
+            return super().build_optimizer(module, trainer_cfg)
+        head = module.head
+        return PartialFCSGD(param_groups(module, float(trainer_cfg.weight_decay)), {head.weight: head.sampled_rows},
+                            lr=float(trainer_cfg.lr), momentum=float(trainer_cfg.momentum))
+
+    # -- data ----------------------------------------------------------------------------------
+
+    def batch_fields(self, cfg) -> dict:
+        s = int(cfg.data.image_size)
+        return {"image": ((3, s, s), torch.float32), "label": ((), torch.int64)}
+
+    def prepare(self, cfg) -> Prepared:
+        d, m = cfg.data, cfg.model
+        s, pairs = int(d.image_size), d.val_pairs
+        if d.source == "synthetic":
+            y = d.synthetic
+            spec = synthetic.SyntheticSpec(int(m.num_classes), int(y.images_per_identity), s, int(y.val_identities),
+                                           int(y.val_pairs), int(y.blobs), float(y.jitter), float(y.noise),
+                                           int(y.seed))
+            root = synthetic.ensure(spec, str(d.cache_dir))
+            source = FaceRecords(root, s, bool(d.flip))
+            pairs = pairs or os.path.join(root, "val.bin")
+        else:
+            root = os.path.expanduser(str(d.path))
+            source = (FaceRecords if d.source == "rec" else ImageFolder)(root, s, bool(d.flip))
+        if d.decoder == "dali" or (d.decoder == "auto" and dali.available()):
+            source.gpu_decoder = partial(dali.decode, device=torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))))
+        loaded = read_pairs(os.path.expanduser(str(pairs)), s) if pairs and cfg.trainer.eval_every else None
+        return Prepared(source, loaded, root)
+
+    def data(self, cfg, prepared, split: str, shard: int, n_shards: int, layout):
+        if split != "train":
+            return None  # evaluation is verification on pairs (evaluate), not a validation loss
+        source = prepared.source
+        sampler = GlobalBatchSampler(len(source), layout.global_batch_size, int(cfg.trainer.seed))
+        return MicroBatches(source, sampler, layout.accumulation, n_shards, shard)
+
+    # -- evaluation and accounting -------------------------------------------------------------
+
+    def evaluate(self, job) -> dict | None:
+        """Verification accuracy and TAR@FAR=1e-3 on the pairs, every rank embedding its share of them."""
+        if job.data.pairs is None:
+            return None
+        images, issame = job.data.pairs
+        module, placement = job.module, job.placements[job.stage]
+        was_training = module.training
+        module.eval()
+        try:
+            with torch.no_grad():
+                out = []
+                for chunk in images.split(int(job.cfg.data.eval_batch_size)):
+                    x = normalize(chunk)
+                    e = module.embed(sc.distribute(x, placement, DATA_SBP))
+                    e = e + module.embed(sc.distribute(x.flip(-1), placement, DATA_SBP))
+                    out.append(e.full_tensor().float().cpu())
+        finally:
+            module.train(was_training)
+        emb = torch.cat(out)
+        return verification_metrics(emb[0::2], emb[1::2], issame)
+
+    def items_per_sample(self, cfg) -> int:
+        return 1
+
+    def flops_per_item(self, cfg, n_params: int) -> float:
+        """Training FLOPs per image: 3x the forward's (backbone, counted by torch on meta tensors, plus the FC)."""
+        from torch.utils.flop_counter import FlopCounterMode
+
+        m, s = cfg.model, int(cfg.model.image_size)
+        with torch.device("meta"):
+            backbone = build_backbone(str(m.arch), int(m.width), s, int(m.head.embedding_size)).eval()
+            with FlopCounterMode(display=False) as counter:
+                backbone(torch.empty(1, 3, s, s))
+        fc = 2 * int(m.head.embedding_size) * int(m.num_classes) * float(m.head.sample_rate)
+        return 3.0 * (counter.get_total_flops() + fc)
+
+    def extra_state(self, cfg) -> dict:
+        return {"num_classes": int(cfg.model.num_classes), "embedding_size": int(cfg.model.head.embedding_size)}
+
+
+RECIPE = InsightFaceRecipe()
