@@ -115,15 +115,14 @@ def _host_run(conf, rows: int, costs) -> tuple:
     from recipes.gpt2.plan import mesh_plan
     from sbp_core.search.rehearsal import Rehearsal
     from sbp_core.search.stage_trace import global_input
-    from toolkit.mesh import plan_for_module
+    from toolkit.mesh import model_names, plan_for_module
 
     seq, vocab = conf.n_positions, conf.vocab_size
 
     def build(placement):
         torch.manual_seed(0)
         m = GPT2LMHeadModel(conf)
-        names = tuple({n for n, _ in m.named_parameters(remove_duplicate=False)} | {n for n, _ in m.named_modules()})
-        m = sc.distribute_module(m, placement, plan_for_module(m, mesh_plan(), names))
+        m = sc.distribute_module(m, placement, plan_for_module(m, mesh_plan(), model_names(m)))
         return m, torch.optim.AdamW(m.parameters(), lr=1e-4)
 
     def step(model, opt, ids):

@@ -24,6 +24,12 @@ def stage_placements(dp: int, tp: int, pp: int, device_type: str = "cpu") -> lis
     return [sc.placement(device_type, ranks) for ranks in stage_ranks(dp, tp, pp)]
 
 
+def model_names(model) -> tuple:
+    """Every parameter (tied ones under each name), buffer and module name of ``model`` (``plan_for_module``'s ``full_names``)."""
+    return tuple({n for n, _ in model.named_parameters(remove_duplicate=False)}
+                 | {n for n, _ in model.named_buffers()} | {n for n, _ in model.named_modules()})
+
+
 def plan_for_module(module, plan: dict, full_names: tuple) -> dict:
     """The entries of ``plan`` that match something in ``module`` (a pipeline stage of a model).
 

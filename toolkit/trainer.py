@@ -37,7 +37,7 @@ import sbp_core as sc
 from runtime.pipeline import PipelineConfig, PipelineStep
 from toolkit import flops, run_state
 from toolkit.config import typed, validate
-from toolkit.mesh import plan_for_module, stage_placements, with_overrides
+from toolkit.mesh import model_names, plan_for_module, stage_placements, with_overrides
 from toolkit.metrics import MetricsLogger
 from toolkit.optim import build_scheduler, lr_at
 from toolkit.recipe import data_shard, recipe_batch
@@ -73,8 +73,7 @@ class Job:
         init = str(tr.init_from) if tr.init_from else None
         if init and recipe.init_weights(model, init, cfg):
             init = None  # a foreign format, read into the full model
-        names = tuple({n for n, _ in model.named_parameters(remove_duplicate=False)}
-                      | {n for n, _ in model.named_buffers()} | {n for n, _ in model.named_modules()})
+        names = model_names(model)
         self.n_params = sum(p.numel() for p in model.parameters())
         self.module = model
         if recipe.pipeline is not None:

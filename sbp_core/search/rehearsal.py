@@ -35,7 +35,7 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensor, FakeTensorMode
 from torch.utils._pytree import tree_leaves
 
 from .. import ledger as _ledger
@@ -128,7 +128,12 @@ def _op_name(func) -> str:
 
 
 class _Recorder(FakeTensorMode):
-    """``FakeTensorMode`` that reports every call to its rehearsal."""
+    """``FakeTensorMode`` that reports every call to its rehearsal (if any).
+
+    Reading a value out of a fake tensor that has none (not made from a
+    constant) gives 0 (``False``): a rehearsal only needs shapes, and
+    data-dependent control flow takes the zero branch.
+    """
 
     def __init__(self, rehearsal):
         super().__init__(allow_non_fake_inputs=True)
@@ -137,8 +142,13 @@ class _Recorder(FakeTensorMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.ops.aten._local_scalar_dense.default and isinstance(args[0], FakeTensor):
+            try:  # a fake tensor made from a constant (e.g. the optimizer's step count) still knows it
+                return super().__torch_dispatch__(func, types, args, kwargs)
+            except DataDependentOutputException:  # ``int(torch.randint(...))`` for a seed: no value; say 0
+                return False if args[0].dtype == torch.bool else 0
         r = self.rehearsal
-        if r.current is None or self._depth:  # outside phases, or the mode's own decompositions of a call
+        if r is None or r.current is None or self._depth:  # outside phases, or the mode's own decompositions
             return super().__torch_dispatch__(func, types, args, kwargs)
         leaves = tree_leaves((args, kwargs))
         if any(isinstance(a, GlobalTensor) for a in leaves):
@@ -167,6 +177,11 @@ class _Recorder(FakeTensorMode):
 # Decisions made in fake worlds, where this process is always rank 0: valid across rehearsals, never
 # for a real world (which ``dispatch`` keeps in its own cache).
 _FAKE_DECISIONS: dict = {}
+
+
+def fake_tensors() -> FakeTensorMode:
+    """A mode in which tensors are fake (shapes only), as in a rehearsal: e.g. to build a big model cheaply."""
+    return _Recorder(None)
 
 
 class Rehearsal:

@@ -48,3 +48,30 @@ def test_choices_and_validity(models):
     s = model.apply_choice(Strategy(dp=1, tp=2, micro_batch_size=2), fc, 1)
     assert dict(s.ops) and not model.problems(s)
     assert model.problems(Strategy(dp=1, tp=3, micro_batch_size=2))  # 2 heads do not split over 3
+
+
+def test_insightface_is_traced_and_priced():
+    """A vision recipe with no pipeline: the batch split over the whole mesh, a class-split FC head."""
+    from recipes.registry import get
+    from sbp_core.search.cluster import cluster_from_dict
+    from sbp_core.search.evaluate import Evaluator
+    from sbp_core.search.opcost import RooflineOpCosts
+    from toolkit.autoparallel.search_model import RecipeSearchModel
+    from toolkit.config import compose
+
+    cfg = compose(["recipe=insightface", "trainer.global_batch_size=16", "trainer.micro_batch_size=4"],
+                  run_dir="/tmp/autoparallel-insightface")
+    model = RecipeSearchModel(get("insightface"), cfg)
+    assert [c.name for c in model.choices] == ["head"]
+    assert model.micro_batches(Strategy(dp=2, tp=2, micro_batch_size=4)) == 1  # 4 data shards
+    assert model.problems(Strategy(dp=1, tp=1, pp=2, micro_batch_size=4))  # no pipeline split
+    cluster = cluster_from_dict({"name": "toy", "nodes": 1, "devices_per_node": 4,
+                                 "device": {"memory_gib": 1, "peak_tflops": {"float32": 1.0},
+                                            "memory_bandwidth_gbs": 10},
+                                 "links": {"intra_node": {"bandwidth_gbs": 1, "latency_us": 10}}})
+    ev = Evaluator(model, cluster, RooflineOpCosts(cluster.peak_flops, cluster.mem_bandwidth))
+    one, four = ev.predict(Strategy(micro_batch_size=4)), ev.predict(Strategy(dp=2, tp=2, micro_batch_size=4))
+    head = [g for g in four.traces[0].phases["F"].global_ops if g.module == "head" and g.op == "aten.mm.default"]
+    assert head and head[0].outputs[0][1].is_split  # logits split over the classes on the tp axis
+    assert four.traces[0].phases["reduce"].collectives and not one.traces[0].phases["reduce"].collectives
+    assert four.step_seconds < one.step_seconds

@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from sbp_core.search.rehearsal import GlobalOp, PhaseTrace
+from sbp_core.search.rehearsal import GlobalOp, PhaseTrace, fake_tensors
 from sbp_core.search.stage_trace import StageTrace, trace_stage
 from sbp_core.search.strategy import Strategy, parse_sbp
 from toolkit.config import ConfigError, typed, validate
@@ -82,7 +82,7 @@ class RecipeSearchModel:
         self.n_layer = recipe.n_layers(cfg.model) if recipe.pipeline is not None else 0
         self.direct_blocks = direct_blocks
         self.per_layer = self.n_layer <= 8 if per_layer is None else per_layer
-        with torch.device("meta"):
+        with fake_tensors():  # shapes only, however big the model
             model = recipe.build_model(cfg.model)
         self.shapes = {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
         self.tied = [tuple(t) for t in recipe.tied]

@@ -21,7 +21,7 @@ import sbp_core as sc
 from sbp_core.search.stage_trace import StageSpec, global_input
 from sbp_core.search.strategy import Strategy
 from toolkit.config import typed
-from toolkit.mesh import plan_for_module, with_overrides
+from toolkit.mesh import model_names, plan_for_module, with_overrides
 from toolkit.recipe import data_shard, recipe_batch
 from toolkit.stages import keep_layers, stage_ranges
 from toolkit.trainer import autocast_forward
@@ -57,8 +57,7 @@ def stage_spec(recipe, cfg, strategy: Strategy, stage: int, layers=None, zero=No
     def build(placement):
         torch.manual_seed(int(cfg.trainer.seed))
         model = recipe.build_model(cfg.model)
-        names = tuple({n for n, _ in model.named_parameters(remove_duplicate=False)}
-                      | {n for n, _ in model.named_modules()})
+        names = model_names(model)
         module = model if recipe.pipeline is None else keep_layers(model, recipe.pipeline, layers, first, last)
         if cfg.trainer.activation_checkpointing:
             recipe.checkpoint_layers(module)
