@@ -63,7 +63,8 @@ devices_per_node: 2
 device: {memory_gib: 1, peak_tflops: {float32: 1.0}, memory_bandwidth_gbs: 10}
 links: {intra_node: {bandwidth_gbs: 1, latency_us: 10}}
 """)
-    cfg = compose([*TINY, "parallel=auto", f"parallel.search.cluster={cluster}", "parallel.search.budget=4",
+    cfg = compose([*TINY, "model.n_layer=2", "parallel=auto", f"parallel.search.cluster={cluster}",
+                   "parallel.search.budget=2",
                    f"parallel.search.cache_dir={tmp_path}/plans", f"data.cache_dir={sbp_cache}"],
                   run_dir=str(tmp_path / "run"))
     recipe = get(cfg.recipe.name)
