@@ -73,7 +73,7 @@ def _plan_cost(src, dst, placement, shape, dtype) -> float:
     if src == dst:
         return 0.0
     try:
-        return plan(src, dst, placement.shape, tuple(shape), torch.empty((), dtype=dtype).element_size())[1]
+        return plan(src, dst, placement.shape, tuple(shape), dtype.itemsize)[1]
     except ValueError:
         return math.inf
 
@@ -101,6 +101,26 @@ def _meta_args(flat, spec, gpos):
     if isinstance(mkwargs.get("device"), torch.device):  # e.g. autocast's _to_copy(..., device=cpu)
         mkwargs = {**mkwargs, "device": torch.device("meta")}
     return margs, mkwargs
+
+
+def _natural_outputs(entry, call, actual) -> "tuple | None":
+    """Output SBPs the rule gives, on the one-device axis ``call.axis``, for the inputs as they are.
+
+    There every SBP is the whole tensor, so these are only labels, and the op
+    runs its plain signature; but they keep what the layout says on that axis
+    (``S(0)`` data stays ``S(0)`` on a dp axis of one device), which a
+    rehearsal's logical graph reports and extrapolates to more devices.
+    """
+    seen, call.sbps = call.sbps, actual
+    try:
+        for g in entry.rule(call):
+            if all(i is None or i == a[call.axis] for i, a in zip(g.inputs, actual)):
+                return g.outputs
+    except Exception:  # noqa: BLE001 - a rule refusing these labels: the plain signature's B
+        return None
+    finally:
+        call.sbps = seen
+    return None
 
 
 def _choose(func, flat, spec, gpos, placement) -> Decision:
@@ -144,7 +164,8 @@ def _choose(func, flat, spec, gpos, placement) -> Decision:
         if n == 1:
             plain = [Sig((None,) * len(g.inputs), g.outputs) for g in sigs
                      if all(i is None or i.is_broadcast for i in g.inputs) and all(o.is_broadcast for o in g.outputs)]
-            sigs = plain[:1] or sigs
+            if plain:
+                sigs = [Sig(plain[0].inputs, _natural_outputs(entry, call, actual) or plain[0].outputs)]
         per_axis.append(sigs)
     best = None
     for sigs in itertools.product(*per_axis):

@@ -51,6 +51,17 @@ class _Nested(Exception):
     """An argument nests tensors (e.g. ``cat``'s list): take the pytree path."""
 
 
+@contextlib.contextmanager
+def decisions(cache: dict):
+    """Inside, signature decisions are cached in ``cache`` (e.g. a rehearsal's fake worlds keep theirs apart)."""
+    global _cache
+    saved, _cache = _cache, cache
+    try:
+        yield
+    finally:
+        _cache = saved
+
+
 def _key_kwargs(func, kwargs, key) -> None:
     for k, a in kwargs.items():
         key.append(k)

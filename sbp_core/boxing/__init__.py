@@ -25,7 +25,7 @@ def _compile(src: Layout, dst: Layout):
     if src.placement == dst.placement:
         if world_rank() not in src.placement or src.sbp == dst.sbp:
             return []
-        itemsize = torch.empty((), dtype=src.dtype).element_size()
+        itemsize = src.dtype.itemsize
         return compile_same_placement(src.placement, src.sbp, dst.sbp, src.shape, itemsize)
     return [lambda local: box_cross_placement(local, src.placement, src.sbp, dst.placement, dst.sbp, src.shape, src.dtype)]
 
