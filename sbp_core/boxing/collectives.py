@@ -175,7 +175,7 @@ def all_reduce_packed(packed: torch.Tensor, ranks, op: str, counts) -> torch.Ten
     p = len(ranks)
     me = ranks.index(world_rank())
     es = packed.element_size()
-    ledger.record("all_reduce", p, (sum(counts) + (p - 2) * counts[me]) * es if p > 1 else 0)
+    ledger.record("all_reduce", p, (sum(counts) + (p - 2) * counts[me]) * es if p > 1 else 0, ranks)
     width = packed.numel() // p
     if p == 1:
         return packed.view(1, width).clone()
