@@ -1,7 +1,8 @@
 """Train a recipe: ``python train.py recipe=gpt2 parallel=dp2_tp4_pp2``.
 
 Hydra composes ``configs/`` (``recipe=``, ``model=``, ``parallel=`` any ``dpX_tpY_ppZ``
-name or ``parallel.dp=..``, ``data=``, ``trainer.*``, ``logger=none``); the
+name or ``parallel.dp=..`` or ``auto`` (search the plan first, ``toolkit.autoparallel``),
+``data=``, ``trainer.*``, ``logger=none``); the
 config is validated before any process starts; without torchrun or Slurm
 this spawns dp*tp*pp local processes (gloo on CPU, NCCL with a GPU each).
 The run directory (``hydra.run.dir``) gets ``config.yaml`` and
@@ -28,7 +29,15 @@ def run(cfg):
 def main(cfg):
     from recipes.registry import get
 
-    layout = validate(cfg, get(cfg.recipe.name))
+    recipe = get(cfg.recipe.name)
+    if cfg.parallel.auto:  # search (or load) the plan here, before any rank exists
+        from recipes.zero import apply_zero
+        from toolkit.autoparallel.auto import resolve
+
+        run_dir = str(cfg.run_dir)
+        cfg = resolve(cfg, recipe, apply_zero)
+        cfg.run_dir = run_dir
+    layout = validate(cfg, recipe)
     save_resolved_config(cfg, cfg.run_dir)
     return launch(run, cfg, layout.world_size)
 

@@ -36,7 +36,7 @@ from .sbp import nd_sbp
 
 
 def _narrowing(x, dtype) -> bool:
-    return dtype is not None and torch.empty((), dtype=dtype).element_size() < x.element_size()
+    return dtype is not None and dtype.itemsize < x.element_size()
 
 
 class _Convert(torch.autograd.Function):

@@ -58,7 +58,7 @@ def _plan_cost(src, dst, placement, shape, dtype) -> float:
     if src == dst:
         return 0.0
     try:
-        return plan(src, dst, placement.shape, tuple(shape), torch.empty((), dtype=dtype).element_size())[1]
+        return plan(src, dst, placement.shape, tuple(shape), dtype.itemsize)[1]
     except ValueError:
         return math.inf
 
@@ -133,6 +133,17 @@ def _decide(func, flat, spec, gpos, placement) -> Decision:
 
 
 _CACHE_LIMIT = 1 << 16
+
+
+@contextlib.contextmanager
+def decisions(cache: dict):
+    """Inside, signature decisions are cached in ``cache`` (e.g. a rehearsal's fake worlds keep theirs apart)."""
+    global _cache
+    saved, _cache = _cache, cache
+    try:
+        yield
+    finally:
+        _cache = saved
 
 
 def _key_part(a):

@@ -13,9 +13,12 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class Record:
+    """``ranks``: the global ranks taking part, in mesh-axis order (sender first for a ``send``)."""
+
     op: str
     group_size: int
     bytes: int
+    ranks: tuple = ()
 
 
 @dataclass
@@ -39,9 +42,9 @@ class CommLedger:
 _active: list = []
 
 
-def record(op: str, group_size: int, nbytes: int) -> None:
+def record(op: str, group_size: int, nbytes: int, ranks=()) -> None:
     if _active:
-        rec = Record(op, group_size, int(nbytes))
+        rec = Record(op, group_size, int(nbytes), tuple(ranks))
         for ledger in _active:
             ledger.records.append(rec)
 

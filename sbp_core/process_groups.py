@@ -87,3 +87,8 @@ def channel_group(name, ranks):
         g = dist.new_group(sorted(ranks), timeout=datetime.timedelta(seconds=_timeout_s))
         _groups[key] = g
     return g
+
+
+def forget_groups() -> None:
+    """Drop every cached group: call after destroying the default group (e.g. leaving a rehearsal's fake world)."""
+    _groups.clear()

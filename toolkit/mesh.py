@@ -24,6 +24,12 @@ def stage_placements(dp: int, tp: int, pp: int, device_type: str = "cpu") -> lis
     return [sc.placement(device_type, ranks) for ranks in stage_ranks(dp, tp, pp)]
 
 
+def model_names(model) -> tuple:
+    """Every parameter (tied ones under each name), buffer and module name of ``model`` (``plan_for_module``'s ``full_names``)."""
+    return tuple({n for n, _ in model.named_parameters(remove_duplicate=False)}
+                 | {n for n, _ in model.named_buffers()} | {n for n, _ in model.named_modules()})
+
+
 def plan_for_module(module, plan: dict, full_names: tuple) -> dict:
     """The entries of ``plan`` that match something in ``module`` (a pipeline stage of a model).
 
@@ -40,3 +46,15 @@ def plan_for_module(module, plan: dict, full_names: tuple) -> dict:
         if any(fnmatch.fnmatchcase(n, target) for n in here):
             out[key] = sbp
     return out
+
+
+def with_overrides(plan: dict, overrides) -> dict:
+    """``plan`` with per-op layouts first: ``{pattern: tp-axis SBP text}`` -> ``(B, SBP)`` on a ``(dp, tp)`` mesh.
+
+    ``distribute_module`` takes the first matching pattern, so an override
+    wins over the recipe's entry for the same parameters.
+    """
+    from sbp_core.search.strategy import parse_sbp
+
+    first = {str(k): (sc.sbp.broadcast, parse_sbp(v)) for k, v in dict(overrides or {}).items()}
+    return {**first, **{k: v for k, v in plan.items() if k not in first}}

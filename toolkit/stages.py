@@ -74,13 +74,19 @@ def keep_stage(model: nn.Module, plan: dict, ranges: list, stage: int) -> nn.Mod
         raise TypeError(f"pipeline plan 'layers' = {plan['layers']!r} must name an nn.ModuleList, got {type(layers).__name__}")
     if sum(len(r) for r in ranges) != len(layers):
         raise ValueError(f"stage ranges cover {sum(len(r) for r in ranges)} layers, {plan['layers']} has {len(layers)}")
-    for i in range(len(layers)):
-        if i not in ranges[stage]:
-            layers[i] = None
-    if stage != 0:
+    return keep_layers(model, plan, ranges[stage], stage == 0, stage == len(ranges) - 1)
+
+
+def keep_layers(model: nn.Module, plan: dict, layers, first: bool, last: bool) -> nn.Module:
+    """``model`` with only the repeated layers in ``layers``, and the first/last modules if ``first``/``last`` (in place)."""
+    mods = _get(model, plan["layers"])
+    for i in range(len(mods)):
+        if i not in layers:
+            mods[i] = None
+    if not first:
         for path in plan.get("first", ()):
             _drop(model, path)
-    if stage != len(ranges) - 1:
+    if not last:
         for path in plan.get("last", ()):
             _drop(model, path)
     return model

@@ -37,7 +37,7 @@ import sbp_core as sc
 from runtime.pipeline import PipelineConfig, PipelineStep
 from toolkit import flops, run_state
 from toolkit.config import typed, validate
-from toolkit.mesh import plan_for_module, stage_placements
+from toolkit.mesh import model_names, plan_for_module, stage_placements, with_overrides
 from toolkit.metrics import MetricsLogger
 from toolkit.optim import build_scheduler, lr_at
 from toolkit.recipe import data_shard, recipe_batch
@@ -73,8 +73,7 @@ class Job:
         init = str(tr.init_from) if tr.init_from else None
         if init and recipe.init_weights(model, init, cfg):
             init = None  # a foreign format, read into the full model
-        names = tuple({n for n, _ in model.named_parameters(remove_duplicate=False)}
-                      | {n for n, _ in model.named_buffers()} | {n for n, _ in model.named_modules()})
+        names = model_names(model)
         self.n_params = sum(p.numel() for p in model.parameters())
         self.module = model
         if recipe.pipeline is not None:
@@ -83,7 +82,7 @@ class Job:
             self.module = keep_stage(model, recipe.pipeline, ranges, self.stage)
         if tr.activation_checkpointing:
             recipe.checkpoint_layers(self.module)
-        plan = plan_for_module(self.module, recipe.mesh_plan(cfg), names)
+        plan = plan_for_module(self.module, with_overrides(recipe.mesh_plan(cfg), cfg.parallel.plan), names)
         self.zero = None
         if lay.zero and zero is None:
             raise ValueError(f"parallel.zero={lay.zero} needs ZeRO's apply function: call "
@@ -105,7 +104,7 @@ class Job:
             max_grad_norm=float(tr.grad_clip) if tr.grad_clip else None, tied=list(recipe.tied))
         forward = recipe.stage_forward
         if tr.precision == "bf16":
-            forward = _autocast(forward, device_type)
+            forward = autocast_forward(forward, device_type)
         self.pipe = PipelineStep(self.pipe_cfg, self.module, self.optimizer, forward, self.train_batches,
                                  self.scheduler)
         self.val_batches = None
@@ -129,7 +128,8 @@ class Job:
         return self.pipe.evaluate(self.val_batches, n, index=0)
 
 
-def _autocast(forward, device_type):
+def autocast_forward(forward, device_type):
+    """``forward`` under bf16 autocast, returning fp32 (``trainer.precision=bf16``)."""
     def run(module, x, labels=None):
         with torch.autocast(device_type, dtype=torch.bfloat16):
             out = forward(module, x, labels)

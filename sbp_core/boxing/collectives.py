@@ -92,7 +92,7 @@ def all_gather(local: torch.Tensor, ranks, dim: int, length: int) -> torch.Tenso
     p = len(ranks)
     me = ranks.index(world_rank())
     sizes = shard_sizes(length, p)
-    ledger.record("all_gather", p, (p - 1) * _nbytes(local))
+    ledger.record("all_gather", p, (p - 1) * _nbytes(local), ranks)
     if p == 1:
         return local
     local = local.contiguous()
@@ -125,7 +125,7 @@ def reduce_scatter(full: torch.Tensor, ranks, dim: int, op: str) -> torch.Tensor
     p = len(ranks)
     me = ranks.index(world_rank())
     pieces = list(torch.tensor_split(full, p, dim))
-    ledger.record("reduce_scatter", p, _nbytes(full) - _nbytes(pieces[me]))
+    ledger.record("reduce_scatter", p, _nbytes(full) - _nbytes(pieces[me]), ranks)
     if p == 1:
         return full.clone()
     if len({t.shape for t in pieces}) == 1:
@@ -150,7 +150,7 @@ def all_reduce(t: torch.Tensor, ranks, op: str) -> torch.Tensor:
     p = len(ranks)
     me = ranks.index(world_rank())
     own = shard_sizes(t.numel(), p)[me] * t.element_size()
-    ledger.record("all_reduce", p, _nbytes(t) + (p - 2) * own if p > 1 else 0)
+    ledger.record("all_reduce", p, _nbytes(t) + (p - 2) * own if p > 1 else 0, ranks)
     out = t.clone(memory_format=torch.contiguous_format)
     if p > 1:
         dist.all_reduce(out, op=_REDUCE[op], group=group_of(ranks))
@@ -165,7 +165,7 @@ def reduce(t: torch.Tensor, ranks, op: str) -> torch.Tensor:
     """
     p = len(ranks)
     me = ranks.index(world_rank())
-    ledger.record("reduce", p, 0 if me == 0 else _nbytes(t))
+    ledger.record("reduce", p, 0 if me == 0 else _nbytes(t), ranks)
     out = t.clone(memory_format=torch.contiguous_format)
     if p > 1:
         dist.reduce(out, dst=ranks[0], op=_REDUCE[op], group=group_of(ranks))
@@ -183,7 +183,7 @@ def all_to_all(local: torch.Tensor, ranks, split_dim: int, cat_dim: int, cat_len
     p = len(ranks)
     me = ranks.index(world_rank())
     send = torch.tensor_split(local, p, split_dim)
-    ledger.record("all_to_all", p, _nbytes(local) - _nbytes(send[me]))
+    ledger.record("all_to_all", p, _nbytes(local) - _nbytes(send[me]), ranks)
     if p == 1:
         return local
     order = _group_order(ranks)
@@ -232,7 +232,7 @@ def exchange(sends, recvs) -> list:
         works.append(dist.irecv(buf, src=src))
     payload = [t.contiguous() for _, t in sends]  # kept alive until every wait returns
     for (dst, _), t in zip(sends, payload):
-        ledger.record("send", 2, _nbytes(t))
+        ledger.record("send", 2, _nbytes(t), (world_rank(), dst))
         works.append(dist.isend(t, dst=dst))
     for w in works:
         w.wait()
@@ -251,7 +251,7 @@ def all_gather_object(obj, ranks) -> list:
     res = [None] * p
     for g, k in enumerate(order):
         res[k] = out[g]
-    ledger.record("all_gather_object", p, 0)
+    ledger.record("all_gather_object", p, 0, ranks)
     return res
 
 
@@ -266,7 +266,7 @@ def broadcast_ints(values, src: int, group) -> list:
     """``src``'s list of ints, on every rank of ``group`` (the others pass a list of the same length)."""
     t = torch.tensor(values, dtype=torch.int64)
     if world_rank() == src:
-        ledger.record("broadcast", 2, _nbytes(t))
+        ledger.record("broadcast", 2, _nbytes(t), (src,))
     dist.broadcast(t, src=src, group=group)
     return t.tolist()
 
@@ -285,7 +285,7 @@ def send_object(obj, dst: int, group) -> None:
         data = pickle.dumps(obj)
         payload = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
         header[0], header[1], header[2], header[3] = 1, _DTYPES.index(torch.uint8), 1, len(data)
-    ledger.record("send", 2, _nbytes(payload))
+    ledger.record("send", 2, _nbytes(payload), (world_rank(), dst))
     dist.send(header, dst=dst, group=group)
     if payload.numel():
         dist.send(payload, dst=dst, group=group)

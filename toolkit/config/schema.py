@@ -23,7 +23,7 @@ config from a plain container (what crosses process boundaries).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -44,6 +44,25 @@ class RecipeConfig:
 
 
 @dataclass
+class SearchConfig:
+    """``parallel=auto``'s search (``sbp_core.search``): a cluster file, and Metropolis-Hastings' knobs.
+
+    ``cluster``: a preset name in ``configs/cluster`` or a YAML path;
+    ``devices``: devices to use (``None``: the launcher's world size, else
+    the cluster's); ``budget``: proposals; ``beta``: acceptance sharpness
+    (relative cost); ``cache_dir``: where found plans are kept, keyed by
+    model, data, batch and cluster.
+    """
+
+    cluster: str = "this_machine"
+    devices: Optional[int] = None
+    budget: int = 150
+    beta: float = 20.0
+    seed: int = 0
+    cache_dir: str = "${oc.env:SBP_CACHE_DIR,'~/.cache/sbp-recipes'}/plans"
+
+
+@dataclass
 class ParallelConfig:
     """Degrees and knobs of the parallel layout; ``world = dp * tp * pp`` processes.
 
@@ -54,6 +73,12 @@ class ParallelConfig:
       entries summing to ``model.n_layer``); ``None`` = uniform split.
     - ``sequence_parallel``: split activations along the sequence axis over tp
       outside the tensor-parallel matmuls (Megatron's sequence parallelism).
+    - ``plan``: per-op layouts, ``{parameter pattern: tp-axis SBP}`` (``B``,
+      ``S(<dim>)``) put before the recipe's plan (first match wins; the dp
+      axis stays ``B``), e.g. ``{"*.mlp.c_fc.weight": "B"}`` runs that matmul
+      replicated; ``parallel=auto`` writes it.
+    - ``auto``: search the layout (``toolkit.autoparallel``, ``search.*``)
+      before training, or reuse the cached result for this model and cluster.
 
     The number of micro-batches is not a knob: it is the gradient accumulation
     ``global_batch_size / (micro_batch_size * dp)``.
@@ -67,6 +92,9 @@ class ParallelConfig:
     pp_virtual: int = 1
     stage_layers: Optional[List[int]] = None
     sequence_parallel: bool = False
+    plan: Dict[str, str] = field(default_factory=dict)
+    auto: bool = False
+    search: SearchConfig = field(default_factory=SearchConfig)
 
 
 @dataclass

@@ -30,6 +30,7 @@ stage, device).
 from __future__ import annotations
 
 import math
+import re
 import warnings
 from dataclasses import dataclass, replace
 from typing import Any, Optional
@@ -154,6 +155,12 @@ def validate(cfg: Any, recipe, world_size: Optional[int] = None) -> JobLayout:
     degrees_ok = all([_at_least(p, f"parallel.{k}", par[k], 1) for k in ("dp", "tp", "pp", "pp_virtual")])
     _choice(p, "parallel.zero", par.zero, ZERO_STAGES)
     _choice(p, "parallel.pp_schedule", par.pp_schedule, S.PP_SCHEDULES)
+    for pattern, text in dict(par.plan).items():
+        if not re.fullmatch(r"B|S\(\d+\)", str(text).strip()):
+            p.append(f"parallel.plan[{pattern!r}]={text!r}: a tp-axis layout; valid: B or S(<dim>)")
+    if par.auto:
+        p.append("parallel.auto=true: the search runs in train.py before the job (toolkit.autoparallel.resolve); "
+                 "valid: a resolved config with parallel.auto=false")
     zero = par.zero if par.zero in ZERO_STAGES else 0
     if zero and par.dp == 1:
         warnings.warn(f"parallel.zero={zero} with parallel.dp=1 shards nothing; running with zero=0",

@@ -1,0 +1,17 @@
+"""Auto-parallel: an execution simulator and Metropolis-Hastings search over SBP plans (FlexFlow's ideas).
+
+- ``rehearsal``: run one rank's share of a step on fake tensors in a fake
+  process group through the real dispatcher; record local ops (with
+  shapes), the logical graph's global ops (signatures chosen), collectives
+  (the ledger) and memory. ``stage_trace``: a pipeline stage's step
+  (forward, backward, reduction, update) rehearsed from a ``StageSpec``.
+- ``opcost``: a local op's seconds, measured here (CPU time, cached) or by a
+  roofline; ``cluster``: topology and speeds; ``costmodel``: a phase's
+  seconds (ops, host dispatch, collectives over links).
+- ``taskgraph``: one step's actors as the runtime builds them (1F1B from the
+  stash quotas); ``simulator``: full and delta simulation (identical).
+- ``strategy``, ``space``, ``evaluate`` (prediction and memory), ``mcmc``.
+
+Recipe knowledge stays above: ``toolkit.autoparallel`` turns a recipe and
+its config into stage specs, choice points and validity.
+"""

@@ -1,0 +1,116 @@
+"""Predicting a strategy: rehearsed stages priced on a cluster, simulated as a task graph, with memory.
+
+``Evaluator(model, cluster, op_costs).predict(strategy)`` returns a
+``Prediction``: the simulated step time, each stage's peak memory per
+device and whether it fits. ``predict(strategy, base=previous)`` is the
+*delta* path: stages whose rehearsal is the same object as in ``base``
+(``model.trace`` caches them, keyed by what a stage sees of the strategy)
+keep their priced works, and the task graph is re-simulated only from the
+first time a changed stage acted (``simulator.resimulate``); the result is
+identical to the full path.
+
+``model`` is what the layer that knows the recipe provides
+(``toolkit.autoparallel.search_model``): ``micro_batches(strategy)``,
+``schedule``, ``grad_clip``, ``trace(strategy, stage) -> StageTrace`` and
+``tied_bytes(strategy) -> int | None``.
+
+Memory of a stage's device: parameters, gradients and optimizer state as
+rehearsed (ZeRO's shards included), plus the activation stashes the
+schedule lets it hold (``min(stash quota, m) - 1`` whole ones and the
+working set of one forward or backward on top), plus the registers of
+boundary activations it receives.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .costmodel import collective_seconds, phase_cost
+from .rehearsal import Collective
+from .simulator import Timeline, resimulate, simulate
+from .taskgraph import StageWork, pipeline_graph, stash_quota
+
+
+@dataclass
+class Prediction:
+    strategy: object
+    step_seconds: float
+    memory: list  # peak bytes per device of each stage
+    capacity: float  # bytes a device may hold
+    works: list  # StageWork per stage
+    traces: list  # StageTrace per stage
+    timeline: Timeline
+    graph: object
+
+    @property
+    def fits(self) -> bool:
+        return max(self.memory) <= self.capacity
+
+    @property
+    def peak_memory(self) -> int:
+        return max(self.memory)
+
+
+class Evaluator:
+    def __init__(self, model, cluster, op_costs):
+        self.model, self.cluster, self.op_costs = model, cluster, op_costs
+
+    def stage_devices(self, strategy, stage: int) -> tuple:
+        n = strategy.dp * strategy.tp
+        return tuple(range(stage * n, (stage + 1) * n))
+
+    def stage_work(self, strategy, stage: int, trace) -> StageWork:
+        c = self.cluster
+        devices = self.stage_devices(strategy, stage)
+        threads = c.threads_per_device(strategy.world)
+        costs = {name: phase_cost(trace.phases[name], self.op_costs, c, devices[0], devices, threads).seconds
+                 for name in ("F", "B0", "B", "reduce", "update")}
+        send = copy = 0.0
+        if stage < strategy.pp - 1 and trace.act_bytes:
+            peer = devices[0] + len(devices)
+            send = collective_seconds(Collective("send", (0, 1), trace.act_bytes), c, (devices[0], peer), devices)
+            copy = trace.act_bytes / c.mem_bandwidth if c.mem_bandwidth else 0.0
+        weight = float(len(devices) * threads) if c.cores else 0.0
+        return StageWork(costs["F"], costs["B0"], costs["B"], costs["reduce"], costs["update"], send, copy, weight)
+
+    def memory(self, strategy, stage: int, trace, m: int, schedule: str) -> int:
+        held = min(stash_quota(schedule, strategy.pp, stage, m), m)
+        ph = trace.phases
+        working = max(ph["F"].peak_bytes, trace.stash_bytes + max(ph["B0"].peak_bytes, ph["B"].peak_bytes))
+        received = 2 * trace.act_bytes if stage > 0 else 0
+        return (trace.param_bytes + trace.grad_bytes + trace.optimizer_bytes + (held - 1) * trace.stash_bytes
+                + working + received)
+
+    def _tied_seconds(self, strategy):
+        nbytes = self.model.tied_bytes(strategy)
+        if nbytes is None or strategy.pp == 1:
+            return None
+        first, last = self.stage_devices(strategy, 0), self.stage_devices(strategy, strategy.pp - 1)
+        return collective_seconds(Collective("send", (0, 1), nbytes), self.cluster, (first[0], last[0]), first)
+
+    def graph(self, strategy, works: list):
+        m = self.model.micro_batches(strategy)
+        rate = self.cluster.thread_rate if self.cluster.cores else None
+        return pipeline_graph(works, m, self.model.schedule, tied=self._tied_seconds(strategy),
+                              clip=bool(self.model.grad_clip), rate=rate)
+
+    def predict(self, strategy, base: Prediction | None = None) -> Prediction:
+        m = self.model.micro_batches(strategy)
+        traces = [self.model.trace(strategy, s) for s in range(strategy.pp)]
+        same_shape = base is not None and _structure(base.strategy) == _structure(strategy)
+        works = [base.works[s] if same_shape and base.traces[s] is tr else self.stage_work(strategy, s, tr)
+                 for s, tr in enumerate(traces)]
+        graph = self.graph(strategy, works)
+        if same_shape:
+            changed = [a.name for a, b in zip(graph.actors, base.graph.actors) if a.work != b.work]
+            timeline = resimulate(base.timeline, graph, changed) if changed else base.timeline
+        else:
+            timeline = simulate(graph)
+        memory = [self.memory(strategy, s, tr, m, self.model.schedule) for s, tr in enumerate(traces)]
+        capacity = self.cluster.device_memory(strategy.world)
+        return Prediction(strategy, timeline.makespan, memory, capacity, works, traces, timeline, graph)
+
+
+def _structure(strategy) -> tuple:
+    """What fixes the task graph's shape (everything but per-op choices)."""
+    return (strategy.dp, strategy.tp, strategy.pp, strategy.zero, strategy.micro_batch_size,
+            strategy.sequence_parallel)

@@ -1,0 +1,118 @@
+"""The task graph of one pipelined training step, actor for actor as ``runtime.pipeline.step`` builds it.
+
+Per stage ``s`` (one representative rank: the ranks of a stage act in
+lockstep) on its compute queue: ``s{s}.F`` (forward of a micro-batch; its
+out register is the activation stash, quota ``pp - s`` under 1F1B, ``m``
+under GPipe), ``s{s}.B`` (backward, priority 1, reads the stash and the
+gradient from stage ``s + 1``), ``s{s}.reduce`` (once per step, priority 2)
+and ``s{s}.update`` (once per step, priority 3). Between stages, as the
+runtime's boundary actors: a *cut* on the sender's copy queue, the
+*send* on a channel of its own (quota 2, the receiver's registers) and an
+*assemble* on the receiver's copy queue (quota 2) — for activations
+forward and gradients backward. Tied parameters (the first and last
+stage's copies) exchange their gradients after both reductions; clipping by
+the global norm makes every update wait for every stage's reduction.
+
+Compute tasks, communication tasks, micro-batches and stages are all
+here; nothing orders forwards and backwards but quotas and priorities, as in
+training.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .simulator import SimActor, TaskGraph
+
+SCHEDULES = ("1f1b", "gpipe")
+
+
+@dataclass(frozen=True)
+class StageWork:
+    """Seconds of work of one stage's actors (per micro-batch, or per step for reduce and update).
+
+    ``send``/``copy``: moving one micro-batch's boundary activation (or its
+    gradient) to the next stage, and cutting/assembling it on each side.
+    ``weight``: threads the stage keeps busy while it works (shared cores),
+    0 on devices with processors of their own.
+    """
+
+    forward: float
+    backward_first: float
+    backward: float
+    reduce: float
+    update: float
+    send: float = 0.0
+    copy: float = 0.0
+    weight: float = 0.0
+
+
+def stash_quota(schedule: str, pp: int, stage: int, micro_batches: int) -> int:
+    if schedule not in SCHEDULES:
+        raise ValueError(f"pp_schedule {schedule!r} is not one of {SCHEDULES}")
+    return pp - stage if schedule == "1f1b" else micro_batches
+
+
+def stage_actor_names(stage: int, pp: int) -> list:
+    """The actors whose work comes from stage ``stage``'s ``StageWork``."""
+    names = [f"s{stage}.{k}" for k in ("F", "B", "reduce", "update")]
+    if stage < pp - 1:
+        names += [f"s{stage}.act.{k}" for k in ("cut", "send", "assemble")]
+    if stage > 0:
+        names += [f"s{stage}.grad.{k}" for k in ("cut", "send", "assemble")]
+    return names
+
+
+def pipeline_graph(stages: list, micro_batches: int, schedule: str = "1f1b", tied: float | None = None,
+                   clip: bool = False, rate=None) -> TaskGraph:
+    """One training step of ``len(stages)`` stages over ``micro_batches`` micro-batches.
+
+    ``tied``: seconds of the tied-gradient exchange between the first and last
+    stage (``None``: no tied parameters); ``clip``: global-norm clipping;
+    ``rate``: speed per busy thread on a machine whose cores the stages share
+    (``Cluster.thread_rate``; ``None``: every device has its own processor).
+    """
+    pp, m = len(stages), micro_batches
+    if pp < 1:
+        raise ValueError("a pipeline needs at least one stage")
+    if not isinstance(m, int) or m < max(1, pp if pp > 1 else 1):
+        raise ValueError(f"{m} micro-batches for {pp} stages: a pipeline needs at least as many micro-batches as stages")
+    actors = []
+    for s, w in enumerate(stages):
+        comp, copy = f"s{s}.compute", f"s{s}.copy"
+        f_in = () if s == 0 else (f"s{s - 1}.act.assemble",)
+        b_in = (f"s{s}.F",) if s == pp - 1 else (f"s{s}.F", f"s{s + 1}.grad.assemble")
+        actors += [
+            SimActor(f"s{s}.F", comp, w.forward, f_in, quota=stash_quota(schedule, pp, s, m), weight=w.weight),
+            SimActor(f"s{s}.B", comp, [w.backward_first] + [w.backward] * (m - 1), b_in, quota=2, priority=1,
+                     weight=w.weight),
+            SimActor(f"s{s}.reduce", comp, w.reduce, (f"s{s}.B",), quota=1, priority=2, every=m, weight=w.weight),
+        ]
+        if s < pp - 1:
+            nxt = stages[s + 1]
+            actors += [
+                SimActor(f"s{s}.act.cut", copy, w.copy, (f"s{s}.F",), quota=1, weight=w.weight),
+                SimActor(f"s{s}.act.send", f"link.s{s}>s{s + 1}", w.send, (f"s{s}.act.cut",), quota=2,
+                         weight=w.weight),
+                SimActor(f"s{s}.act.assemble", f"s{s + 1}.copy", nxt.copy, (f"s{s}.act.send",), quota=2,
+                         weight=nxt.weight),
+            ]
+        if s > 0:
+            prev = stages[s - 1]
+            actors += [
+                SimActor(f"s{s}.grad.cut", copy, w.copy, (f"s{s}.B",), quota=1, weight=w.weight),
+                SimActor(f"s{s}.grad.send", f"link.s{s}>s{s - 1}", w.send, (f"s{s}.grad.cut",), quota=2,
+                         weight=w.weight),
+                SimActor(f"s{s}.grad.assemble", f"s{s - 1}.copy", prev.copy, (f"s{s}.grad.send",), quota=2,
+                         weight=prev.weight),
+            ]
+    if tied is not None and pp > 1:
+        actors.append(SimActor("tied", "link.tied", tied, ("s0.reduce", f"s{pp - 1}.reduce"), quota=1, every=m))
+    for s, w in enumerate(stages):
+        u_in = [f"s{s}.reduce"]
+        if tied is not None and pp > 1 and s in (0, pp - 1):
+            u_in.append("tied")
+        if clip and pp > 1:
+            u_in += [f"s{j}.reduce" for j in range(pp) if j != s]
+        actors.append(SimActor(f"s{s}.update", f"s{s}.compute", w.update, tuple(u_in), quota=1, priority=3,
+                               every=m, weight=w.weight))
+    return TaskGraph(actors, m, rate=rate)

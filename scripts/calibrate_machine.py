@@ -1,0 +1,327 @@
+"""Measure this machine for the simulator and write ``configs/cluster/this_machine.yaml``.
+
+    python scripts/calibrate_machine.py [--out configs/cluster/this_machine.yaml] [--devices 8]
+
+A "device" here is one process of ours; the devices share the CPU. Measured:
+
+- ``capacity``: cores our busy threads actually get, for 1, 2, 4 and 8 busy
+  processes spinning at once (other jobs on the machine take the rest;
+  on an idle machine this is ``min(n, cores)``);
+- ``contention``: CPU seconds per training step (a small GPT-2, one thread)
+  when 1, 2, 4 and 8 processes step at once, relative to one alone: the
+  slowdown of shared caches and of more processes than cores;
+- ``device.thread_speedup``: a 512^3 fp32 matmul with 2 intra-op threads vs 1
+  (best of many: the kernel's speed, not the load's);
+- ``device.dispatch_us`` and ``device.kernel_factor``: our cost per op on
+  global tensors beyond its kernel, and how much longer kernels take inside
+  a step than measured alone (cold caches, fresh memory) — from two real
+  one-device GPT-2 steps (forward, backward, AdamW; process CPU time, best
+  of 20), one dispatch-bound and one kernel-bound, against the measured
+  kernels of the same calls (from a rehearsal, ``sbp_core.search``);
+- ``device.memory_bandwidth_gbs``: best-of copy of 64 MB on one thread;
+- ``links.intra_node``: two gloo ranks (``toolkit.rank_pool``) all-reducing
+  4 bytes (latency: half the median round) and 8 MB (bandwidth from the
+  ring formula), through ``sbp_core.boxing.collectives``.
+
+Per-op kernel times are not written here: ``sbp_core.search.opcost.MeasuredOpCosts``
+measures each distinct call once, on first use, into
+``~/.cache/sbp-recipes/op-costs-<host>.json``. Takes about a minute.
+"""
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def op_cost_path() -> Path:
+    cache = Path(os.environ.get("SBP_CACHE_DIR", "~/.cache/sbp-recipes")).expanduser()
+    return cache / f"op-costs-{socket.gethostname()}.json"
+
+
+def _spin(seconds: float, q) -> None:
+    t0, c0, x = time.perf_counter(), time.process_time(), 0
+    while time.perf_counter() - t0 < seconds:
+        for i in range(20000):
+            x += i
+    q.put(time.process_time() - c0)
+
+
+def capacity(ns=(1, 2, 4, 8), seconds: float = 0.6) -> list:
+    """``[[n, cores used]]`` with ``n`` of our processes spinning at once."""
+    ctx = mp.get_context("fork")
+    out = []
+    for n in ns:
+        q = ctx.Queue()
+        procs = [ctx.Process(target=_spin, args=(seconds, q)) for _ in range(n)]
+        for p in procs:
+            p.start()
+        cpu = [q.get() for _ in procs]
+        for p in procs:
+            p.join()
+        # each spins ``seconds`` of wall time from its own start (starts are staggered: clamp to the cores)
+        out.append([n, round(min(float(n), float(os.cpu_count() or n), sum(cpu) / seconds), 3)])
+    return out
+
+
+def _best(fn, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def thread_speedup() -> float:
+    a, b = torch.randn(512, 512), torch.randn(512, 512)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _best(lambda: a @ b, 30)
+        torch.set_num_threads(2)
+        two = _best(lambda: a @ b, 30)
+    finally:
+        torch.set_num_threads(before)
+    return round(max(1.0, one / two), 3)
+
+
+def memory_bandwidth() -> float:
+    src, dst = torch.empty(16 << 20), torch.empty(16 << 20)
+    src.normal_()
+    t = _best(lambda: dst.copy_(src), 10)
+    return round(2 * src.numel() * 4 / t / 1e9, 2)
+
+
+def _host_run(conf, rows: int, costs) -> tuple:
+    """``(CPU seconds of a real step, seconds of its kernels measured alone, global ops)`` for one GPT-2 config.
+
+    The step is forward, backward and an AdamW update on a one-device
+    placement (best of 20 by process CPU time); the kernels come from a
+    rehearsal of the same step priced by ``costs``.
+    """
+    import sbp_core as sc
+    from recipes.gpt2.model import GPT2LMHeadModel
+    from recipes.gpt2.plan import mesh_plan
+    from sbp_core.search.rehearsal import Rehearsal
+    from sbp_core.search.stage_trace import global_input
+    from toolkit.mesh import model_names, plan_for_module
+
+    seq, vocab = conf.n_positions, conf.vocab_size
+
+    def build(placement):
+        torch.manual_seed(0)
+        m = GPT2LMHeadModel(conf)
+        m = sc.distribute_module(m, placement, plan_for_module(m, mesh_plan(), model_names(m)))
+        return m, torch.optim.AdamW(m.parameters(), lr=1e-4)
+
+    def step(model, opt, ids):
+        _, loss = model(ids, ids)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    p = sc.placement("cpu", [[0]])
+    model, opt = build(p)
+    ids = sc.to_global(torch.randint(0, vocab, (rows, seq)), placement=p, sbp=(sc.sbp.split(0), sc.sbp.broadcast))
+    step(model, opt, ids)
+    best = float("inf")
+    for _ in range(20):
+        c0 = time.process_time()
+        step(model, opt, ids)
+        best = min(best, time.process_time() - c0)
+    with Rehearsal(1) as r:
+        p = sc.placement("cpu", [[0]])
+        fmodel, fopt = build(p)
+        fids = global_input((rows, seq), torch.int64, p, (sc.sbp.split(0), sc.sbp.broadcast))
+        step(fmodel, fopt, fids)  # the optimizer's state exists from here on, as in the timed steps
+        with r.phase("step") as ph:
+            step(fmodel, fopt, fids)
+    return best, sum(costs.seconds(c) for c in ph.calls), len(ph.global_ops)
+
+
+def _calibration_gpt(large: bool):
+    from recipes.gpt2.model import GPT2Config
+
+    if large:  # big activations (its logits are 16 MB a micro-batch of 2), so kernels dominate
+        return GPT2Config(vocab_size=8192, n_positions=256, n_embd=64, n_layer=1, n_head=2, embd_pdrop=0.0,
+                          resid_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2Config(vocab_size=512, n_positions=16, n_embd=64, n_layer=2, n_head=2, embd_pdrop=0.0,
+                      resid_pdrop=0.0, attn_pdrop=0.0)
+
+
+def _contended_steps(barrier, q, steps: int) -> None:
+    """One process of ``contention``: CPU seconds of each of ``steps`` training steps run alongside the others."""
+    import sbp_core as sc
+    from recipes.gpt2.model import GPT2LMHeadModel
+
+    torch.set_num_threads(1)
+    conf = _calibration_gpt(True)
+    p = sc.placement("cpu", [[0]])
+    model = sc.distribute_module(GPT2LMHeadModel(conf), p, {})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = sc.to_global(torch.randint(0, conf.vocab_size, (2, conf.n_positions)), placement=p,
+                       sbp=(sc.sbp.split(0), sc.sbp.broadcast))
+
+    def step():
+        model(ids, ids)[1].backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    barrier.wait()
+    cpus = []
+    for _ in range(steps):
+        c0 = time.process_time()
+        step()
+        cpus.append(time.process_time() - c0)
+    q.put(statistics.median(cpus))
+
+
+def contention(ns=(1, 2, 4, 8), steps: int = 6, base: float | None = None) -> tuple:
+    """``([[n, CPU time per step with n processes stepping at once / base]], base)`` (one thread each).
+
+    ``base``: the CPU seconds of one step alone on a quiet machine (``device.probe_step_s``
+    of the cluster file); ``None`` takes this run's one-process step.
+    """
+    ctx = mp.get_context("spawn")
+    out = []
+    for n in ns:
+        barrier, q = ctx.Barrier(n), ctx.Queue()
+        procs = [ctx.Process(target=_contended_steps, args=(barrier, q, steps)) for _ in range(n)]
+        for p in procs:
+            p.start()
+        cpu = statistics.median(q.get() for _ in procs)
+        for p in procs:
+            p.join()
+        base = base or cpu
+        out.append([n, round(max(1.0, cpu / base), 3)])
+    return out, base
+
+
+def host_costs() -> tuple:
+    """``(seconds per global op beyond its kernel, in-situ factor on measured kernel seconds)``.
+
+    Two real single-device steps with one thread: a tiny GPT-2 whose kernels
+    are negligible (dispatch dominates) and a larger one whose kernels
+    dominate; ``cpu = factor * kernels + ops * dispatch`` for both gives the
+    two numbers. Kernels measured alone run on warm caches and reused
+    memory, so in a real step they take longer (``factor`` > 1).
+    """
+    from sbp_core.search.opcost import MeasuredOpCosts
+
+    torch.set_num_threads(1)
+    costs = MeasuredOpCosts(op_cost_path(), threads=1)
+    (ca, ka, na), (cb, kb, nb) = _host_run(_calibration_gpt(False), 1, costs), _host_run(_calibration_gpt(True), 2, costs)
+    costs.save()
+    # ca = f*ka + na*d, cb = f*kb + nb*d
+    det = ka * nb - kb * na
+    factor = (ca * nb - cb * na) / det if det else 1.0
+    factor = max(1.0, factor)
+    dispatch = max(0.0, (ca - factor * ka) / na)
+    return dispatch, factor
+
+
+def _link_worker(small_iters: int, big_iters: int, nbytes: int):
+    from sbp_core.boxing.collectives import all_reduce
+
+    torch.set_num_threads(1)
+    ranks = [0, 1]
+    small, big = torch.zeros(1), torch.zeros(nbytes // 4)
+    for t in (small, big):
+        all_reduce(t, ranks, "sum")
+    lat = []
+    for _ in range(small_iters):
+        t0 = time.perf_counter()
+        all_reduce(small, ranks, "sum")
+        lat.append(time.perf_counter() - t0)
+    bw = []
+    for _ in range(big_iters):
+        t0 = time.perf_counter()
+        all_reduce(big, ranks, "sum")
+        bw.append(time.perf_counter() - t0)
+    return min(lat), statistics.median(lat), min(bw)
+
+
+def gloo_link(nbytes: int = 8 << 20) -> dict:
+    from toolkit.rank_pool import get_pool
+
+    res = get_pool(2, timeout=120).run(_link_worker, 200, 10, nbytes)
+    lat = max(r[1] for r in res)  # median round of a 2-step (ring) all-reduce of 4 bytes
+    big = max(r[2] for r in res)
+    latency = lat / 2  # ring all-reduce over 2 ranks: 2 steps
+    bandwidth = nbytes / max(1e-9, big - 2 * latency)  # each rank sends 2(p-1)/p |T| = |T|
+    return {"bandwidth_gbs": round(bandwidth / 1e9, 3), "latency_us": round(latency * 1e6, 1)}
+
+
+def memory_gib() -> float:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return round(int(line.split()[1]) / 2**20, 1)
+    return 8.0
+
+
+def calibrate(out: str, devices: int = 8) -> str:
+    """Measure this machine and write its cluster file to ``out``; returns the text."""
+    t0 = time.time()
+    load = os.getloadavg()[0]
+    cap = capacity()
+    slow, probe = contention()
+    speed = thread_speedup()
+    bw = memory_bandwidth()
+    fits = [host_costs() for _ in range(3)]  # the VM's CPU time is noisy: the median of three fits
+    disp, factor = statistics.median(f[0] for f in fits), statistics.median(f[1] for f in fits)
+    link = gloo_link()
+    cores = os.cpu_count() or 1
+    text = f"""# This machine, measured by scripts/calibrate_machine.py on {time.strftime('%Y-%m-%d %H:%M')}
+# (load average {load:.1f} when it ran; rerun it on the machine you simulate).
+# A device is one process of ours; the processes share {cores} cores. Per-op kernel
+# times are measured on first use into {op_cost_path()}.
+name: this-machine
+nodes: 1
+devices_per_node: {devices}
+cores: {cores}
+costs: measured
+# [busy threads of ours, cores they got]: other jobs take the rest
+capacity: {cap}
+# [busy processes of ours, CPU time per step relative to one alone]: oversubscription and shared caches
+contention: {slow}
+device:
+  kind: cpu-process
+  memory_gib: {memory_gib()}
+  memory_shared: true
+  memory_bandwidth_gbs: {bw}
+  dispatch_us: {disp * 1e6:.1f}
+  kernel_factor: {factor:.3f}
+  thread_speedup: {speed}
+  # CPU seconds of one contention-probe step alone (scripts/verify_simulator.py rescales contention by it)
+  probe_step_s: {probe:.4f}
+links:
+  intra_node: {{bandwidth_gbs: {link['bandwidth_gbs']}, latency_us: {link['latency_us']}}}
+"""
+    Path(out).write_text(text)
+    print(f"calibrated in {time.time() - t0:.0f} s -> {out}")
+    return text
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(ROOT / "configs" / "cluster" / "this_machine.yaml"))
+    ap.add_argument("--devices", type=int, default=8, help="processes the search may use")
+    o = ap.parse_args()
+    print(calibrate(o.out, o.devices))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,185 @@
+"""The execution simulator against measured training steps on this machine, delta vs full, and the search's pick.
+
+    python scripts/verify_simulator.py [--layouts single,dp2,...] [--rounds 3] [--steps 2] [--budget 60]
+
+1. **Measured**: each layout of ``gpt2-tiny`` (default config: 16 sequences
+   of 256 tokens per step, micro-batches of 4, AdamW, clipping) trains with
+   the real trainer on local gloo ranks (``scripts/layout_timing.py``):
+   rounds interleave the layouts, a layout's step time is the median of its
+   ``rounds * steps`` steps (max over ranks). Before each round the cores our
+   busy threads get are measured (``capacity``: other jobs share the machine),
+   and the CPU time a fixed probe step takes with 1-8 of our processes at once
+   relative to the calibration's quiet value (``contention``).
+2. **Predicted**: the simulator (``sbp_core.search``) on this machine's
+   cluster file, calibrated first by ``scripts/calibrate_machine.py`` (into a
+   scratch file; ``--cluster`` gives one instead)
+   with the capacity and contention measured in step 1 (medians) — rehearsed
+   stages, per-op CPU seconds measured here, the task graph of the runtime's
+   actors, processor sharing of the cores. No step time of step 1 enters a
+   prediction. Also printed: the predicted and measured CPU seconds per rank.
+3. **Delta vs full**: random per-op (per layer) layout changes of a tp2_pp2
+   strategy, each predicted with full simulation and with delta simulation
+   from the unchanged strategy; the timelines must be identical (every task's
+   start and end); the speedup is full time / delta time (stages rehearsed
+   beforehand, so both price the same traces).
+4. **Search**: Metropolis-Hastings over this machine's strategies (world
+   sizes 1..8, degrees, ZeRO, micro-batch, sequence parallel, per-op
+   layouts); the strategy it picks is measured again side by side with the
+   two best measured layouts (interleaved rounds) and compared with the best.
+
+Last line: ``simulator: median error X%, spearman Y over N layouts; delta/full speedup Zx``.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+LAYOUTS = "single,dp2,tp2,pp2,dp4,tp4,pp4,dp2_tp2,dp2_pp2,tp2_pp2,dp2_tp2_pp2"
+
+
+def _strategy(name: str, micro: int):
+    from sbp_core.search.strategy import Strategy
+    from toolkit.config import parse_parallel_name
+
+    d = parse_parallel_name(name)
+    return Strategy(d["dp"], d["tp"], d["pp"], d["zero"], micro_batch_size=micro)
+
+
+def delta_vs_full(model, evaluator, base_strategy, n: int, seed: int = 0) -> tuple:
+    """``(speedup, changes compared)``: full vs delta prediction times over ``n`` per-op changes; asserts identity."""
+    rng = random.Random(seed)
+    base = evaluator.predict(base_strategy)
+    cands = []
+    while len(cands) < n:
+        c = rng.choice(model.choices)
+        s = model.apply_choice(base_strategy, c, rng.randrange(1, len(c.candidates)))
+        if not model.problems(s):
+            try:
+                for stage in range(s.pp):
+                    model.trace(s, stage)  # rehearse now: both paths price the same traces
+            except (ValueError, RuntimeError, NotImplementedError):
+                continue
+            cands.append(s)
+    full_t = delta_t = 0.0
+    for s in cands:
+        t0 = time.perf_counter()
+        full = evaluator.predict(s)
+        t1 = time.perf_counter()
+        delta = evaluator.predict(s, base=base)
+        t2 = time.perf_counter()
+        if full.timeline.tasks != delta.timeline.tasks or full.step_seconds != delta.step_seconds:
+            raise AssertionError(f"delta simulation of {s.describe()} differs from the full one")
+        full_t, delta_t = full_t + t1 - t0, delta_t + t2 - t1
+    return full_t / delta_t, len(cands)
+
+
+def spearman(a, b) -> float:
+    from scipy.stats import spearmanr
+
+    return float(spearmanr(a, b).statistic)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layouts", default=LAYOUTS)
+    ap.add_argument("--micro", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--budget", type=int, default=60, help="search proposals")
+    ap.add_argument("--changes", type=int, default=20, help="per-op changes timed for delta vs full")
+    ap.add_argument("--cluster", default=None, help="a measured cluster file (default: calibrate this machine now)")
+    o = ap.parse_args()
+    t_start = time.time()
+    print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())} ({os.cpu_count()} cores)")
+
+    from calibrate_machine import calibrate, op_cost_path
+    from layout_timing import LayoutTimer
+    from recipes.registry import get
+    from recipes.zero import apply_zero
+    from sbp_core.search.evaluate import Evaluator
+    from sbp_core.search.mcmc import search
+    from sbp_core.search.opcost import MeasuredOpCosts
+    from sbp_core.search.space import SearchSpace
+    from toolkit.autoparallel.cluster_file import load_cluster
+    from toolkit.autoparallel.search_model import RecipeSearchModel
+    from toolkit.config import compose
+
+    if o.cluster is None:  # the machine as it is now (scripts/calibrate_machine.py, into a scratch file)
+        o.cluster = os.path.join(tempfile.mkdtemp(), "this_machine.yaml")
+        print("calibrating this machine (scripts/calibrate_machine.py)")
+        calibrate(o.cluster)
+    overrides = ["model=gpt2-tiny"]
+    cfg = compose(overrides, run_dir="/tmp/verify_simulator")
+    recipe = get(cfg.recipe.name)
+    model = RecipeSearchModel(recipe, cfg, apply_zero)
+    names = o.layouts.split(",")
+    strategies = [_strategy(n, o.micro) for n in names]
+
+    print(f"measuring {len(names)} layouts ({o.rounds} rounds x {o.steps} steps, interleaved)")
+    calibrated = load_cluster(o.cluster)
+    timer = LayoutTimer(overrides, probe_step=calibrated.probe_step)
+    measured = timer.measure(strategies, o.rounds, o.steps)
+    cap, slow = timer.capacity(), timer.contention()
+    cluster = dataclasses.replace(calibrated, capacity=cap, contention=slow or calibrated.contention)
+    costs = MeasuredOpCosts(op_cost_path(), threads=1)
+    ev = Evaluator(model, cluster, costs)
+    print(f"capacity used for predictions (busy threads -> cores, median of rounds): {list(cap)}")
+    print(f"contention used (busy processes -> CPU time per unit of work vs quiet calibration): "
+          f"{list(cluster.contention)}")
+
+    rows, errs, pred_t, meas_t = [], [], [], []
+    for n, s in zip(names, strategies):
+        p = ev.predict(s)
+        m = model.micro_batches(s)
+        work = max(w.forward * m + w.backward_first + w.backward * (m - 1) + w.reduce + w.update for w in p.works)
+        mt = measured[s]
+        err = (p.step_seconds - mt.wall) / mt.wall
+        errs.append(abs(err))
+        pred_t.append(p.step_seconds)
+        meas_t.append(mt.wall)
+        rows.append((n, mt.wall, p.step_seconds, err, mt.cpu, work, p.peak_memory / 2**20))
+    costs.save()
+    print(f"\n{'layout':14s} {'measured s':>10s} {'predicted s':>11s} {'error':>7s} {'cpu s/rank':>10s} "
+          f"{'pred cpu s':>10s} {'pred MiB':>8s}")
+    for n, mw, pw, e, mc, pc, mem in rows:
+        print(f"{n:14s} {mw:10.3f} {pw:11.3f} {e:+7.0%} {mc:10.3f} {pc:10.3f} {mem:8.0f}")
+    med = statistics.median(errs)
+    rho = spearman(pred_t, meas_t)
+    print(f"median |error| {med:.1%}, spearman {rho:.3f}")
+
+    speedup, n_changes = delta_vs_full(model, ev, _strategy("tp2_pp2", o.micro), o.changes)
+    print(f"delta vs full simulation: identical timelines for {n_changes} per-op changes of tp2_pp2; "
+          f"speedup {speedup:.1f}x")
+
+    space = SearchSpace(model, cluster.devices, all_devices=False)
+    t0 = time.time()
+    res = search(space, ev, budget=o.budget, devices_per_node=cluster.devices_per_node, progress=False)
+    pick = res.best.strategy
+    print(f"search ({o.budget} proposals, {time.time() - t0:.0f} s, {model.rehearsals} stage rehearsals): "
+          f"{pick.describe()}, predicted {res.best.step_seconds:.3f} s")
+    # The pick against the best measured layouts, measured again side by side (load drifts between batches).
+    ranked = sorted(zip(names, strategies), key=lambda ns: measured[ns[1]].wall)[:2]
+    again = timer.measure(list(dict.fromkeys([pick] + [s for _, s in ranked])), o.rounds, o.steps,
+                          log=lambda *_: None)
+    best_name, best = min(((n, again[s].wall) for n, s in ranked), key=lambda x: x[1])
+    got = again[pick].wall
+    print(f"search pick measured {got:.3f} s vs best measured layout {best_name} {best:.3f} s (side by side): "
+          f"{(got - best) / best:+.1%} ({'within' if got <= 1.10 * best else 'NOT within'} 10%)")
+    print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}; took {time.time() - t_start:.0f} s")
+    print(f"simulator: median error {med:.0%}, spearman {rho:.2f} over {len(names)} layouts; "
+          f"delta/full speedup {speedup:.1f}x")
+
+
+if __name__ == "__main__":
+    main()

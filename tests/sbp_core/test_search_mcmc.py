@@ -1,0 +1,47 @@
+"""Metropolis-Hastings over a tiny made-up space whose costs are known."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from sbp_core.search.mcmc import search
+from sbp_core.search.strategy import Strategy
+
+COST = {(1, 4): 4.0, (2, 2): 2.5, (4, 1): 3.0}  # (dp, tp) -> step seconds; micro-batch 1 is 0.5 s faster
+
+
+@dataclass
+class Pred:
+    strategy: Strategy
+    step_seconds: float
+    fits: bool = True
+
+
+class Space:
+    def seeds(self, devices_per_node):
+        return [Strategy(4, 1, 1, micro_batch_size=2), Strategy(1, 4, 1, micro_batch_size=2)]
+
+    def propose(self, s, rng):
+        if rng.random() < 0.5:
+            dp = rng.choice([1, 2, 4])
+            return replace(s, dp=dp, tp=4 // dp)
+        return replace(s, micro_batch_size=rng.choice([1, 2, 3]))
+
+    def valid(self, s):
+        return s.micro_batch_size != 3
+
+
+class Evaluator:
+    calls = 0
+
+    def predict(self, s, base=None):
+        Evaluator.calls += 1
+        return Pred(s, COST[(s.dp, s.tp)] - (0.5 if s.micro_batch_size == 1 else 0.0))
+
+
+def test_finds_the_optimum_from_the_seeds():
+    res = search(Space(), Evaluator(), budget=80, beta=5.0, seed=3, progress=False)
+    assert [p.strategy.dp for p in res.seeds] == [4, 1]
+    assert (res.best.strategy.dp, res.best.strategy.tp, res.best.strategy.micro_batch_size) == (2, 2, 1)
+    assert res.best.step_seconds == 2.0
+    assert res.invalid > 0 and res.accepted > 0
+    assert res.evaluated <= 6  # each distinct strategy is predicted once

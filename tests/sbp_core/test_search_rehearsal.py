@@ -1,0 +1,119 @@
+"""Rehearsals record what our dispatcher really does, and costs follow DESIGN.md's table and the links."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import sbp_core as sc
+from sbp_core.sbp import Broadcast, Split
+from sbp_core.search.cluster import cluster_from_dict
+from sbp_core.search.costmodel import collective_seconds
+from sbp_core.search.opcost import RooflineOpCosts
+from sbp_core.search.rehearsal import Collective, Rehearsal
+from sbp_core.search.stage_trace import StageSpec, global_input, trace_stage
+
+B, S0, S1 = Broadcast(), Split(0), Split(1)
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(16, 32, bias=False)
+        self.down = nn.Linear(32, 16, bias=False)
+
+    def forward(self, x):
+        return self.down(self.up(x).relu())
+
+
+PLANS = {"replicated": {}, "megatron": {"up.weight": (B, S0), "down.weight": (B, S1)},
+         "row_first": {"up.weight": (B, S1), "down.weight": (B, S0)}}
+
+
+def _build(placement, plan):
+    torch.manual_seed(0)
+    m = sc.distribute_module(MLP(), placement, plan)
+    return m, torch.optim.SGD(m.parameters(), lr=0.1)
+
+
+def _spec(plan):
+    return StageSpec(dp=1, tp=2, first=True, last=True, build=lambda p: _build(p, plan),
+                     inputs=lambda p: (global_input((8, 16), torch.float32, p, (S0, B), requires_grad=True), {}),
+                     forward=lambda m, x, labels: m(x).sum(), act_sbp=(S0, B), micro_batches=2)
+
+
+def _real_step(plan_name):
+    """On 2 real gloo ranks: the ledger of each phase of the step ``trace_stage`` rehearses."""
+    p = sc.placement("cpu", [[0, 1]])
+    m, opt = _build(p, PLANS[plan_name])
+    out = {}
+    for k in range(2):
+        x = sc.distribute(torch.randn(8, 16), p, (S0, B), requires_grad=True)
+        with sc.comm_ledger() as f:
+            y = m(x).sum()
+        with sc.comm_ledger() as b, sc.defer_grad_boxing():
+            (y / 2).backward()
+        out.setdefault("F", f.records)
+        out["B0" if k == 0 else "B"] = b.records
+    with sc.comm_ledger() as r:
+        sc.box_grads(m)
+    out["reduce"] = r.records
+    return {k: [(x.op, x.ranks, x.bytes) for x in v] for k, v in out.items()}
+
+
+@pytest.mark.parametrize("plan", sorted(PLANS))
+def test_rehearsal_communicates_what_the_real_step_does(plan):
+    from toolkit.rank_pool import get_pool
+
+    real = get_pool(2).run(_real_step, plan)[0]
+    tr = trace_stage(_spec(PLANS[plan]))
+    for name in ("F", "B0", "B", "reduce"):
+        assert [(c.op, c.ranks, c.bytes) for c in tr.phases[name].collectives] == real[name], name
+    if plan == "megatron":  # nn.Linear is [out, in]: each rank multiplies by half of each weight
+        mm = [tuple(c.args[0][1].shape) for c in tr.phases["F"].calls if c.op == "aten.mm.default"]
+        assert mm == [(16, 16), (16, 16)]
+        assert tr.param_bytes == (32 * 16 + 16 * 32) * 4 // 2
+        # the logical graph: global ops with global shapes and the signature chosen for them
+        g = [g for g in tr.phases["F"].global_ops if g.op == "aten.mm.default"]
+        assert [g.shapes for g in g] == [((8, 16), (16, 32)), ((8, 32), (32, 16))]
+        assert [g.outputs for g in g] == [((S0, S1),), ((S0, sc.sbp.partial_sum),)]
+    assert tr.stash_bytes > 0
+
+
+def test_rehearsal_leaves_no_world_behind():
+    with Rehearsal(4):
+        assert torch.distributed.is_initialized()
+    assert not torch.distributed.is_initialized()
+
+
+CLUSTER = {"name": "toy", "nodes": 2, "devices_per_node": 2,
+           "device": {"memory_gib": 1, "peak_tflops": {"float32": 1.0}, "memory_bandwidth_gbs": 1.0},
+           "links": {"intra_node": {"bandwidth_gbs": 10, "latency_us": 1},
+                     "inter_node": {"bandwidth_gbs": 1, "latency_us": 10}}}
+
+
+def test_collective_time_by_link_and_sharing():
+    c = cluster_from_dict(CLUSTER)
+    ar = Collective("all_reduce", (0, 1), 10**6)
+    # inside a node: 2 steps of 1 us + 1 MB at 10 GB/s
+    assert collective_seconds(ar, c, (0, 1), (0, 1)) == pytest.approx(2e-6 + 1e-4)
+    # across nodes, both devices of the node at once: 2 x 10 us + 1 MB at 1 GB/s / 2
+    assert collective_seconds(ar, c, (0, 2), (0, 1, 2, 3)) == pytest.approx(2e-5 + 2e-3)
+
+
+def test_roofline_mm_and_views():
+    from sbp_core.search.rehearsal import OpCall, TensorSpec
+
+    costs = RooflineOpCosts({"float32": 1e12}, 1e11)
+    a, b = TensorSpec((64, 128), (128, 1), "float32"), TensorSpec((128, 256), (256, 1), "float32")
+    mm = OpCall("aten.mm.default", ((a, b), ()), "")
+    flops = 2 * 64 * 128 * 256
+    nbytes = 4 * (64 * 128 + 128 * 256 + 64 * 256)
+    assert costs.seconds(mm) == pytest.approx(max(flops / 1e12, nbytes / 1e11))
+    view = OpCall("aten.view.default", ((a, (128, 64)), ()), "")
+    assert costs.seconds(view) == 0.0
+
+
+def test_bad_cluster_file_names_the_key():
+    with pytest.raises(ValueError, match="unknown keys"):
+        cluster_from_dict({**CLUSTER, "gpus": 3})

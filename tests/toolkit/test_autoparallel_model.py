@@ -1,0 +1,77 @@
+"""The recipe as the search sees it: deep stages priced from shallow rehearsals, and per-op choice points."""
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from sbp_core.search.strategy import Strategy
+
+TINY = ["model=gpt2-tiny", "model.n_layer=5", "model.n_embd=32", "model.n_head=2", "model.vocab_size=256",
+        "model.n_positions=16", "trainer.global_batch_size=4", "trainer.micro_batch_size=2", "trainer.eval_every=0"]
+
+
+@pytest.fixture(scope="module")
+def models():
+    from recipes.registry import get
+    from toolkit.autoparallel.search_model import RecipeSearchModel
+    from toolkit.config import compose
+
+    cfg = compose(TINY, run_dir="/tmp/autoparallel-model")
+    recipe = get(cfg.recipe.name)
+    return RecipeSearchModel(recipe, cfg, direct_blocks=3), RecipeSearchModel(recipe, cfg, direct_blocks=10)
+
+
+def test_five_layers_from_two_and_three(models):
+    shallow, direct = models
+    s = Strategy(dp=1, tp=2, micro_batch_size=2)
+    got, want = shallow.trace(s, 0), direct.trace(s, 0)
+    assert shallow.rehearsals == 2 and direct.rehearsals == 1
+    for name, ph in want.phases.items():
+        keys = Counter(c.key for c in got.phases[name].calls)
+        assert keys == Counter(c.key for c in ph.calls), name
+        assert Counter(got.phases[name].collectives) == Counter(ph.collectives), name
+        assert len(got.phases[name].global_ops) == len(ph.global_ops), name
+    for k in ("param_bytes", "grad_bytes", "optimizer_bytes", "stash_bytes", "act_bytes"):
+        assert getattr(got, k) == getattr(want, k), k
+
+
+def test_choices_and_validity(models):
+    model, _ = models
+    names = [c.name for c in model.choices]
+    assert "transformer.h.0.mlp.c_fc" in names and any("wte" in n and "lm_head" in n for n in names)
+    tied = next(c for c in model.choices if "wte" in c.name)
+    assert all(len(set(cand)) == 1 for cand in tied.candidates)  # one layout for both names of the tied weight
+    fc = next(c for c in model.choices if c.name == "transformer.h.0.mlp.c_fc")
+    own = dict(zip((p for p, _ in fc.params), fc.candidates[0]))  # the recipe's own comes first
+    assert own == {"transformer.h.0.mlp.c_fc.weight": "S(1)", "transformer.h.0.mlp.c_fc.bias": "S(0)"}
+    s = model.apply_choice(Strategy(dp=1, tp=2, micro_batch_size=2), fc, 1)
+    assert dict(s.ops) and not model.problems(s)
+    assert model.problems(Strategy(dp=1, tp=3, micro_batch_size=2))  # 2 heads do not split over 3
+
+
+def test_insightface_is_traced_and_priced():
+    """A vision recipe with no pipeline: the batch split over the whole mesh, a class-split FC head."""
+    from recipes.registry import get
+    from sbp_core.search.cluster import cluster_from_dict
+    from sbp_core.search.evaluate import Evaluator
+    from sbp_core.search.opcost import RooflineOpCosts
+    from toolkit.autoparallel.search_model import RecipeSearchModel
+    from toolkit.config import compose
+
+    cfg = compose(["recipe=insightface", "trainer.global_batch_size=16", "trainer.micro_batch_size=4"],
+                  run_dir="/tmp/autoparallel-insightface")
+    model = RecipeSearchModel(get("insightface"), cfg)
+    assert [c.name for c in model.choices] == ["head"]
+    assert model.micro_batches(Strategy(dp=2, tp=2, micro_batch_size=4)) == 1  # 4 data shards
+    assert model.problems(Strategy(dp=1, tp=1, pp=2, micro_batch_size=4))  # no pipeline split
+    cluster = cluster_from_dict({"name": "toy", "nodes": 1, "devices_per_node": 4,
+                                 "device": {"memory_gib": 1, "peak_tflops": {"float32": 1.0},
+                                            "memory_bandwidth_gbs": 10},
+                                 "links": {"intra_node": {"bandwidth_gbs": 1, "latency_us": 10}}})
+    ev = Evaluator(model, cluster, RooflineOpCosts(cluster.peak_flops, cluster.mem_bandwidth))
+    one, four = ev.predict(Strategy(micro_batch_size=4)), ev.predict(Strategy(dp=2, tp=2, micro_batch_size=4))
+    head = [g for g in four.traces[0].phases["F"].global_ops if g.module == "head" and g.op == "aten.mm.default"]
+    assert head and head[0].outputs[0][1].is_split  # logits split over the classes on the tp axis
+    assert four.traces[0].phases["reduce"].collectives and not one.traces[0].phases["reduce"].collectives
+    assert four.step_seconds < one.step_seconds

@@ -1,0 +1,98 @@
+"""A recipe's pipeline stage under a ``Strategy``, as ``sbp_core.search`` rehearses it.
+
+Builds what the trainer builds (``toolkit.trainer.Job``) for one stage: the
+full model from the recipe, only this stage's layers and first/last modules,
+the recipe's plan with the strategy's per-op layouts first
+(``toolkit.mesh.with_overrides``, as ``parallel.plan`` does in training),
+ZeRO's rewrite or ``distribute_module``, the recipe's optimizer, and one
+micro-batch's global inputs (the ``inputs`` fields on the first stage, the
+boundary activation elsewhere, the ``labels`` fields on the last);
+activation checkpointing and bf16 autocast as the trainer applies them.
+``layers`` keeps other repeated layers than the uniform split's, so that a
+deep stage can be priced from shallow rehearsals
+(``toolkit.autoparallel.search_model``).
+"""
+from __future__ import annotations
+
+import torch
+from omegaconf import OmegaConf
+
+import sbp_core as sc
+from sbp_core.search.stage_trace import StageSpec, global_input
+from sbp_core.search.strategy import Strategy
+from toolkit.config import typed
+from toolkit.mesh import model_names, plan_for_module, with_overrides
+from toolkit.recipe import data_shard, recipe_batch
+from toolkit.stages import keep_layers, stage_ranges
+from toolkit.trainer import autocast_forward
+
+
+def strategy_cfg(cfg, recipe, strategy: Strategy):
+    """A typed copy of ``cfg`` that runs ``strategy`` (degrees, ZeRO, micro-batch, sequence parallel, per-op plan)."""
+    out = typed(OmegaConf.to_container(cfg, resolve=False) if OmegaConf.is_config(cfg) else cfg, recipe)
+    par = out.parallel
+    par.dp, par.tp, par.pp, par.zero = strategy.dp, strategy.tp, strategy.pp, strategy.zero
+    par.sequence_parallel, par.plan, par.stage_layers = strategy.sequence_parallel, dict(strategy.ops), None
+    par.auto = False
+    out.trainer.micro_batch_size = strategy.micro_batch_size
+    return out
+
+
+def stage_layers(recipe, cfg, pp: int, stage: int) -> range:
+    if recipe.pipeline is None:
+        return range(0)
+    return stage_ranges(recipe.n_layers(cfg.model), pp)[stage]
+
+
+def stage_spec(recipe, cfg, strategy: Strategy, stage: int, layers=None, zero=None) -> StageSpec:
+    """``StageSpec`` of stage ``stage`` (``layers``: the repeated layers it holds, default the uniform split's)."""
+    cfg = strategy_cfg(cfg, recipe, strategy)
+    pp = strategy.pp
+    layers = stage_layers(recipe, cfg, pp, stage) if layers is None else layers
+    first, last = stage == 0, stage == pp - 1
+    mesh_shape, origin = (strategy.dp, strategy.tp), (0, 0)
+    rows = strategy.micro_batch_size * data_shard(recipe.data_sbp, mesh_shape, origin)[1]
+    fields = recipe_batch(cfg, recipe)
+
+    def build(placement):
+        torch.manual_seed(int(cfg.trainer.seed))
+        model = recipe.build_model(cfg.model)
+        names = model_names(model)
+        module = model if recipe.pipeline is None else keep_layers(model, recipe.pipeline, layers, first, last)
+        if cfg.trainer.activation_checkpointing:
+            recipe.checkpoint_layers(module)
+        plan = plan_for_module(module, with_overrides(recipe.mesh_plan(cfg), cfg.parallel.plan), names)
+        if strategy.zero and strategy.dp > 1:
+            if zero is None:
+                raise ValueError(f"strategy {strategy.name} uses ZeRO: pass recipes.zero.apply_zero as zero=")
+            module, z = zero(module, placement, plan, stage=strategy.zero, dp_axis=0)
+            optimizer = recipe.build_optimizer(module, cfg)
+            z.attach(optimizer)
+        else:
+            sc.distribute_module(module, placement, plan)
+            optimizer = recipe.build_optimizer(module, cfg)
+        return module, optimizer
+
+    def batch(placement, names):
+        return {k: global_input((rows, *fields[k][0]), fields[k][1], placement, recipe.data_sbp) for k in names}
+
+    def inputs(placement):
+        if first:
+            x = batch(placement, recipe.inputs)
+        else:
+            x = global_input(recipe.act_shape(cfg, rows), torch.float32, placement, recipe.act_sbp, requires_grad=True)
+        return x, (batch(placement, recipe.labels) if last else None)
+
+    m = int(cfg.trainer.global_batch_size) // rows
+    forward = recipe.stage_forward
+    if cfg.trainer.precision == "bf16":
+        forward = autocast_forward(forward, "cpu")  # the rehearsal's tensors are (fake) CPU tensors
+    return StageSpec(dp=strategy.dp, tp=strategy.tp, first=first, last=last, build=build, inputs=inputs,
+                     forward=forward, act_sbp=tuple(recipe.act_sbp), micro_batches=m,
+                     grad_clip=float(cfg.trainer.grad_clip) or None)
+
+
+def mesh_plan(recipe, cfg, strategy: Strategy) -> dict:
+    """The plan a stage of ``strategy`` is distributed with (recipe's plan, per-op layouts first)."""
+    c = strategy_cfg(cfg, recipe, strategy)
+    return with_overrides(recipe.mesh_plan(c), c.parallel.plan)
