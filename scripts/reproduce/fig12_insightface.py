@@ -20,6 +20,7 @@ TITLE = "OneFlow Fig 12 / InsightFace: model-parallel FC vs data parallel, memor
 COLUMNS = ["classes", "kind", "peak_mib", "images_per_s", "status"]
 KIND_NAMES = {"ddp": "DDP (FC replicated)", "mp": "ours: class-split FC", "pfc": "ours: Partial FC 0.1"}
 MIB = 2 ** 20
+QUICK = {"classes": "10000,100000", "steps": 1, "batch": 32}
 
 
 def add_arguments(ap) -> None:

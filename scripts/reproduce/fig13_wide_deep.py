@@ -19,6 +19,7 @@ from .writer import Result
 TITLE = "OneFlow Fig 13 / DLPerf: Wide&Deep latency and memory vs vocabulary, 1/2/4 ranks"
 COLUMNS = ["series", "vocab_rows", "step_ms", "peak_mib"]
 MIB = 2 ** 20
+QUICK = {"start": 14, "budget_gib": 0.0625, "hidden": "64x2", "steps": 1, "rounds": 1}
 
 
 def add_arguments(ap) -> None:

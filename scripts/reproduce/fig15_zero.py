@@ -19,6 +19,7 @@ COLUMNS = ["variant", "stage", "dtype", "params_mib", "grads_mib", "optim_mib", 
            "sent_mib", "sent_formula_mib", "step_s", "tokens_per_s"]
 PARTS = (("params", "params_mib"), ("grads", "grads_mib"), ("optimizer_states", "optim_mib"), ("total", "total_mib"))
 MIB = 2 ** 20
+QUICK = {"steps": 1}
 
 
 def add_arguments(ap) -> None:

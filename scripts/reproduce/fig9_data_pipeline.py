@@ -21,6 +21,7 @@ TITLE = "OneFlow Fig 9: data pipeline throughput vs synthetic data (GPT tokens, 
 COLUMNS = ["input", "way", "median_s", "steps_per_s", "items_per_s", "unit", "vs_synthetic", "same_losses"]
 INPUTS = ("tokens", "images")
 SYNTHETIC = "synthetic (in memory)"
+QUICK = {"repeats": 1, "token_steps": 20, "image_steps": 4, "image_size": 64, "identities": 20}
 
 
 def add_arguments(ap) -> None:
