@@ -66,8 +66,9 @@ def reproduce(args, bench) -> Result:
 
 
 def plot(result: Result, plt):
-    fig, (mem, thr) = plt.subplots(1, 2, figsize=(11, 3.9))
-    labels = [f"{r['variant']}\nstage {r['stage']} {r['dtype']}" for r in result.rows]
+    fig, (mem, thr) = plt.subplots(1, 2, figsize=(11, 4.6))
+    short = {"ZeroRedundancyOptimizer": "ZeRO-Opt"}
+    labels = [f"{short.get(r['variant'], r['variant'])} s{r['stage']} {r['dtype']}" for r in result.rows]
     bottom = [0.0] * len(result.rows)
     for key, col in PARTS[:3]:
         values = [r[col] for r in result.rows]
@@ -82,6 +83,6 @@ def plot(result: Result, plt):
             color=["tab:blue" if r["variant"] == "ours" else "tab:orange" for r in result.rows])
     thr.set_ylabel("tokens/s (median step)")
     for ax in (mem, thr):
-        ax.tick_params(axis="x", labelsize=6)
+        ax.tick_params(axis="x", labelsize=7, labelrotation=45)
         ax.grid(axis="y", alpha=0.3)
     return fig
