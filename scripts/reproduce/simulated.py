@@ -42,7 +42,8 @@ def load_cluster(name: str, nodes: int | None = None):
         if not 1 <= nodes <= cluster.nodes:
             raise ValueError(f"nodes={nodes}: cluster {name} has 1..{cluster.nodes} nodes")
         if nodes != cluster.nodes:
-            cluster = dataclasses.replace(cluster, nodes=nodes, name=f"{cluster.name} ({nodes} nodes)")
+            plural = "s" if nodes > 1 else ""
+            cluster = dataclasses.replace(cluster, nodes=nodes, name=f"{cluster.name} ({nodes} node{plural})")
     if cluster.costs != "roofline":
         raise ValueError(f"cluster {name}: costs {cluster.costs!r}; paper-scale predictions need a roofline preset "
                          "(a measured machine is verified by scripts/verify_simulator.py)")
