@@ -19,8 +19,8 @@ batch norm's statistics.
   per-channel sums -> ``P`` -> boxed to ``B`` (an all-reduce of ``C`` values
   for the mean, another for the variance), so the statistics and the
   running-stat updates equal single-device ones. Its backward likewise
-  all-reduces the two per-channel gradient sums (which then are ``dw``/``db``,
-  ``B``). Otherwise by rule: channel split (``x`` ``S(1)``, parameters and
+  all-reduces the two per-channel gradient sums, stacked into one ``[2, C]``
+  all-reduce (they then are ``dw``/``db``, ``B``). Otherwise by rule: channel split (``x`` ``S(1)``, parameters and
   statistics ``S(0)``) -> ``(S(1), S(0), S(0))``; in eval mode also batch /
   spatial ``S(d)`` with ``B`` parameters; ``B`` -> ``B``. In training the
   running stats are updated in place, so they must already be laid out as
@@ -156,10 +156,12 @@ def _batch_norm_train(x, weight, bias, running_mean, running_var, training, mome
 def _batch_norm_train_backward(g, x, weight, running_mean, running_var, save_mean, save_invstd, train, eps, mask):
     dims, n, shape = _bn_geometry(x)
     xhat = (x - save_mean.view(shape)) * save_invstd.view(shape)
-    sum_g, sum_gx = g.sum(dims), (g * xhat).sum(dims)
+    sums = torch.stack([g.sum(dims), (g * xhat).sum(dims)])
+    if mask[0]:  # dx needs both sums whole: one all-reduce of [2, C], not two of [C]
+        sums = _row_stat(sums)
+    sum_g, sum_gx = sums[0], sums[1]
     dx = None
     if mask[0]:
-        sum_g, sum_gx = _row_stat(sum_g), _row_stat(sum_gx)
         scale = save_invstd if weight is None else save_invstd * weight
         dx = (g - (sum_g / n).view(shape) - xhat * (sum_gx / n).view(shape)) * scale.view(shape)
     return dx, sum_gx if mask[1] else None, sum_g if mask[2] else None
