@@ -70,7 +70,11 @@ def main(argv=None) -> int:
             print(f"{name:6s} {load(name).TITLE}")
         return 0
     if args.figure != "all":
-        run_figure(args.figure, args)
+        try:
+            run_figure(args.figure, args)
+        except ValueError as err:  # bad input, raised before any benchmark or simulation ran
+            print(f"python -m scripts.reproduce {args.figure}: {err}", file=sys.stderr)
+            return 2
         return 0
     failed = []
     for name, parser in figures.items():

@@ -62,12 +62,11 @@ def measured_rows(data: dict) -> list:
     return rows
 
 
-def predicted_rows(args) -> tuple:
+def predicted_rows(args, clusters: list) -> tuple:
     """``(rows, notes)``: each layout of ``--predict-layouts`` simulated on each cluster (one rehearsal for all)."""
     layouts = [x for x in args.predict_layouts.split(",") if x]
     if not layouts:
         return [], []
-    clusters = [load_cluster(c) for c in args.clusters.split(",") if c]
     model = gpt_model(gpt_overrides(args.predict_model, args.predict_batch, args.predict_micro))
     seq = int(model.cfg.data.seq_len)
     evaluators = [evaluator(model, c) for c in clusters]
@@ -101,6 +100,7 @@ def predicted_rows(args) -> tuple:
 
 
 def reproduce(args, bench) -> Result:
+    clusters = [load_cluster(c) for c in args.clusters.split(",") if c]  # a bad preset fails before any run
     data = bench.run("bench_gpt", ["--only", args.only, "--seq", args.seq, "--batch", args.batch, "--micro",
                                    args.micro, "--steps", args.steps, "--warmup", args.warmup])
     rows = measured_rows(data)
@@ -111,7 +111,7 @@ def reproduce(args, bench) -> Result:
     if single:
         notes.append(f"single process: ours {single['ours']['mfu'] * 100:.1f}% MFU, eager torch "
                      f"{single['theirs']['mfu'] * 100:.1f}% (of {single['peak'] * 1e3:.1f} GFLOP/s measured on one thread)")
-    predicted, more = predicted_rows(args)
+    predicted, more = predicted_rows(args, clusters)
     rows += predicted
     notes += more
     measured = (f"gpt2-tiny (4 layers, n_embd 128, vocab 8192), {args.batch} sequences of {args.seq} tokens a step, "
