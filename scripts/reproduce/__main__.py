@@ -72,7 +72,7 @@ def main(argv=None) -> int:
     if args.figure != "all":
         try:
             run_figure(args.figure, args)
-        except ValueError as err:  # bad input, raised before any benchmark or simulation ran
+        except ValueError as err:  # bad input: the message names the value and the valid choices
             print(f"python -m scripts.reproduce {args.figure}: {err}", file=sys.stderr)
             return 2
         return 0
