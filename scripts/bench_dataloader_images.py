@@ -101,10 +101,17 @@ def synthetic(o, batches: list, classes: int) -> list:
 
 
 def interleaved(ways: dict, repeats: int) -> tuple:
-    """``({way: [seconds per run]}, {way: last run's losses})``; each repeat runs every way once, in turn."""
+    """``({way: [seconds per run]}, {way: last run's losses})``; each repeat runs every way once, in turn.
+
+    Repeat ``r`` starts at way ``r`` (mod the ways), so no way always runs
+    right after another's (a DataLoader's workers still exiting, a load spike
+    on a shared machine) or always first.
+    """
     times, losses = {name: [] for name in ways}, {}
-    for _ in range(repeats):
-        for name, fn in ways.items():
+    names = list(ways)
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            fn = ways[name]
             t = time.perf_counter()
             losses[name] = fn()
             times[name].append(time.perf_counter() - t)
