@@ -20,9 +20,14 @@ use one thread each too) so that on a 2-core machine data loading has a core
 to overlap with instead of competing with intra-op threads. Each time is the
 whole loop, start-up included (executor threads; DataLoader worker
 processes), median of ``REPEATS`` runs interleaved across the four ways.
+
+``--steps`` and ``--repeats`` override ``STEPS`` and ``REPEATS``;
+``--json PATH`` also writes the printed rows as JSON.
 """
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import statistics
 import sys
@@ -78,7 +83,18 @@ def synthetic(batches: list) -> list:
     return [step(b) for b in batches]
 
 
-def main() -> None:
+def _args(argv):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=STEPS)
+    ap.add_argument("--repeats", type=int, default=REPEATS)
+    ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    global STEPS, REPEATS
+    args = _args(argv)
+    STEPS, REPEATS = args.steps, args.repeats
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "tokens.bin")
@@ -113,7 +129,18 @@ def main() -> None:
               f"{rate[name]:6.1f} steps/s  ({same} as synthetic)")
     actor = rate["actor pipeline"]
     best_dl = max(rate["DataLoader (1 worker)"], rate["DataLoader (2 workers)"])
+    if args.json:
+        _write_json(args.json, times, losses, ref)
     print(f"actor pipeline / synthetic: {actor / rate['synthetic (in memory)']:.2f}; vs best DataLoader: {actor / best_dl:.2f}x")
+
+
+def _write_json(path: str, times: dict, losses: dict, ref: list) -> None:
+    rows = [{"way": name, "median_s": statistics.median(t), "min_s": min(t),
+             "steps_per_s": STEPS / statistics.median(t), "tokens_per_s": STEPS * BATCH * SEQ / statistics.median(t),
+             "same_losses": losses[name] == ref} for name, t in times.items()]
+    setting = {"n_layer": GPT_CFG.n_layer, "batch": BATCH, "seq": SEQ, "steps": STEPS, "repeats": REPEATS}
+    with open(path, "w") as f:
+        json.dump({"setting": setting, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -75,12 +75,14 @@ it). The plain-torch MFU is printed for reference.
 
 Prints one table per pair and a summary; last line:
 ``vs DDP X.XXx, vs DTensor-TP Y.YYx, vs torch-PP Z.ZZx; single-process MFU W%``
-(ratios = our tokens/s / theirs; above 1 favours ours).
+(ratios = our tokens/s / theirs; above 1 favours ours). ``--json PATH``
+also writes each pair's summary (the numbers its table prints).
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import gc
 import importlib
 import os
@@ -403,6 +405,7 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--max-bytes", type=int, default=300000, help="stdlib corpus bytes to tokenize")
     ap.add_argument("--only", default="dp2,tp2,pp2,single", help="comma-separated subset of dp2,tp2,pp2,single")
+    ap.add_argument("--json", default=None, help="also write each pair's summary to this JSON file")
     o = ap.parse_args(argv)
 
     from toolkit.rank_pool import get_pool
@@ -446,6 +449,10 @@ def main(argv=None) -> int:
 
     mfu = f"{results['single']['ours']['mfu'] * 100:.1f}%" if "single" in results else "n/a"
     print(f"vs DDP {ratio('dp2')}, vs DTensor-TP {ratio('tp2')}, vs torch-PP {ratio('pp2')}; single-process MFU {mfu}")
+    if o.json:
+        with open(o.json, "w") as f:
+            json.dump({"setting": vars(o), "tokens_per_step": o.batch * o.seq, "peers": dict(PAIRS),
+                       "results": results}, f, indent=1)
     return 0
 
 

@@ -25,12 +25,14 @@ A run whose memory the measured points predict (linear fit in C) above
 DP running out first); the largest C each kind fits in the budget comes from
 the same fit. Last line:
 ``insightface: mp vs ddp mem 0.XXx thr X.XXx at N classes; max classes ddp A, mp B, pfc C``
-(N: the largest C both ran; mem and thr are ours / DDP's).
+(N: the largest C both ran; mem and thr are ours / DDP's). ``--json PATH``
+also writes the rows (one per classes and kind) and the largest class counts.
 """
 from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import statistics
 import sys
@@ -128,6 +130,7 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-mib", type=float, default=1024.0, help="per-rank memory budget for 'fits'")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--batch", type=int, default=64, help="global batch (images)")
+    ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = ap.parse_args(argv)
     classes = [int(c) for c in args.classes.split(",")]
     budget = args.budget_mib * 2 ** 20
@@ -159,7 +162,19 @@ def main(argv=None) -> int:
     print(f"insightface: mp vs ddp mem {mem_ratio:.2f}x thr {thr_ratio:.2f}x at {n} classes; max classes "
           f"ddp {_max_classes(measured['ddp'], budget)}, mp {_max_classes(measured['mp'], budget)}, "
           f"pfc {_max_classes(measured['pfc'], budget)}")
+    if args.json:
+        _write_json(args.json, args, classes, measured, speed, budget)
     return 0
+
+
+def _write_json(path: str, args, classes: list, measured: dict, speed: dict, budget: float) -> None:
+    """One row per (classes, kind): peak bytes and images/s, or ``None`` for both when over budget."""
+    rows = [{"classes": c, "kind": k, "peak_bytes": measured[k].get(c), "images_per_s": speed[k].get(c)}
+            for c in classes for k in KINDS]
+    most = {k: _max_classes(measured[k], budget).replace(",", "") for k in KINDS}
+    with open(path, "w") as f:
+        json.dump({"setting": vars(args), "budget_bytes": budget, "rows": rows,
+                   "max_classes": {k: int(v) if v.isdigit() else None for k, v in most.items()}}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -38,12 +38,14 @@ growth per vocab doubling Y%; vs torch single thr Z.ZZx`` where Y is the
 geometric mean over every doubling of our runs (all R) of the step-time
 ratio minus 1, and Z our 1-rank throughput over torch's single process at
 the largest V both ran (the same one thread), run back to back for
-``--rounds`` rounds, best of each.
+``--rounds`` rounds, best of each. ``--json PATH`` also writes the table's
+rows (one per series and V) and the largest V of each series.
 """
 from __future__ import annotations
 
 import argparse
 import gc
+import json
 import math
 import os
 import sys
@@ -242,6 +244,7 @@ def main():
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3, help="back-to-back rounds of ours vs torch single")
+    ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = ap.parse_args()
     if "x" in args.hidden:
         width, depth = args.hidden.split("x")
@@ -286,6 +289,11 @@ def main():
           f"{thr:.2f}x ({best['ours'] * 1e3:.1f} vs {best['torch'] * 1e3:.1f} ms/step)")
     print(f"wide_deep: max vocab 1 rank {a}, 4 ranks {b} (B/A = {b / a:.1f}x); latency growth per vocab doubling "
           f"{growth:.0f}%; vs torch single thr {thr:.2f}x")
+    if args.json:
+        rows = [{"series": n, "rows": v, "step_s": t[0], "peak_bytes": t[1]} for n in names for v, t in table[n].items()]
+        with open(args.json, "w") as f:
+            json.dump({"setting": vars(args), "budget_bytes": budget, "rows": rows, "max_rows": most,
+                       "growth_pct": growth, "thr_vs_torch": thr}, f, indent=1)
 
 
 if __name__ == "__main__":

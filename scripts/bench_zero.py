@@ -24,12 +24,14 @@ in fp32, each back to back with our fp32 stage 1 / stage 3 for ``--rounds``
 rounds (best median step of each): mem = our bytes held / the peer's (worst
 rank), thr = our tokens/s / the peer's. Last line:
 ``zero bytes vs formula exact: K/K; vs ZeroRedundancyOptimizer mem X.XXx thr Y.YYx; vs FSDP2 mem X.XXx thr Y.YYx``.
+``--json PATH`` also writes the rows (ours per stage and dtype, each peer).
 """
 from __future__ import annotations
 
 import argparse
 import ctypes
 import gc
+import json
 import os
 import re
 import sys
@@ -224,7 +226,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=5, help="timed steps per run")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2, help="head-to-head rounds against each peer")
+    ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = ap.parse_args(argv)
+    rows = []  # for --json: what each table line and peer line prints
     pool = get_pool(WORLD, timeout=600)
     tokens = BATCH * SEQ
     print(f"GPT-2 n_layer={CFG.n_layer} n_embd={CFG.n_embd} vocab={CFG.vocab_size}, batch {BATCH}x{SEQ}, "
@@ -251,6 +255,8 @@ def main(argv=None) -> int:
             print(f"{stage:>5} {'bf16' if bf16 else 'fp32':>5} {cols} {'yes' if ok else 'NO':>5} "
                   f"{_mb(sent)} {_mb(traffic_formula(stage, psi, WORLD, bf16))} {_rss(res)} "
                   f"{step_s:7.3f} {tokens / step_s:6.0f}")
+            rows.append(dict(kind="ours", stage=stage, dtype="bf16" if bf16 else "fp32", held=worst["mem"], formula=want,
+                             exact=ok, sent=sent, sent_formula=traffic_formula(stage, psi, WORLD, bf16), step_s=step_s))
     print(f"Ψ = {psi:,} parameters, N = {WORLD}. formula: held per the ZeRO paper (K = 12 mixed, 8 fp32); "
           "sent = 2Ψ(N-1)/N for stages 0-2 and 3Ψ(N-1)/N for stage 3, in compute-dtype bytes "
           "(measured adds the loss's and the gradient norm's scalars)")
@@ -274,11 +280,16 @@ def main(argv=None) -> int:
                 cols = " ".join(f"{k} {_mb(worst['mem'][k])}" for k in ("params", "grads", "optimizer_states"))
                 print(f"{name} (vs our fp32 stage {stage}): {cols} MiB; peak RSS {_rss(res)} MB; best median step "
                       f"{peer_s:.3f}s ({tokens / peer_s:.0f} tok/s) vs ours {step_s:.3f}s ({tokens / step_s:.0f} tok/s)")
+                rows.append(dict(kind=name, stage=stage, dtype="fp32", held=worst["mem"], step_s=peer_s, ours_step_s=step_s))
     tail = "; ".join(f"vs {n} mem {ratios[n][0]:.2f}x thr {ratios[n][2] / ratios[n][1]:.2f}x" if n in ratios
                      else f"vs {n} failed" for n in peers)
     print("mem = our bytes held / the peer's (worst rank; lower is better); thr = our tokens/s / the peer's "
           f"(best median step over {args.rounds} back-to-back rounds; higher is better)")
     print(f"zero bytes vs formula exact: {exact}/{total}; {tail}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"setting": {**vars(args), "psi": psi, "world": WORLD, "tokens_per_step": tokens}, "rows": rows},
+                      f, indent=1)
     return 0 if exact == total else 1
 
 
