@@ -1,138 +1,54 @@
-"""Running aten ops on global tensors: pick a signature, box the inputs, run locally, wrap.
+"""Running aten ops on global tensors: the hot path of ``GlobalTensor.__torch_dispatch__``.
 
-``GlobalTensor.__torch_dispatch__`` calls ``dispatch``. On the first call
-with given (op, input layouts, shapes, arguments) the op's rule proposes
-1-d signatures per mesh axis; their products are costed by the boxing
-planner (bytes, DESIGN.md's table) and the cheapest is cached, so later
-calls pay one dictionary lookup. Output shapes and strides come from running
-the op once on meta tensors. A rank outside the placement computes nothing
-and holds empty locals.
+Each call builds a cache key from the op and its arguments, each global
+tensor contributing its (interned) ``Layout`` object, so the key is a tuple
+hashed in C. A miss goes to ``decide`` (the rule, the costed choice of
+signature, the meta run for output shapes), which validates the call; a hit
+re-validates nothing, because the same layouts passed validation when the
+entry was made. A hit on a ``plain`` decision (member rank, no boxing, no
+custom local) runs ``func(*locals)`` and wraps the result with the
+decision's precomputed output layouts. A rank outside the placement
+computes nothing and holds empty locals.
+
+What the key holds of non-tensor arguments: the values themselves, lists as
+tuples, floats only as zero or not (see ``_float_part``), 0-d local tensors
+by dtype. An argument list that nests tensors (``cat``, ``index``) takes the
+pytree path, ``_dispatch_nested``.
 """
 from __future__ import annotations
 
 import contextlib
-import itertools
-import math
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .boxing import box
-from .boxing.nd_plan import plan
-from .global_tensor import GlobalTensor, NoSbpRule
-from .layout import Layout
-from .ops.registry import Call, TensorMeta, lookup
+from .decide import WRAP_ONE, WRAP_SEQ, decide, mixed_local
+from .global_tensor import GlobalTensor, wrap
+
+_make_wrapper = torch.Tensor._make_wrapper_subclass
+_strided = torch.strided
 from .process_groups import world_rank
 from .sbp import format_sbp
 
 aten = torch.ops.aten
-
-
-class LocalContext:
-    """What a custom local implementation may need: where this rank sits and the chosen signature."""
-
-    __slots__ = ("placement", "coords", "sigs", "in_layouts", "out_layouts")
-
-    def __init__(self, placement, sigs, in_layouts, out_layouts):
-        self.placement = placement
-        self.coords = placement.coords(world_rank())
-        self.sigs = sigs  # one 1-d Sig per mesh axis
-        self.in_layouts = in_layouts  # boxed layouts of the global inputs
-        self.out_layouts = out_layouts
-
-
-class Decision:
-    __slots__ = ("required", "out_layouts", "out_spec", "entry", "sigs", "decompose", "inplace", "cost",
-                 "in_layouts", "member", "boxes", "ctx")
-
+_Tensor = torch.Tensor
+_SCALAR = aten._local_scalar_dense.default
 
 _cache: dict = {}
+_CACHE_LIMIT = 1 << 16
 _explain: list = []
 
-
-def _describe(flat):
-    return [f"{tuple(a.shape)} {format_sbp(a.sbp)}" if isinstance(a, GlobalTensor) else type(a).__name__ for a in flat if isinstance(a, torch.Tensor)]
-
-
-def _plan_cost(src, dst, placement, shape, dtype) -> float:
-    if src == dst:
-        return 0.0
-    try:
-        return plan(src, dst, placement.shape, tuple(shape), dtype.itemsize)[1]
-    except ValueError:
-        return math.inf
+# Float arguments count only as zero or not: optimizers pass step-dependent
+# floats (``addcdiv_(value=-step_size)``) and no rule reads more of a float
+# than that, so keying on the value would re-decide every step and grow the
+# cache without bound.
+_FLOAT_ZERO, _FLOAT = object(), object()
+_LOCAL_0D = object()  # marks a 0-d local tensor (a scalar); its dtype follows in the key
 
 
-def _decide(func, flat, spec, gpos, placement) -> Decision:
-    entry = lookup(func)
-    globals_ = [flat[i] for i in gpos]
-    if entry is None:
-        raise NoSbpRule(
-            f"no SBP rule for {func} with inputs {_describe(flat)}: add one in sbp_core/ops, "
-            "or box the inputs and run the op on their locals"
-        )
-    metas = [TensorMeta(x.shape, x.dtype) for x in globals_]
-    meta_flat = list(flat)
-    rule_flat = list(flat)
-    for i, x in zip(gpos, globals_):
-        meta_flat[i] = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
-        rule_flat[i] = TensorMeta(x.shape, x.dtype)
-    margs, mkwargs = tree_unflatten(meta_flat, spec)
-    if isinstance(mkwargs.get("device"), torch.device):  # e.g. autocast's _to_copy(..., device=cpu)
-        mkwargs = {**mkwargs, "device": torch.device("meta")}
-    out = func(*margs, **mkwargs)
-    out_flat, out_spec = tree_flatten(out)
-    rargs, rkwargs = tree_unflatten(rule_flat, spec)
-    actual = [x.sbp for x in globals_]
-    d = Decision()
-    d.entry = entry
-    d.inplace = torch.Tag.inplace in func.tags
-    d.out_spec = out_spec
-    call = Call(func, rargs, rkwargs, metas, 1, 0, placement.shape, actual)
-    if entry.decompose_when is not None and entry.decompose_when(call):
-        d.decompose = True
-        return d
-    d.decompose = False
-    per_axis = []
-    for axis, n in enumerate(placement.shape):
-        call.p, call.axis = n, axis
-        per_axis.append(entry.rule(call))
-    best = None
-    for sigs in itertools.product(*per_axis):
-        required = [
-            tuple(a if s.inputs[j] is None else s.inputs[j] for a, s in zip(actual[j], sigs)) for j in range(len(globals_))
-        ]
-        if d.inplace and required[0] != actual[0]:
-            continue
-        cost = sum(_plan_cost(actual[j], required[j], placement, metas[j].shape, metas[j].dtype) for j in range(len(globals_)))
-        # Ties (free boxings such as B -> S) go to the signature that changes fewest inputs.
-        rank = (cost, sum(r != a for r, a in zip(required, actual)))
-        if best is None or rank < best[0]:
-            best = (rank, sigs, required)
-    if best is None or math.isinf(best[0][0]):
-        valid = [" x ".join(f"{[format_sbp((i,)) for i in s.inputs]}->{[format_sbp((o,)) for o in s.outputs]}" for s in sigs) for sigs in itertools.product(*per_axis)]
-        raise ValueError(
-            f"{func} cannot run with inputs {_describe(flat)}"
-            + (" in place" if d.inplace else "")
-            + f"; valid signatures per mesh axis: {valid[:12]}"
-        )
-    (d.cost, _), d.sigs, d.required = best
-    d.in_layouts = [x.layout.with_sbp(r) for x, r in zip(globals_, d.required)]
-    outs = [o for o in out_flat if isinstance(o, torch.Tensor)]
-    d.out_layouts = []
-    k = 0
-    for o in out_flat:
-        if isinstance(o, torch.Tensor):
-            sbp = tuple(s.outputs[k] for s in d.sigs)
-            d.out_layouts.append((Layout(placement, sbp, o.shape, o.dtype), o.stride()))
-            k += 1
-        else:
-            d.out_layouts.append(None)
-    assert k == len(outs)
-    return d
-
-
-_CACHE_LIMIT = 1 << 16
+class _Nested(Exception):
+    """An argument nests tensors (e.g. ``cat``'s list): take the pytree path."""
 
 
 @contextlib.contextmanager
@@ -146,152 +62,184 @@ def decisions(cache: dict):
         _cache = saved
 
 
-def _key_part(a):
-    """What of a non-tensor argument a decision may depend on.
-
-    Floats count only as zero or not: optimizers pass step-dependent floats
-    (``addcdiv_(value=-step_size)``), and no rule reads more of a float than
-    that, so keying on the value would re-decide every step and grow the
-    cache without bound.
-    """
-    if type(a) is float:
-        return (float, a == 0.0)
-    if isinstance(a, list):
-        return tuple(a)
-    return a
-
-
-class _Nested(Exception):
-    """An argument nests tensors (e.g. ``cat``'s list): take the pytree path."""
-
-
-def _scan(func, args, kwargs):
-    """The decision key and the global inputs, without pytree (the hot path)."""
-    key = [func, "flat"]
-    globals_ = []
-    placement = None
-    for a in itertools.chain(args, kwargs.values()):
-        if isinstance(a, GlobalTensor):
-            lay = a._layout
-            if placement is None:
-                placement = lay.placement
-            elif lay.placement != placement:
-                _mixed(func, placement, lay.placement)
-            key.append(lay.sbp)
-            key.append(lay.shape)
-            key.append(lay.dtype)
-            globals_.append(a)
-        elif isinstance(a, torch.Tensor):
-            if a.dim() != 0:
-                _local_mixed(func, a)
-            key.append(a.dtype)
-        elif isinstance(a, (list, tuple)):
-            if any(isinstance(v, torch.Tensor) for v in a):
+def _key_kwargs(func, kwargs, key) -> None:
+    for k, a in kwargs.items():
+        key.append(k)
+        t = type(a)
+        if t is float:
+            key.append(_FLOAT_ZERO if a == 0.0 else _FLOAT)
+        elif t is list or t is tuple:
+            if a and (a[0] is None or isinstance(a[0], _Tensor)):
                 raise _Nested
             key.append(tuple(a))
+        elif isinstance(a, _Tensor):
+            if isinstance(a, GlobalTensor):
+                key.append(a._layout)
+            elif a.dim() == 0:
+                key.append(_LOCAL_0D)
+                key.append(a.dtype)
+            else:
+                mixed_local(func, a)
         else:
-            key.append(_key_part(a))
-    key.extend(kwargs)
-    key.append(placement)
-    return tuple(key), globals_, placement
+            key.append(a)
 
 
-def _mixed(func, p1, p2):
-    raise ValueError(
-        f"{func} mixes global tensors on {p1} and {p2}: box one of them with .to_global(placement=...) first"
-    )
-
-
-def _local_mixed(func, a):
-    raise ValueError(
-        f"{func} mixes a global tensor with a local {tuple(a.shape)} tensor: "
-        "declare it with sc.to_global(local, placement, sbp) first"
-    )
-
-
-def _decision(func, args, kwargs, key):
-    """The cached decision for ``key``, deciding (via pytree) on a miss."""
+def _miss(func, args, kwargs, key):
+    """Decide (and validate) a call whose key is not cached yet; cache the decision."""
     try:
-        d = _cache.get(key)
+        hash(key)
     except TypeError:  # an unhashable argument: decide afresh, do not cache
-        key, d = None, None
-    if d is not None:
-        return d
-    flat, spec = tree_flatten((args, kwargs))
-    gpos = [i for i, a in enumerate(flat) if isinstance(a, GlobalTensor)]
-    placement = flat[gpos[0]].placement
-    for i, a in enumerate(flat):
-        if isinstance(a, GlobalTensor) and a.placement != placement:
-            _mixed(func, placement, a.placement)
-        elif isinstance(a, torch.Tensor) and not isinstance(a, GlobalTensor) and a.dim() != 0:
-            _local_mixed(func, a)
-    d = _decide(func, flat, spec, gpos, placement)
-    d.member = world_rank() in placement
-    if not d.decompose:
-        globals_ = [flat[i] for i in gpos]
-        d.boxes = [r != x.sbp for r, x in zip(d.required, globals_)]
-        d.ctx = None
-        if d.member and d.entry.local is not None:
-            d.ctx = LocalContext(placement, d.sigs, d.in_layouts, [o[0] for o in d.out_layouts if o is not None])
-    if key is not None:
-        if len(_cache) >= _CACHE_LIMIT:
-            _cache.clear()
-        _cache[key] = d
+        return decide(func, args, kwargs)
+    d = decide(func, args, kwargs)
+    if len(_cache) >= _CACHE_LIMIT:
+        _cache.clear()
+    _cache[key] = d
     return d
 
 
-def dispatch(func, args, kwargs):
-    if func is aten._local_scalar_dense.default:
-        return _scalar(args[0])
+def dispatch(cls, func, types, args=(), kwargs=None):
+    """``GlobalTensor.__torch_dispatch__``. Kept flat on purpose: every Python frame and
+    bytecode here is paid per op (see the README's performance notes)."""
+    key = [id(func)]
+    loc = []  # the arguments with each global tensor replaced by its local
     try:
-        key, globals_, placement = _scan(func, args, kwargs)
+        for a in args:  # branches ordered by how often aten arguments take them
+            t = type(a)
+            if t is GlobalTensor:
+                key.append(a._layout)
+                loc.append(a._local)
+                continue
+            if t is int or t is bool or a is None:
+                key.append(a)
+            elif t is list or t is tuple:
+                # aten lists are homogeneous: a tensor list starts with a tensor or (Tensor?[]) None.
+                if a and (a[0] is None or isinstance(a[0], _Tensor)):
+                    raise _Nested
+                key.append(tuple(a))
+            elif t is float:
+                key.append(_FLOAT_ZERO if a == 0.0 else _FLOAT)
+            elif isinstance(a, _Tensor):
+                if isinstance(a, GlobalTensor):  # a subclass
+                    key.append(a._layout)
+                    loc.append(a._local)
+                    continue
+                if a.dim() != 0:
+                    mixed_local(func, a)
+                key.append(_LOCAL_0D)
+                key.append(a.dtype)
+            else:
+                key.append(a)
+            loc.append(a)
+        if kwargs:
+            _key_kwargs(func, kwargs, key)
     except _Nested:
-        return _dispatch_nested(func, args, kwargs)
-    d = _decision(func, args, kwargs, key)
+        return _dispatch_nested(func, args, kwargs or {})
+    if func is _SCALAR:
+        return _scalar(args[0])
+    key = tuple(key)
+    try:
+        d = _cache[key]
+    except (KeyError, TypeError):
+        d = _miss(func, args, kwargs or {}, key)
     if _explain:
-        _explain[-1].append((func, [x.sbp for x in globals_], d))
+        _record_explain(func, args, kwargs, d)
+    if d.plain:
+        out = d.call(*loc, **kwargs) if kwargs else d.call(*loc)
+    elif d.direct_local:  # a custom local on unboxed inputs: no need to rebuild the arguments
+        out = d.entry.local(func, loc, kwargs or {}, d.ctx)
+    else:
+        return _run(func, args, kwargs or {}, d)
+    if d.inplace:
+        return args[0]
+    one = d.one
+    if one is None:
+        return _wrap_many(out, d)
+    # wrap(out, ...) inlined: one frame less per op.
+    g = _make_wrapper(GlobalTensor, one[0], one[1], None, None, one[2], _strided, out.device)
+    g._local = out
+    g._layout = one[3]
+    return g
+
+
+def _record_explain(func, args, kwargs, d) -> None:
+    gs = [a for a in args if isinstance(a, GlobalTensor)]
+    if kwargs:
+        gs += [v for v in kwargs.values() if isinstance(v, GlobalTensor)]
+    _explain[-1].append((func, [a._layout.sbp for a in gs], d))
+
+
+def _run(func, args, kwargs, d):
+    """Everything but the plain case: decomposition, boxing inputs, a custom local, a rank outside."""
     if d.decompose:
         return d.entry.decompose(*args, **kwargs)
+    globals_ = [a for a in args if isinstance(a, GlobalTensor)]
+    if d.kw_globals:
+        globals_ += [v for v in kwargs.values() if isinstance(v, GlobalTensor)]
     locals_ = [
         box(x._local, x._layout, lay) if need else x._local
         for x, need, lay in zip(globals_, d.boxes, d.in_layouts)
     ]
     if not d.member:
-        if d.inplace:
-            return args[0]
-        device = globals_[0]._local.device
-        out_flat = [None if o is None else torch.empty(0, dtype=o[0].dtype, device=device) for o in d.out_layouts]
-        return _wrap(out_flat, d)
+        return _outside(args, globals_, d)
     it = iter(locals_)
     largs = [next(it) if isinstance(a, GlobalTensor) else a for a in args]
-    lkwargs = {k: next(it) if isinstance(v, GlobalTensor) else v for k, v in kwargs.items()}
-    out = d.entry.local(func, largs, lkwargs, d.ctx) if d.ctx is not None else func(*largs, **lkwargs)
+    if d.kw_globals:
+        kwargs = {k: next(it) if isinstance(v, GlobalTensor) else v for k, v in kwargs.items()}
+    out = d.entry.local(func, largs, kwargs, d.ctx) if d.ctx is not None else d.call(*largs, **kwargs)
     if d.inplace:
         return args[0]
-    if isinstance(out, torch.Tensor):
-        lay, stride = d.out_layouts[0]
-        return GlobalTensor(out, lay, strides=stride)
-    return _wrap(tree_flatten(out)[0], d)
+    return _wrap_many(out, d)
 
 
-def _wrap(out_flat, d):
-    res = [GlobalTensor(o, lay[0], strides=lay[1]) if lay is not None else o for o, lay in zip(out_flat, d.out_layouts)]
+def _wrap_many(out, d):
+    """Outputs other than one tensor: a flat tuple/list (``d.many``: per output what to wrap it with) or a pytree."""
+    if d.wrap == WRAP_SEQ:
+        res = []
+        for o, w in zip(out, d.many):
+            if w is None:
+                res.append(o)
+            else:
+                g = _make_wrapper(GlobalTensor, w[0], w[1], None, None, w[2], _strided, o.device)
+                g._local = o
+                g._layout = w[3]
+                res.append(g)
+        return tuple(res) if d.seq_type is tuple else res
+    if d.wrap == WRAP_ONE:
+        return wrap(out, d.out_layouts[0][0], d.out_layouts[0][1])
+    res = [o if lay is None else wrap(o, lay[0], lay[1]) for o, lay in zip(tree_flatten(out)[0], d.out_layouts)]
+    return tree_unflatten(res, d.out_spec)
+
+
+def _outside(args, globals_, d):
+    """A rank outside the placement: no compute, empty locals of the output dtypes."""
+    if d.inplace:
+        return args[0]
+    device = globals_[0]._local.device
+    empty = [None if o is None else torch.empty(0, dtype=o[0].dtype, device=device) for o in d.out_layouts]
+    res = [o if lay is None else wrap(o, lay[0], lay[1]) for o, lay in zip(empty, d.out_layouts)]
     return tree_unflatten(res, d.out_spec)
 
 
 def _dispatch_nested(func, args, kwargs):
     """Ops whose arguments nest tensors in lists (``cat``, ``index``): the pytree path."""
     flat, spec = tree_flatten((args, kwargs))
-    key = [func, len(flat)]
+    key = [id(func), len(flat)]
     for a in flat:
         if isinstance(a, GlobalTensor):
-            key.extend((a._layout.sbp, a._layout.shape, a._layout.dtype, a._layout.placement))
+            key.append(a._layout)
         elif isinstance(a, torch.Tensor):
-            key.append(a.dtype if a.dim() == 0 else ("local", tuple(a.shape)))
+            if a.dim() != 0:
+                mixed_local(func, a)
+            key.append(a.dtype)
+        elif type(a) is float:
+            key.append(_FLOAT_ZERO if a == 0.0 else _FLOAT)
         else:
-            key.append(_key_part(a))
+            key.append(a)
     key = tuple(key)
-    d = _decision(func, args, kwargs, key)
+    try:
+        d = _cache[key]
+    except (KeyError, TypeError):
+        d = _miss(func, args, kwargs, key)
     gpos = [i for i, a in enumerate(flat) if isinstance(a, GlobalTensor)]
     if _explain:
         _explain[-1].append((func, [flat[i].sbp for i in gpos], d))
@@ -302,15 +250,12 @@ def _dispatch_nested(func, args, kwargs):
         x = flat[i]
         local_flat[i] = box(x._local, x._layout, d.in_layouts[j]) if d.boxes[j] else x._local
     if not d.member:
-        if d.inplace:
-            return args[0]
-        device = flat[gpos[0]]._local.device
-        return _wrap([None if o is None else torch.empty(0, dtype=o[0].dtype, device=device) for o in d.out_layouts], d)
+        return _outside(args, [flat[i] for i in gpos], d)
     largs, lkwargs = tree_unflatten(local_flat, spec)
-    out = d.entry.local(func, largs, lkwargs, d.ctx) if d.ctx is not None else func(*largs, **lkwargs)
+    out = d.entry.local(func, largs, lkwargs, d.ctx) if d.ctx is not None else d.call(*largs, **lkwargs)
     if d.inplace:
         return args[0]
-    return _wrap(tree_flatten(out)[0], d)
+    return _wrap_many(out, d)
 
 
 def _scalar(x: GlobalTensor):

@@ -31,6 +31,9 @@ def _global_strides(shape, local: torch.Tensor) -> tuple:
 
 
 class GlobalTensor(torch.Tensor):
+    # Slots: the dispatcher sets both on every output, and a slot store skips creating
+    # the instance __dict__ (other attributes, e.g. nn.Parameter's, still go there).
+    __slots__ = ("_local", "_layout")
     _local: torch.Tensor
     _layout: Layout
 
@@ -41,7 +44,7 @@ class GlobalTensor(torch.Tensor):
     @staticmethod
     def __new__(cls, local: torch.Tensor, layout: Layout, requires_grad: bool = False, strides=None):
         if strides is None:
-            strides = _global_strides(layout.shape, local)
+            strides = layout.strides if local.is_contiguous() else _global_strides(layout.shape, local)
         out = torch.Tensor._make_wrapper_subclass(
             cls,
             layout.shape,
@@ -76,22 +79,19 @@ class GlobalTensor(torch.Tensor):
     # -- moving between layouts (differentiable) -----------------------------
     def to_local(self) -> torch.Tensor:
         """This rank's shard; its gradient is taken to be laid out as ``sbp`` with partial as ``B``."""
-        from .boxing.autograd import ToLocal
-
-        return ToLocal.apply(self)
+        return _ToLocal.apply(self)
 
     def to_global(self, placement=None, sbp=None) -> "GlobalTensor":
         """Box to ``sbp`` on ``placement`` (either defaults to the current one)."""
-        from .boxing.autograd import Boxing
-
-        placement = self.placement if placement is None else placement
-        sbp = self.sbp if sbp is None else nd_sbp(sbp, placement.ndim)
+        src = self._layout
+        try:
+            dst = _targets[(src, placement, sbp)]
+        except (KeyError, TypeError):  # TypeError: an unhashable sbp (a list)
+            dst = _target(src, placement, sbp)
         if self.requires_grad and torch.is_grad_enabled():
-            return Boxing.apply(self, placement, sbp)
-        from .boxing import box
-
-        dst = Layout(placement, sbp, self.shape, self.dtype)
-        return GlobalTensor(box(self._local, self._layout, dst), dst)
+            return _Boxing.apply(self, dst)
+        local = _box(self._local, src, dst)
+        return wrap(local, dst, dst.strides if local.is_contiguous() else _global_strides(dst.shape, local))
 
     def full_tensor(self) -> torch.Tensor:
         """The whole global tensor on every member rank (all-gather / all-reduce as needed)."""
@@ -100,9 +100,45 @@ class GlobalTensor(torch.Tensor):
         return self.to_global(sbp=tuple(Broadcast() for _ in self.sbp)).to_local()
 
     # -- dispatch -----------------------------------------------------------
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        return _dispatch(func, args, kwargs or {})
+    # ``__torch_dispatch__`` is ``sbp_core.dispatch.dispatch`` itself (set below): one
+    # Python frame per op, not two.
+
+
+_targets: dict = {}  # (layout, placement arg, sbp arg) -> the layout to_global boxes to
+
+
+def _target(src: Layout, placement, sbp) -> Layout:
+    """Validate ``to_global``'s arguments once per (layout, arguments) and cache the destination."""
+    pl = src.placement if placement is None else placement
+    dst = Layout(pl, src.sbp if sbp is None else nd_sbp(sbp, pl.ndim), src.shape, src.dtype)
+    try:
+        if len(_targets) >= 1 << 14:
+            _targets.clear()
+        _targets[(src, placement, sbp)] = dst
+    except TypeError:
+        pass
+    return dst
+
+
+_make_wrapper = torch.Tensor._make_wrapper_subclass
+_strided = torch.strided
+
+
+def wrap(local: torch.Tensor, layout: Layout, strides) -> GlobalTensor:
+    """``GlobalTensor(local, layout, strides=strides)`` for the dispatcher's outputs (no gradient:
+    autograd attaches one to op outputs itself). Arguments are positional, (size, strides,
+    storage_offset, memory_format, dtype, layout, device): keywords cost 2.7k instructions a call."""
+    out = _make_wrapper(GlobalTensor, layout.shape, strides, None, None, layout.dtype, _strided, local.device)
+    out._local = local
+    out._layout = layout
+    return out
 
 
 from .dispatch import dispatch as _dispatch  # noqa: E402  (dispatch needs GlobalTensor defined)
+
+GlobalTensor.__torch_dispatch__ = classmethod(_dispatch)
+
+# Bound once here rather than imported inside ``to_global``: an import statement in a
+# function costs two importlib frames per call (boxing imports this module, so not at the top).
+from .boxing import box as _box  # noqa: E402
+from .boxing.autograd import Boxing as _Boxing, ToLocal as _ToLocal  # noqa: E402

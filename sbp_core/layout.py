@@ -7,7 +7,8 @@ axis 1 lays each of those locals out over its ranks, and so on. Splits follow
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+import weakref
 
 import torch
 
@@ -110,17 +111,48 @@ def reduce_terms(terms, op: str) -> torch.Tensor:
     return stacked.amax(0) if op == "max" else stacked.amin(0)
 
 
-@dataclass(frozen=True)
-class Layout:
-    """Everything that describes a global tensor except its values."""
+_intern_lock = threading.Lock()
 
-    placement: object
-    sbp: tuple
-    shape: torch.Size
-    dtype: torch.dtype
+
+class Layout:
+    """Everything that describes a global tensor except its values: placement, N-d SBP, shape, dtype.
+
+    Interned: ``Layout(...)`` returns the one live object for its value, so
+    equality and hashing are identity (C-level, no Python ``__hash__``) and
+    the dispatcher's cache key of an op is a tuple of layouts. Immutable;
+    pickles by value and re-interns on load.
+    """
+
+    __slots__ = ("placement", "sbp", "shape", "dtype", "strides", "__weakref__")
+    _interned: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
+
+    def __new__(cls, placement, sbp, shape, dtype):
+        sbp, shape = tuple(sbp), torch.Size(shape)
+        key = (placement, sbp, shape, dtype)
+        lay = cls._interned.get(key)
+        if lay is None:
+            with _intern_lock:  # the runtime's threads make layouts too: one object per value
+                lay = cls._interned.get(key)
+                if lay is None:
+                    lay = object.__new__(cls)
+                    for name, value in zip(cls.__slots__, key):
+                        object.__setattr__(lay, name, value)
+                    # Dense row-major strides of the global shape: what a contiguous shard's wrapper reports.
+                    object.__setattr__(lay, "strides", strides_in_order(shape, range(len(shape))))
+                    cls._interned[key] = lay
+        return lay
+
+    def __setattr__(self, name, value):
+        raise AttributeError("a Layout is immutable: make another with with_sbp() or Layout(...)")
+
+    def __reduce__(self):
+        return (Layout, (self.placement, self.sbp, self.shape, self.dtype))
+
+    def __repr__(self):
+        return f"Layout({self.placement}, sbp={self.sbp}, shape={tuple(self.shape)}, dtype={self.dtype})"
 
     def with_sbp(self, sbp) -> "Layout":
-        return Layout(self.placement, tuple(sbp), self.shape, self.dtype)
+        return Layout(self.placement, sbp, self.shape, self.dtype)
 
     def local_shape(self, rank: int) -> torch.Size:
         if rank not in self.placement:

@@ -34,6 +34,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from .boxing.coalesced import box_many
 from .declare import distribute
 from .global_tensor import GlobalTensor
 from .layout import Layout, local_box
@@ -87,10 +88,21 @@ def _box_grad_to_param(param):
             param.grad = grad.to_global(sbp=target)
 
 
+@torch.no_grad()
 def box_grads(module: nn.Module) -> None:
-    """Box every accumulated gradient of ``module`` to its parameter's layout (e.g. one ``P -> B`` all-reduce each)."""
-    for p in module.parameters():
-        _box_grad_to_param(p)
+    """Box every accumulated gradient of ``module`` to its parameter's layout, coalesced.
+
+    DDP's buckets as one boxing of a list: the gradients that need the same
+    kind of step (``P -> B`` over data parallel, typically all of them) share
+    one collective (``boxing.coalesced.box_many``: reduce-scatter plus
+    all-gather of one packed buffer, each element summed in the order a
+    per-parameter all-reduce would sum it); anything else is boxed alone.
+    Every rank calls it with the same module structure.
+    """
+    todo = [p for p in module.parameters() if isinstance(p.grad, GlobalTensor) and p.grad.sbp != p.sbp]
+    items = [(p.grad._local, p.grad.layout, p.grad.layout.with_sbp(p.sbp)) for p in todo]
+    for p, local, (_, _, dst) in zip(todo, box_many(items), items):
+        p.grad = GlobalTensor(local, dst)
 
 
 def distribute_module(module: nn.Module, placement, plan: dict | None = None) -> nn.Module:

@@ -17,7 +17,13 @@ REDUCE_OPS = ("sum", "max", "min")
 
 
 class SBP:
-    """Base of the three SBP kinds; instances are immutable and hashable."""
+    """Base of the three SBP kinds; instances are immutable and interned.
+
+    ``Split(0) is Split(0)``: one object per value, so equality and hashing
+    are identity (C-level). Layouts and the dispatcher's cache keys hash
+    tuples of SBPs on every op, where a Python ``__hash__`` per entry showed
+    in profiles.
+    """
 
     __slots__ = ()
 
@@ -25,28 +31,34 @@ class SBP:
     is_broadcast = False
     is_partial = False
 
+    def __setattr__(self, *_):
+        raise AttributeError("SBP values are immutable")
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
 
 class Split(SBP):
     __slots__ = ("axis",)
     is_split = True
+    _interned: dict = {}
 
-    def __init__(self, axis: int):
+    def __new__(cls, axis: int):
+        got = cls._interned.get(axis) if type(axis) is int else None
+        if got is not None:
+            return got
         if not isinstance(axis, int) or isinstance(axis, bool):
             raise TypeError(f"split axis must be an int, got {axis!r}")
         if axis < 0:
             raise ValueError(
                 f"split axis must be non-negative (normalise against the tensor's ndim first), got {axis}"
             )
-        object.__setattr__(self, "axis", axis)
-
-    def __setattr__(self, *_):
-        raise AttributeError("SBP values are immutable")
-
-    def __eq__(self, other):
-        return isinstance(other, Split) and other.axis == self.axis
-
-    def __hash__(self):
-        return hash(("S", self.axis))
+        obj = object.__new__(cls)
+        object.__setattr__(obj, "axis", axis)
+        return cls._interned.setdefault(axis, obj)  # setdefault: one object even if two threads race
 
     def __reduce__(self):
         return (Split, (self.axis,))
@@ -58,12 +70,15 @@ class Split(SBP):
 class Broadcast(SBP):
     __slots__ = ()
     is_broadcast = True
+    _the = None
 
-    def __eq__(self, other):
-        return isinstance(other, Broadcast)
+    def __new__(cls):
+        if cls._the is None:
+            type.__setattr__(cls, "_the", object.__new__(cls))
+        return cls._the
 
-    def __hash__(self):
-        return hash("B")
+    def __reduce__(self):
+        return (Broadcast, ())
 
     def __repr__(self):
         return "B"
@@ -72,20 +87,17 @@ class Broadcast(SBP):
 class Partial(SBP):
     __slots__ = ("op",)
     is_partial = True
+    _interned: dict = {}
 
-    def __init__(self, op: str = "sum"):
+    def __new__(cls, op: str = "sum"):
+        got = cls._interned.get(op)
+        if got is not None:
+            return got
         if op not in REDUCE_OPS:
             raise ValueError(f"partial reduction {op!r} is not one of {REDUCE_OPS}")
-        object.__setattr__(self, "op", op)
-
-    def __setattr__(self, *_):
-        raise AttributeError("SBP values are immutable")
-
-    def __eq__(self, other):
-        return isinstance(other, Partial) and other.op == self.op
-
-    def __hash__(self):
-        return hash(("P", self.op))
+        obj = object.__new__(cls)
+        object.__setattr__(obj, "op", op)
+        return cls._interned.setdefault(op, obj)
 
     def __reduce__(self):
         return (Partial, (self.op,))

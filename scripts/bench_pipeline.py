@@ -64,6 +64,12 @@ gradients) and update (AdamW + zero_grad); then ours minus the peer's in ms
 per step, and which action was running when each sampled step's heap
 peaked.
 
+**Trace.** ``--trace out.json`` also writes the last timed step of ``ours
+1f1b`` and ``torch 1F1B`` as one Chrome trace, each variant's step shifted to
+start at 0 so they line up (processes ``ours rank r`` and ``torch rank r``;
+tracks: compute, copy, network); ``python scripts/plot_trace.py out.json``
+renders it side by side.
+
 Last line: ``vs Schedule1F1B: X.XXx throughput, Y.YYx peak memory; vs
 ScheduleGPipe: X.XXx, Y.YYx`` (ours / theirs: throughput above 1 and memory
 below 1 favour ours).
@@ -73,6 +79,7 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
+import json
 import os
 import re
 import statistics
@@ -447,6 +454,29 @@ def report(res, o) -> str:
     return "\n".join(lines)
 
 
+_TRACK = {"F": "compute", "B": "compute", "reduce": "compute", "update": "compute", "data": "data",
+          "act.cut": "copy", "act.assemble": "copy", "grad.cut": "copy", "grad.assemble": "copy"}
+
+
+def write_trace(res, path: str, pair=("ours 1f1b", "torch 1F1B")) -> str:
+    """Both variants' last timed step as one Chrome trace, each shifted to start at 0."""
+    events = []
+    for v, name in enumerate(pair):
+        steps = [r["events"][name][-1] for r in res]
+        t0 = min(start for evs in steps for _, start, _, _ in evs)
+        for r, evs in zip(res, steps):
+            pid = v * len(res) + r["stage"]
+            events.append({"ph": "M", "name": "process_name", "pid": pid,
+                           "args": {"name": f"{name.split()[0]} rank {r['stage']}"}})
+            for ev_name, start, end, piece in evs:
+                events.append({"ph": "X", "name": f"{_kind(ev_name)} {piece}", "pid": pid,
+                               "tid": _TRACK.get(_kind(ev_name), "network"),
+                               "ts": (start - t0) * 1e6, "dur": (end - start) * 1e6})
+    with open(path, "w") as f:
+        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+    return path
+
+
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--pp", type=int, default=2, choices=(2, 4))
@@ -459,6 +489,7 @@ def parse(argv=None):
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--trace", default=None, help="write ours 1f1b and torch 1F1B's last step as a Chrome trace here")
     o = ap.parse_args(argv)
     if o.batch % o.micro or o.layers % o.pp:
         ap.error(f"--batch {o.batch} must divide into --micro {o.micro} and --layers {o.layers} into --pp {o.pp}")
@@ -472,6 +503,8 @@ def main(argv=None) -> str:
     res = get_pool(o.pp, timeout=120.0).run(worker, o, call_timeout=900.0)
     text = report(res, o)
     print(text, flush=True)
+    if o.trace:
+        print(f"trace of the last timed step: {write_trace(res, o.trace)}")
     return text
 
 

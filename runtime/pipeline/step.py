@@ -30,7 +30,8 @@ Nothing here orders forwards and backwards: with the stash full a stage can
 only run a backward, and a backward wins when both are ready, so stage
 ``s`` runs ``pp - s`` forwards, then alternates — 1F1B. The ranks of a stage
 form a lockstep gang (their actions call collectives with each other), so
-they act in the order their first rank picks.
+they act in the order their first rank picks — unless that order is forced
+(a stash of one register, evaluation), when they need no gang.
 """
 from __future__ import annotations
 
@@ -269,7 +270,7 @@ class PipelineStep:
                 actors += grads
                 bwd_in.update(gasm)
         for s, p in enumerate(cfg.placements):
-            if len(p.ranks) > 1:
+            if len(p.ranks) > 1 and self._order_varies(s, train):
                 lockstep.append(tuple(p.ranks))
             for r in p.ranks:
                 first, last = s == 0, s == pp - 1
@@ -300,6 +301,18 @@ class PipelineStep:
             final = f"s{pp - 1}.{'update' if train else 'loss'}@{last_leader}"
             actors.append(ActorSpec("loss@0", lambda k, loss: loss, inputs=(final,), queue="data", rank=0, every=m))
         return Plan(actors, lockstep)
+
+    def _order_varies(self, s: int, train: bool) -> bool:
+        """Can stage ``s``'s compute actors be ready two at a time (so its ranks need a lockstep gang)?
+
+        Not when the stash holds one micro-batch (the last stage under 1F1B, or
+        ``pp = 1``): ``F`` needs a free stash register and ``B`` a full one, so
+        they alternate, and ``reduce``/``update`` become ready only after the
+        last ``B``. Nor in evaluation (``F`` per piece, then ``loss``). There
+        every rank of the stage acts in that one order without the leader's
+        per-action broadcast, which would otherwise sync the ranks at every action.
+        """
+        return train and self.cfg.stash_quota(s) > 1
 
     def _run(self, plan, pieces: int, batches):
         if hasattr(batches, "stages"):

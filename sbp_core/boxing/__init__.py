@@ -12,17 +12,38 @@ import torch
 from ..layout import Layout
 from ..process_groups import world_rank
 from .cross_placement import box_cross_placement
-from .same_placement import box_same_placement
+from .same_placement import compile_same_placement
 
 
-def box(local: torch.Tensor, src: Layout, dst: Layout) -> torch.Tensor:
-    """This rank's local of the same global value laid out as ``dst`` instead of ``src``."""
+_compiled: dict = {}  # (src layout, dst layout) -> this rank's steps; layouts are interned
+_COMPILED_LIMIT = 1 << 14
+
+
+def _compile(src: Layout, dst: Layout):
     if src.shape != dst.shape or src.dtype != dst.dtype:
         raise ValueError(f"boxing keeps shape and dtype: {src.shape}/{src.dtype} -> {dst.shape}/{dst.dtype}")
     if src.placement == dst.placement:
-        if world_rank() not in src.placement:
-            return local
-        if src.sbp == dst.sbp:
-            return local
-        return box_same_placement(local, src.placement, src.sbp, dst.sbp, src.shape)
-    return box_cross_placement(local, src.placement, src.sbp, dst.placement, dst.sbp, src.shape, src.dtype)
+        if world_rank() not in src.placement or src.sbp == dst.sbp:
+            return []
+        itemsize = src.dtype.itemsize
+        return compile_same_placement(src.placement, src.sbp, dst.sbp, src.shape, itemsize)
+    return [lambda local: box_cross_placement(local, src.placement, src.sbp, dst.placement, dst.sbp, src.shape, src.dtype)]
+
+
+def box(local: torch.Tensor, src: Layout, dst: Layout) -> torch.Tensor:
+    """This rank's local of the same global value laid out as ``dst`` instead of ``src``.
+
+    The steps for a pair of layouts are planned once per process (geometry,
+    ranks, slice bounds) and then only run; every collective still goes
+    through ``collectives`` and so into the ledger.
+    """
+    key = (src, dst)
+    steps = _compiled.get(key)
+    if steps is None:
+        steps = _compile(src, dst)
+        if len(_compiled) >= _COMPILED_LIMIT:
+            _compiled.clear()
+        _compiled[key] = steps
+    for step in steps:
+        local = step(local)
+    return local

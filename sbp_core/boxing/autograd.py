@@ -19,6 +19,8 @@ whole gradient for ``B``.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..global_tensor import GlobalTensor
@@ -33,6 +35,12 @@ _PSUM = Partial("sum")
 
 def _extremum_axes(sbp) -> list:
     return [i for i, s in enumerate(sbp) if s.is_partial and s.op != "sum"]
+
+
+@functools.lru_cache(maxsize=None)
+def _has_extremum(sbp: tuple) -> bool:
+    """Per (interned) N-d SBP, once: the forward of every boxing asks (a C-level cache hit)."""
+    return bool(_extremum_axes(sbp))
 
 
 def grad_sbp(src: Layout, grad: Layout) -> tuple:
@@ -84,22 +92,21 @@ class Boxing(torch.autograd.Function):
     """``GlobalTensor -> GlobalTensor`` with the same value in another layout."""
 
     @staticmethod
-    def forward(ctx, x: GlobalTensor, placement, sbp: tuple):
-        src = x.layout
-        dst = Layout(placement, tuple(sbp), src.shape, src.dtype)
+    def forward(ctx, x: GlobalTensor, dst: Layout):
+        src = x._layout
         ctx.src = src
         ctx.set_materialize_grads(False)
-        ctx.x_local = x._local if _extremum_axes(src.sbp) else None
+        ctx.x_local = x._local if _has_extremum(src.sbp) else None
         return GlobalTensor(box(x._local, src, dst), dst)
 
     @staticmethod
     def backward(ctx, grad):
         if grad is None:
-            return None, None, None
+            return None, None
         src = ctx.src
         target = grad_sbp(src, grad.layout)
         local = _boxed_grad(grad, src, ctx.x_local, target)
-        return GlobalTensor(local, src.with_sbp(target)), None, None
+        return GlobalTensor(local, src.with_sbp(target)), None
 
 
 class FromLocal(torch.autograd.Function):
@@ -109,7 +116,7 @@ class FromLocal(torch.autograd.Function):
     def forward(ctx, local: torch.Tensor, layout: Layout):
         ctx.layout = layout
         ctx.set_materialize_grads(False)
-        ctx.x_local = local if _extremum_axes(layout.sbp) else None
+        ctx.x_local = local if _has_extremum(layout.sbp) else None
         return GlobalTensor(local.view_as(local), layout)
 
     @staticmethod
@@ -126,7 +133,7 @@ class ToLocal(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: GlobalTensor):
-        ctx.layout = x.layout
+        ctx.layout = x._layout
         ctx.set_materialize_grads(False)
         return x._local.view_as(x._local)
 

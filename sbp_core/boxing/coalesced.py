@@ -6,7 +6,10 @@ kind ``S(d) -> B`` (all-gather), ``P(sum) -> S(d)`` (reduce-scatter) or
 ``P(sum) -> B`` (all-reduce), with one collective per (kind, axis, dtype)
 group instead of one per tensor: each rank packs its pieces for rank ``k``
 into chunk ``k`` of one flat buffer (chunks padded to the largest, which
-happens only when splits are uneven), runs the collective, and unpacks. The
+happens only when splits are uneven), runs the collective, and unpacks.
+All-reduce packs the same way (piece ``k`` of each flattened tensor in chunk
+``k``) and runs as reduce-scatter plus all-gather, so each element is summed
+in the order a per-tensor all-reduce sums it (``collectives.all_reduce_packed``). The
 ledger records the one collective with its bytes, which equal the sum of
 the per-tensor ones when no chunk is padded. Anything else is boxed one by
 one. Every rank of the world calls it with the same tensors in the same order.
@@ -59,9 +62,24 @@ def _group(items, axis: int, kind: str) -> list:
     p, idx = len(ranks), coords[axis]
     dtype, device = items[0][0].dtype, items[0][0].device
     if kind == "all_reduce":
-        flat = torch.cat([loc.reshape(-1) for loc, _, _ in items])
-        out = collectives.all_reduce(flat, ranks, "sum")
-        return [t.view(loc.shape) for t, (loc, _, _) in zip(out.split([loc.numel() for loc, _, _ in items]), items)]
+        # Piece k of every (flattened) tensor into chunk k: see collectives.all_reduce_packed.
+        pieces = [loc.reshape(-1).tensor_split(p) for loc, _, _ in items]
+        counts = [sum(ps[k].numel() for ps in pieces) for k in range(p)]
+        width = max(counts)
+        packed = torch.empty(p, width, dtype=dtype, device=device)
+        for k in range(p):
+            torch.cat([ps[k] for ps in pieces], out=packed[k, :counts[k]])
+            packed[k, counts[k]:].zero_()
+        got = collectives.all_reduce_packed(packed.view(-1), ranks, "sum", counts)
+        out, offsets = [], [0] * p
+        for ps, (loc, _, _) in zip(pieces, items):
+            parts = []
+            for k in range(p):
+                n = ps[k].numel()
+                parts.append(got[k, offsets[k]:offsets[k] + n])
+                offsets[k] += n
+            out.append(torch.cat(parts).view(loc.shape))
+        return out
     dims = [(src if kind == "all_gather" else dst).sbp[axis].axis for _, src, dst in items]
     shapes = [_pieces(src, axis, d, coords, p) for (_, src, _), d in zip(items, dims)]
     counts = [sum(math.prod(s[k]) for s in shapes) for k in range(p)]

@@ -7,7 +7,7 @@ along that axis (every other coordinate fixed):
 S(i) -> S(j)          all-to-all
 S -> B                all-gather
 S -> P(op)            own piece in place, ``op``'s identity elsewhere
-B -> S                slice (no communication)
+B -> S                narrow, a view (no communication, no copy)
 B -> P(op)            first rank keeps the value, the others ``op``'s identity
 P(op) -> S            reduce-scatter with ``op``
 P(op) -> B            all-reduce with ``op``
@@ -16,6 +16,8 @@ P(op) -> P(op2)       reduce with ``op`` onto the first rank, ``op2``'s identity
 """
 from __future__ import annotations
 
+from operator import methodcaller
+
 import torch
 
 from ..layout import reduce_identity, shard_bounds, view_shape
@@ -23,8 +25,13 @@ from ..process_groups import world_rank
 from . import collectives, nd_plan
 
 
-def box_axis(local: torch.Tensor, placement, state: tuple, axis: int, new, shape) -> torch.Tensor:
-    """Apply one planner step on this rank; ``state`` is the N-d SBP before it."""
+def axis_step(placement, state: tuple, axis: int, new, shape):
+    """One planner step on this rank as a function ``local -> local``, its geometry computed now.
+
+    ``state`` is the N-d SBP before the step. Local steps are views where
+    torch allows (``B -> S`` is a ``narrow``, no copy; the shard may then be
+    non-contiguous, which every consumer handles).
+    """
     old = state[axis]
     me = world_rank()
     coords = placement.coords(me)
@@ -32,37 +39,56 @@ def box_axis(local: torch.Tensor, placement, state: tuple, axis: int, new, shape
     index = coords[axis]
     p = len(ranks)
     if p == 1:  # one device on this axis: every layout is its whole (local) tensor
-        return local
+        return None
     view = view_shape(shape, placement.shape, state, coords, axis)
     if old.is_split:
         if new.is_split:
-            return collectives.all_to_all(local, ranks, new.axis, old.axis, view[old.axis])
+            return lambda local: collectives.all_to_all(local, ranks, new.axis, old.axis, view[old.axis])
         if new.is_broadcast:
-            return collectives.all_gather(local, ranks, old.axis, view[old.axis])
-        out = torch.full(view, reduce_identity(new.op, local.dtype), dtype=local.dtype, device=local.device)
+            return lambda local: collectives.all_gather(local, ranks, old.axis, view[old.axis])
         start, length = shard_bounds(view[old.axis], p, index)
-        out.narrow(old.axis, start, length).copy_(local)
-        return out
+
+        def place(local):  # S -> P: own piece in place, the identity elsewhere
+            out = torch.full(view, reduce_identity(new.op, local.dtype), dtype=local.dtype, device=local.device)
+            out.narrow(old.axis, start, length).copy_(local)
+            return out
+
+        return place
     if old.is_broadcast:
         if new.is_split:
             start, length = shard_bounds(view[new.axis], p, index)
-            return local.narrow(new.axis, start, length).contiguous()
+            return methodcaller("narrow", new.axis, start, length)  # C-level: no Python frame per call
         if index == 0:
-            return local
-        return torch.full_like(local, reduce_identity(new.op, local.dtype))
+            return None
+        return lambda local: torch.full_like(local, reduce_identity(new.op, local.dtype))
     if new.is_split:
-        return collectives.reduce_scatter(local, ranks, new.axis, old.op)
+        return lambda local: collectives.reduce_scatter(local, ranks, new.axis, old.op)
     if new.is_partial:
-        out = collectives.reduce(local, ranks, old.op)
-        return out if index == 0 else torch.full_like(local, reduce_identity(new.op, local.dtype))
-    return collectives.all_reduce(local, ranks, old.op)
+        if index == 0:
+            return lambda local: collectives.reduce(local, ranks, old.op)
+
+        def reduce_away(local):
+            collectives.reduce(local, ranks, old.op)
+            return torch.full_like(local, reduce_identity(new.op, local.dtype))
+
+        return reduce_away
+    return lambda local: collectives.all_reduce(local, ranks, old.op)
+
+
+def compile_same_placement(placement, src: tuple, dst: tuple, shape, itemsize: int) -> list:
+    """This rank's steps (functions ``local -> local``) boxing ``src`` to ``dst`` N-d SBP on ``placement``."""
+    steps, _ = nd_plan.plan(src, dst, placement.shape, tuple(shape), itemsize)
+    state, out = src, []
+    for axis, new in steps:
+        fn = axis_step(placement, state, axis, new, shape)
+        if fn is not None:
+            out.append(fn)
+        state = state[:axis] + (new,) + state[axis + 1 :]
+    return out
 
 
 def box_same_placement(local: torch.Tensor, placement, src: tuple, dst: tuple, shape) -> torch.Tensor:
     """Box this rank's ``local`` from ``src`` to ``dst`` N-d SBP on ``placement``."""
-    steps, _ = nd_plan.plan(src, dst, placement.shape, tuple(shape), local.element_size())
-    state = src
-    for axis, new in steps:
-        local = box_axis(local, placement, state, axis, new, shape)
-        state = state[:axis] + (new,) + state[axis + 1 :]
+    for step in compile_same_placement(placement, src, dst, shape, local.element_size()):
+        local = step(local)
     return local

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from ..layout import local_shape, shard_sizes
+from ..layout import shard_sizes
 
 
 class AxisInfo(NamedTuple):
@@ -68,8 +68,8 @@ def nested_aligned(a: int, a_unit: int, b: int, b_unit: int, p: int, earlier: tu
 
 
 def local_out_shape(ctx, k: int = 0):
-    lay = ctx.out_layouts[k]
-    return list(local_shape(lay.shape, lay.placement.shape, lay.sbp, ctx.coords))
+    """This rank's local shape of tensor output ``k`` (a fresh list; computed once per decision)."""
+    return list(ctx.local_out_shapes[k])
 
 
 def sized_local(func, args, kwargs, ctx):

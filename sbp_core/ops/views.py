@@ -91,9 +91,10 @@ def _view_local(func, args, kwargs, ctx):
     tensor is viewable but the shard is not, autograd's ``reshape`` has already
     chosen ``view``; the shard then gets the same values as a contiguous copy.
     """
-    shape = local_out_shape(ctx)
+    shape = ctx.local_out_shapes[0]
     try:
-        return func(args[0], shape)
+        # The Tensor.view binding: aten.view.default without the OpOverload call's boxed-argument cost.
+        return args[0].view(shape) if func is aten.view.default else func(args[0], shape)
     except RuntimeError:
         return aten._unsafe_view(args[0].contiguous(), shape)
 

@@ -190,3 +190,29 @@ def test_vocab_parallel_loss_communicates_only_row_reductions():
         row = n * 4  # one fp32 value per row: [N, 1]
         assert all(nbytes <= 2 * row for _, nbytes in records), records
         assert sum(nbytes for _, nbytes in records) < n * v * 4 / 50, records
+
+
+def _one_device_axis():
+    """Cross-entropy with the class dim split over a mesh axis of one device, rows over two."""
+    p = sc.placement("cpu", [[0], [1]])  # mesh (2, 1)
+    x, t = rnd(6, 10), targets(10, 6)
+    gx = sc.distribute(x, p, (S0, S1)).requires_grad_(True)
+    gt = sc.distribute(t, p, (S0, B))
+    with sc.explain() as steps:
+        loss = F.cross_entropy(gx, gt)
+        loss.backward()
+    want = x.clone().requires_grad_(True)
+    ref = F.cross_entropy(want, t)
+    ref.backward()
+    if torch.distributed.get_rank() not in p:
+        return None
+    return ([s[0] for s in steps if s[2] == "decomposed"], (loss.full_tensor() - ref).abs().item(),
+            (gx.grad.full_tensor() - want.grad).abs().max().item())
+
+
+def test_a_split_over_one_device_is_no_model_parallel_loss():
+    """S on a mesh axis of one device is the whole tensor: the plain log-softmax, no decomposition."""
+    for res in get_pool(parity.WORLD).run(_one_device_axis)[:2]:
+        decomposed, loss_err, grad_err = res
+        assert not any("softmax" in op for op in decomposed), decomposed
+        assert loss_err < 1e-6 and grad_err < 1e-6, (loss_err, grad_err)
