@@ -97,9 +97,17 @@ def box_grads(module: nn.Module) -> None:
     one collective (``boxing.coalesced.box_many``: reduce-scatter plus
     all-gather of one packed buffer, each element summed in the order a
     per-parameter all-reduce would sum it); anything else is boxed alone.
-    Every rank calls it with the same module structure.
+    Sparse row gradients (``SparseGlobalTensor``) are boxed alone, to the
+    layout their table's rows allow (``sparse_sbp_for``). Every rank calls it
+    with the same module structure.
     """
-    todo = [p for p in module.parameters() if isinstance(p.grad, GlobalTensor) and p.grad.sbp != p.sbp]
+    todo = []
+    for p in module.parameters():
+        if isinstance(p.grad, SparseGlobalTensor):
+            if p.grad.sbp != sparse_sbp_for(p.sbp):
+                p.grad = p.grad.to_global(sbp=sparse_sbp_for(p.sbp))
+        elif isinstance(p.grad, GlobalTensor) and p.grad.sbp != p.sbp:
+            todo.append(p)
     items = [(p.grad._local, p.grad.layout, p.grad.layout.with_sbp(p.sbp)) for p in todo]
     for p, local, (_, _, dst) in zip(todo, box_many(items), items):
         p.grad = GlobalTensor(local, dst)
