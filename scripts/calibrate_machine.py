@@ -57,7 +57,7 @@ def _spin(seconds: float, q) -> None:
     q.put(time.process_time() - c0)
 
 
-def capacity(ns=(1, 2, 4, 8), seconds: float = 0.6) -> list:
+def capacity(ns=(1, 2, 4, 8), seconds: float = 1.5) -> list:
     """``[[n, cores used]]`` with ``n`` of our processes spinning at once."""
     ctx = mp.get_context("fork")
     out = []
@@ -88,9 +88,9 @@ def thread_speedup() -> float:
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = _best(lambda: a @ b, 30)
+        one = _best(lambda: a @ b, 100)
         torch.set_num_threads(2)
-        two = _best(lambda: a @ b, 30)
+        two = _best(lambda: a @ b, 100)
     finally:
         torch.set_num_threads(before)
     return round(max(1.0, one / two), 3)

@@ -106,7 +106,7 @@ class LayoutTimer:
             self._run(s, warmup)  # builds the job (data, model, plan) and warms caches
             log(f"  built {s.describe()} in {time.time() - t0:.0f} s (load {os.getloadavg()[0]:.1f})")
         for r in range(rounds):
-            self.capacities.append(capacity(seconds=0.4))
+            self.capacities.append(capacity(seconds=1.5))
             if self.probe_step:
                 self.contentions.append(contention(steps=3, base=self.probe_step)[0])
             order = strategies[r % len(strategies):] + strategies[: r % len(strategies)]
