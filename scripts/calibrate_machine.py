@@ -248,19 +248,36 @@ def host_costs() -> tuple:
     return dispatch, factor
 
 
-def _link_worker(small_iters: int, big_iters: int, nbytes: int):
+def _link_worker(small_iters: int, big_iters: int, nbytes: int, busy: int = 0):
+    """``(min, median)`` seconds of a 4-byte all-reduce round and the least of an ``nbytes`` one.
+
+    ``busy`` > 0: each small round follows a ``busy``-sized matmul on both
+    ranks, as training computes between messages, and the same matmul timed
+    alone (interleaved) is subtracted: on a loaded machine the message then
+    also waits for the peer that lost its core while computing, which an idle
+    ping-pong never sees.
+    """
     from sbp_core.boxing.collectives import all_reduce
 
     torch.set_num_threads(1)
     ranks = [0, 1]
     small, big = torch.zeros(1), torch.zeros(nbytes // 4)
+    a = torch.randn(busy, busy) if busy else None
     for t in (small, big):
         all_reduce(t, ranks, "sum")
-    lat = []
+    lat, alone = [], []
     for _ in range(small_iters):
+        if busy:
+            t0 = time.perf_counter()
+            a @ a
+            alone.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
+        if busy:
+            a @ a
         all_reduce(small, ranks, "sum")
         lat.append(time.perf_counter() - t0)
+    if busy:
+        lat = [max(0.0, t - statistics.median(alone)) for t in lat]
     bw = []
     for _ in range(big_iters):
         t0 = time.perf_counter()
@@ -269,10 +286,11 @@ def _link_worker(small_iters: int, big_iters: int, nbytes: int):
     return min(lat), statistics.median(lat), min(bw)
 
 
-def gloo_link(nbytes: int = 8 << 20) -> dict:
+def gloo_link(nbytes: int = 8 << 20, busy: int = 0, rounds: int = 200) -> dict:
+    """Latency and bandwidth of a two-rank gloo ring all-reduce (``busy``: compute between messages, see ``_link_worker``)."""
     from toolkit.rank_pool import get_pool
 
-    res = get_pool(2, timeout=120).run(_link_worker, 200, 10, nbytes)
+    res = get_pool(2, timeout=120).run(_link_worker, rounds, 10, nbytes, busy)
     lat = max(r[1] for r in res)  # median round of a 2-step (ring) all-reduce of 4 bytes
     big = max(r[2] for r in res)
     latency = lat / 2  # ring all-reduce over 2 ranks: 2 steps

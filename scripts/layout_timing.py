@@ -10,7 +10,8 @@ on the machine hits them alike. A step's wall time is the max over ranks
 after a barrier; its CPU time the max over ranks of the process CPU time.
 Before each round ``capacity()`` (``calibrate_machine``) measures how many
 cores our busy threads get right now, ``link()`` the latency and bandwidth
-of a two-rank gloo all-reduce (under load mostly the wait for a core), and ``contention()`` how much CPU time
+of a two-rank gloo all-reduce between matmuls (under load mostly the wait
+for a peer that lost its core), and ``contention()`` how much CPU time
 a fixed training step takes with 1-8 of our processes stepping at once,
 relative to the calibration's quiet-machine value (other jobs slow the work
 itself, not only our share of the cores).
@@ -109,8 +110,9 @@ class LayoutTimer:
             log(f"  built {s.describe()} in {time.time() - t0:.0f} s (load {os.getloadavg()[0]:.1f})")
         for r in range(rounds):
             self.capacities.append(capacity(seconds=1.5))
-            # under load a message's latency is mostly the receiver's wait for a core: probe it as the load is now
-            self.links.append(gloo_link())
+            # under load a message's latency is mostly the wait for a peer that lost its core while computing:
+            # probe it as the load is now, with compute between the messages as in training
+            self.links.append(gloo_link(busy=256, rounds=60))
             if self.probe_step:
                 self.contentions.append(contention(steps=3, base=self.probe_step)[0])
             order = strategies[r % len(strategies):] + strategies[: r % len(strategies)]
