@@ -1,7 +1,7 @@
 """Predicted GPT training throughput per layout on modelled clusters (``configs/cluster``), no GPU needed.
 
     python scripts/cluster_layouts.py [--clusters v100_4x8,h100_4x8] [--model gpt2-medium]
-                                      [--global-batch 256] [--micro 8] [--png runs/figures/cluster_layouts.png]
+                                      [--global-batch 256] [--micro 8] [--png docs/figures/cluster_layouts.png]
 
 For each cluster the GPT-2 recipe with ``--model`` (default ``gpt2-medium``:
 24 layers, 16 heads, hidden 1024 — LiBai's ``nl24_nah16_hs1024`` — with
@@ -141,7 +141,7 @@ def main() -> None:
     ap.add_argument("--model", default="gpt2-medium")
     ap.add_argument("--global-batch", type=int, default=256)
     ap.add_argument("--micro", type=int, default=8)
-    ap.add_argument("--png", default="runs/figures/cluster_layouts.png")
+    ap.add_argument("--png", default="docs/figures/cluster_layouts.png")
     o = ap.parse_args()
     overrides = [f"model={o.model}", "model.vocab_size=50304", "trainer.precision=bf16",
                  "trainer.activation_checkpointing=true", f"trainer.global_batch_size={o.global_batch}",

@@ -9,7 +9,9 @@ strategy per round, rounds interleaving all strategies so that other load
 on the machine hits them alike. A step's wall time is the max over ranks
 after a barrier; its CPU time the max over ranks of the process CPU time.
 Before each round ``capacity()`` (``calibrate_machine``) measures how many
-cores our busy threads get right now, and ``contention()`` how much CPU time
+cores our busy threads get right now, ``link()`` the latency and bandwidth
+of a two-rank gloo all-reduce between matmuls (under load mostly the wait
+for a peer that lost its core), and ``contention()`` how much CPU time
 a fixed training step takes with 1-8 of our processes stepping at once,
 relative to the calibration's quiet-machine value (other jobs slow the work
 itself, not only our share of the cores).
@@ -87,6 +89,7 @@ class LayoutTimer:
         self.cores = cores or os.cpu_count() or 1
         self.timeout = timeout
         self.capacities: list = []  # one capacity curve per round
+        self.links: list = []  # one gloo link probe per round (``calibrate_machine.gloo_link``)
 
     def _run(self, strategy, steps):
         from toolkit.rank_pool import get_pool
@@ -98,7 +101,7 @@ class LayoutTimer:
 
     def measure(self, strategies, rounds: int = 3, steps: int = 2, warmup: int = 1, log=print) -> dict:
         """``{strategy: Timing}`` over ``rounds`` interleaved rounds of ``steps`` steps each."""
-        from calibrate_machine import capacity, contention
+        from calibrate_machine import capacity, contention, gloo_link
 
         out = {s: Timing([], []) for s in strategies}
         for s in strategies:
@@ -106,7 +109,10 @@ class LayoutTimer:
             self._run(s, warmup)  # builds the job (data, model, plan) and warms caches
             log(f"  built {s.describe()} in {time.time() - t0:.0f} s (load {os.getloadavg()[0]:.1f})")
         for r in range(rounds):
-            self.capacities.append(capacity(seconds=0.4))
+            self.capacities.append(capacity(seconds=1.5))
+            # under load a message's latency is mostly the wait for a peer that lost its core while computing:
+            # probe it as the load is now, with compute between the messages as in training
+            self.links.append(gloo_link(busy=256, rounds=60))
             if self.probe_step:
                 self.contentions.append(contention(steps=3, base=self.probe_step)[0])
             order = strategies[r % len(strategies):] + strategies[: r % len(strategies)]
@@ -114,7 +120,8 @@ class LayoutTimer:
                 walls, cpus = self._run(s, steps)
                 out[s].walls += walls
                 out[s].cpus += cpus
-            log(f"  round {r + 1}/{rounds} done (load {os.getloadavg()[0]:.1f}, capacity {self.capacities[-1]}"
+            log(f"  round {r + 1}/{rounds} done (load {os.getloadavg()[0]:.1f}, capacity {self.capacities[-1]}, "
+                f"link {self.links[-1]}"
                 + (f", contention {self.contentions[-1]})" if self.contentions else ")"))
         return out
 
@@ -126,6 +133,10 @@ class LayoutTimer:
             best = max(best, c)
             out.append((n, best))
         return tuple(out)
+
+    def link(self) -> dict:
+        """The median over rounds of the two-rank gloo link's latency and bandwidth (``links.intra_node`` keys)."""
+        return {k: statistics.median(r[k] for r in self.links) for k in ("bandwidth_gbs", "latency_us")}
 
     def contention(self) -> tuple:
         """The median over rounds of the CPU time per unit of work (vs the calibration's), per busy processes."""

@@ -8,13 +8,15 @@
    rounds interleave the layouts, a layout's step time is the median of its
    ``rounds * steps`` steps (max over ranks). Before each round the cores our
    busy threads get are measured (``capacity``: other jobs share the machine),
-   and the CPU time a fixed probe step takes with 1-8 of our processes at once
-   relative to the calibration's quiet value (``contention``).
+   the latency and bandwidth of a two-rank gloo all-reduce (``link``: under
+   load a message mostly waits for its receiver to get a core), and the CPU
+   time a fixed probe step takes with 1-8 of our processes at once relative
+   to the calibration's quiet value (``contention``).
 2. **Predicted**: the simulator (``sbp_core.search``) on this machine's
    cluster file, calibrated first by ``scripts/calibrate_machine.py`` (into a
    scratch file; ``--cluster`` gives one instead)
-   with the capacity and contention measured in step 1 (medians) — rehearsed
-   stages, per-op CPU seconds measured here, the task graph of the runtime's
+   with the capacity, link and contention measured in step 1 (medians) —
+   rehearsed stages, per-op CPU seconds measured here, the task graph of the runtime's
    actors, processor sharing of the cores. No step time of step 1 enters a
    prediction. Also printed: the predicted and measured CPU seconds per rank.
 3. **Delta vs full**: random per-op (per layer) layout changes of a tp2_pp2
@@ -107,6 +109,7 @@ def main() -> None:
     from layout_timing import LayoutTimer
     from recipes.registry import get
     from recipes.zero import apply_zero
+    from sbp_core.search.cluster import GB, Link
     from sbp_core.search.evaluate import Evaluator
     from sbp_core.search.mcmc import search
     from sbp_core.search.opcost import MeasuredOpCosts
@@ -131,12 +134,16 @@ def main() -> None:
     timer = LayoutTimer(overrides, probe_step=calibrated.probe_step)
     measured = timer.measure(strategies, o.rounds, o.steps)
     cap, slow = timer.capacity(), timer.contention()
-    cluster = dataclasses.replace(calibrated, capacity=cap, contention=slow or calibrated.contention)
+    link = timer.link()
+    intra = Link(link["bandwidth_gbs"] * GB, link["latency_us"] * 1e-6)
+    cluster = dataclasses.replace(calibrated, capacity=cap, contention=slow or calibrated.contention, intra=intra,
+                                  inter=intra)
     costs = MeasuredOpCosts(op_cost_path(), threads=1)
     ev = Evaluator(model, cluster, costs)
     print(f"capacity used for predictions (busy threads -> cores, median of rounds): {list(cap)}")
     print(f"contention used (busy processes -> CPU time per unit of work vs quiet calibration): "
           f"{list(cluster.contention)}")
+    print(f"link used (two-rank gloo all-reduce, median of rounds): {link}")
 
     rows, errs, pred_t, meas_t = [], [], [], []
     for n, s in zip(names, strategies):

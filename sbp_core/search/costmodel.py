@@ -58,24 +58,32 @@ def _largest(spec) -> int:
 
 @dataclass(frozen=True)
 class PhaseCost:
-    """``seconds`` = the phase's work; its parts for reports."""
+    """``seconds`` = the phase's work; its parts for reports.
+
+    ``threaded``: the part of ``compute`` spent in kernels big enough to use
+    all of the process's intra-op threads (the rest keeps one thread busy).
+    """
 
     seconds: float
     compute: float
     host: float
     comm: float
+    threaded: float = 0.0
 
 
 def phase_cost(trace: PhaseTrace, op_costs, cluster: Cluster, offset: int, stage_devices, threads: int = 1) -> PhaseCost:
     """Price ``trace`` for a stage whose rank ``r`` is device ``offset + r`` (``stage_devices``: all of its devices)."""
-    compute = comm = 0.0
+    compute = comm = threaded = 0.0
     speedup = cluster.thread_speedup if threads > 1 else 1.0
     for e in trace.events:
         if isinstance(e, OpCall):
             s = op_costs.seconds(e) * cluster.kernel_factor
-            compute += s / speedup if speedup != 1.0 and _largest(e.args) >= GRAIN else s
+            if threads > 1 and _largest(e.args) >= GRAIN:
+                s /= speedup
+                threaded += s
+            compute += s
         else:
             comm += collective_seconds(e, cluster, tuple(offset + r for r in e.ranks), stage_devices)
     host = len(trace.global_ops) * cluster.host_overhead
     busy = compute + host if cluster.costs == "measured" else max(compute, host)
-    return PhaseCost(busy + comm, compute, host, comm)
+    return PhaseCost(busy + comm, compute, host, comm, threaded)

@@ -62,14 +62,20 @@ class Evaluator:
         c = self.cluster
         devices = self.stage_devices(strategy, stage)
         threads = c.threads_per_device(strategy.world)
-        costs = {name: phase_cost(trace.phases[name], self.op_costs, c, devices[0], devices, threads).seconds
-                 for name in ("F", "B0", "B", "reduce", "update")}
+        priced = {name: phase_cost(trace.phases[name], self.op_costs, c, devices[0], devices, threads)
+                  for name in ("F", "B0", "B", "reduce", "update")}
+        costs = {name: p.seconds for name, p in priced.items()}
         send = copy = 0.0
         if stage < strategy.pp - 1 and trace.act_bytes:
             peer = devices[0] + len(devices)
             send = collective_seconds(Collective("send", (0, 1), trace.act_bytes), c, (devices[0], peer), devices)
             copy = trace.act_bytes / c.mem_bandwidth if c.mem_bandwidth else 0.0
-        weight = float(len(devices) * threads) if c.cores else 0.0
+        # Threads a process keeps busy: all of them in big kernels, one in small kernels, dispatch and
+        # collectives (torch's idle intra-op threads sleep and take no share of the cores).
+        total = sum(p.seconds for p in priced.values())
+        threaded = sum(p.threaded for p in priced.values())
+        busy = 1.0 + (threads - 1) * threaded / total if total > 0 else float(threads)
+        weight = len(devices) * busy if c.cores else 0.0
         return StageWork(costs["F"], costs["B0"], costs["B"], costs["reduce"], costs["update"], send, copy, weight)
 
     def memory(self, strategy, stage: int, trace, m: int, schedule: str) -> int:

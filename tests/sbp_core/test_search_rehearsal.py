@@ -117,3 +117,24 @@ def test_roofline_mm_and_views():
 def test_bad_cluster_file_names_the_key():
     with pytest.raises(ValueError, match="unknown keys"):
         cluster_from_dict({**CLUSTER, "gpus": 3})
+
+
+def test_phase_cost_threaded_part():
+    """Big kernels use the process's threads (sped up, counted as threaded); small ones, dispatch and comm one."""
+    from sbp_core.search.costmodel import phase_cost
+    from sbp_core.search.rehearsal import OpCall, PhaseTrace, TensorSpec
+
+    class Fixed:  # 1 ms per call, whatever the call
+        def seconds(self, call):
+            return 1e-3
+
+    big, small = TensorSpec((256, 256), (256, 1), "float32"), TensorSpec((8, 8), (8, 1), "float32")
+    trace = PhaseTrace("F", [OpCall("aten.mm.default", ((big, big), ()), ""),
+                             OpCall("aten.mm.default", ((small, small), ()), "")], [object()] * 3)
+    c = cluster_from_dict({**CLUSTER, "cores": 2, "costs": "measured",
+                           "device": {**CLUSTER["device"], "thread_speedup": 2.0, "dispatch_us": 10}})
+    two = phase_cost(trace, Fixed(), c, 0, (0,), threads=2)
+    assert (two.compute, two.threaded, two.host) == pytest.approx((1.5e-3, 0.5e-3, 3e-5))
+    assert two.seconds == pytest.approx(1.5e-3 + 3e-5)
+    one = phase_cost(trace, Fixed(), c, 0, (0,), threads=1)
+    assert (one.compute, one.threaded) == pytest.approx((2e-3, 0.0))
