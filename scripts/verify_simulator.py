@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import random
 import statistics
 import sys
 import tempfile
@@ -60,19 +59,8 @@ def _strategy(name: str, micro: int):
 
 def delta_vs_full(model, evaluator, base_strategy, n: int, seed: int = 0) -> tuple:
     """``(speedup, changes compared)``: full vs delta prediction times over ``n`` per-op changes; asserts identity."""
-    rng = random.Random(seed)
     base = evaluator.predict(base_strategy)
-    cands = []
-    while len(cands) < n:
-        c = rng.choice(model.choices)
-        s = model.apply_choice(base_strategy, c, rng.randrange(1, len(c.candidates)))
-        if not model.problems(s):
-            try:
-                for stage in range(s.pp):
-                    model.trace(s, stage)  # rehearse now: both paths price the same traces
-            except (ValueError, RuntimeError, NotImplementedError):
-                continue
-            cands.append(s)
+    cands = model.op_changes(base_strategy, n, seed)
     full_t = delta_t = 0.0
     for s in cands:
         t0 = time.perf_counter()

@@ -21,7 +21,6 @@ simulator, the quantity of FlexFlow's table.
 """
 from __future__ import annotations
 
-import random
 import time
 
 from .simulated import evaluator, gpt_model, gpt_overrides, load_cluster, strategy
@@ -44,30 +43,6 @@ def add_arguments(ap) -> None:
     ap.add_argument("--repeats", type=int, default=3, help="timed full/delta predictions per change (fastest)")
 
 
-def changes(model, base, n: int, seed: int = 0) -> list:
-    """``n`` strategies that differ from ``base`` in one per-op layout (the search's op move), rehearsed.
-
-    A layout the configuration rejects or the dispatcher refuses while
-    rehearsing is skipped, as the search rejects it.
-    """
-    rng, out, tries = random.Random(seed), [], 0
-    while len(out) < n:
-        tries += 1
-        if tries > 50 * n:
-            raise ValueError(f"{base.describe()}: found {len(out)} of {n} valid per-op changes in {tries - 1} draws")
-        choice = rng.choice(model.choices)
-        s = model.apply_choice(base, choice, rng.randrange(1, len(choice.candidates)))
-        if s == base or s in out or model.problems(s):
-            continue
-        try:
-            for stage in range(s.pp):
-                model.trace(s, stage)  # rehearse now: the timed predictions price cached traces
-        except (ValueError, RuntimeError, NotImplementedError):
-            continue
-        out.append(s)
-    return out
-
-
 def _fastest(fn, repeats: int):
     best, got = float("inf"), None
     for _ in range(repeats):
@@ -83,7 +58,7 @@ def measure(model, cluster, layout: str, args) -> dict:
     base_s = strategy(layout, args.micro)
     t0 = time.perf_counter()
     base = ev.predict(base_s)
-    todo = changes(model, base_s, args.changes)
+    todo = model.op_changes(base_s, args.changes)
     rehearse_s = time.perf_counter() - t0
     full_t = delta_t = 0.0
     identical = True

@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import fnmatch
+import random
 import re
 from collections import Counter
 from dataclasses import dataclass, replace
@@ -156,6 +157,30 @@ class RecipeSearchModel:
         for (pat, _), sbp in zip(choice.params, choice.candidates[index]):
             strategy = strategy.with_op(pat, None if index == 0 else sbp)
         return strategy
+
+    def op_changes(self, base: Strategy, n: int, seed: int = 0) -> list:
+        """``n`` distinct strategies that differ from ``base`` in one per-op layout (the search's op move), rehearsed.
+
+        A layout the configuration rejects or the dispatcher refuses while
+        rehearsing is skipped, as the search rejects it; ``ValueError`` when
+        ``50 n`` draws do not find ``n``.
+        """
+        rng, out, tries = random.Random(seed), [], 0
+        while len(out) < n:
+            tries += 1
+            if tries > 50 * n:
+                raise ValueError(f"{base.describe()}: found {len(out)} of {n} valid per-op changes in {tries - 1} draws")
+            choice = rng.choice(self.choices)
+            s = self.apply_choice(base, choice, rng.randrange(1, len(choice.candidates)))
+            if s == base or s in out or self.problems(s):
+                continue
+            try:
+                for stage in range(s.pp):
+                    self.trace(s, stage)  # rehearse now: predictions then price cached traces
+            except (ValueError, RuntimeError, NotImplementedError):
+                continue
+            out.append(s)
+        return out
 
     # -- validity -----------------------------------------------------------------------------
 
