@@ -20,8 +20,9 @@ batch norm's statistics.
   for the mean, another for the variance), so the statistics and the
   running-stat updates equal single-device ones. Its backward likewise
   all-reduces the two per-channel gradient sums, stacked into one ``[2, C]``
-  all-reduce (they then are ``dw``/``db``, ``B``). Otherwise by rule: channel split (``x`` ``S(1)``, parameters and
-  statistics ``S(0)``) -> ``(S(1), S(0), S(0))``; in eval mode also batch /
+  all-reduce (they then are ``dw``/``db``, ``B``). Otherwise by rule:
+  channel split (``x`` ``S(1)``, parameters and statistics ``S(0)``) ->
+  ``(S(1), S(0), S(0))``; in eval mode also batch /
   spatial ``S(d)`` with ``B`` parameters; ``B`` -> ``B``. In training the
   running stats are updated in place, so they must already be laid out as
   the signature needs (no boxed copy is updated).
