@@ -31,6 +31,7 @@ into stages (``check`` refuses ``pp > 1``).
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Any
 
 import torch
@@ -43,7 +44,7 @@ def sbp_text(sbp: tuple) -> str:
     return "(" + ", ".join(map(str, sbp)) + ")"
 
 
-class Recipe:
+class Recipe(ABC):
     """Base class of every recipe; subclasses set the attributes and override what differs.
 
     Attributes: ``name``; ``model_schema``/``data_schema`` (dataclasses);
@@ -85,15 +86,17 @@ class Recipe:
 
     # -- model and plan ------------------------------------------------------------------------
 
+    @abstractmethod
     def build_model(self, model_cfg) -> nn.Module:
-        raise NotImplementedError
+        """The plain torch model for ``cfg.model`` (no distributed code; the trainer distributes it)."""
 
     def mesh_plan(self, cfg) -> dict:
         """Parameter patterns and ``<module>:input/output`` pins to an SBP on a stage's ``(dp, tp)`` mesh."""
         return {}
 
+    @abstractmethod
     def stage_forward(self, module, x, labels=None):
-        raise NotImplementedError
+        """One stage's forward on a micro-batch, as the module docstring's "Computation" states."""
 
     def act_shape(self, cfg, rows: int) -> tuple:
         """A micro-batch's stage-boundary activation (global shape) for ``rows`` samples."""
@@ -112,14 +115,15 @@ class Recipe:
 
     # -- data ----------------------------------------------------------------------------------
 
+    @abstractmethod
     def batch_fields(self, cfg) -> dict:
         """``{field: (per-sample shape, dtype)}`` of one micro-batch."""
-        raise NotImplementedError
 
     def prepare(self, cfg):
         """Every rank, before the model: build or find the data (cached; safe under concurrent ranks)."""
         return None
 
+    @abstractmethod
     def data(self, cfg, prepared, split: str, shard: int, n_shards: int, layout):
         """Shard ``shard`` of ``n_shards`` of ``split`` ("train" or "val")'s micro-batches, or ``None`` (no such split).
 
@@ -129,7 +133,6 @@ class Recipe:
         actors), a settable ``step``, and yields ``{field: local tensor}`` per
         piece (see ``toolkit.data.MicroBatches``).
         """
-        raise NotImplementedError
 
     # -- evaluation and accounting -------------------------------------------------------------
 

@@ -18,6 +18,7 @@ micro-batch on the GPU instead of one image at a time with PIL.
 from __future__ import annotations
 
 import io
+from abc import ABC, abstractmethod
 
 import torch
 
@@ -54,7 +55,7 @@ def normalize(images: torch.Tensor) -> torch.Tensor:
     return images.float().div_(127.5).sub_(1.0)
 
 
-class ImageSource:
+class ImageSource(ABC):
     """Base of the training sources: subclasses set ``n_images``, ``num_classes``, ``image_size`` and ``_load``.
 
     ``_load(index) -> (bytes, label or None, where)`` reads image ``index``
@@ -100,8 +101,10 @@ class ImageSource:
         images = torch.stack([x[0] for x in samples]) if samples else torch.empty(0, 3, s, s, dtype=torch.uint8)
         return {"image": normalize(images), "label": torch.tensor([x[1] for x in samples], dtype=torch.int64)}
 
+    @abstractmethod
     def _load(self, index: int) -> tuple:
-        raise NotImplementedError
+        """``(bytes, label or None, where)`` of image ``index``."""
 
     def _label(self, index: int, data: bytes, where: str) -> tuple:
-        raise NotImplementedError
+        raise TypeError(f"{type(self).__name__}._load gave no label for image {index} ({where}) "
+                        f"and the source defines no _label to read it from the payload")
