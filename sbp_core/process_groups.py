@@ -89,6 +89,16 @@ def channel_group(name, ranks):
     return g
 
 
+_forget_hooks: list = []  # callables run by forget_groups: caches of plans that hold groups
+
+
+def on_forget_groups(hook) -> None:
+    """Run ``hook()`` whenever ``forget_groups`` drops the groups (boxing plans hold them)."""
+    _forget_hooks.append(hook)
+
+
 def forget_groups() -> None:
     """Drop every cached group: call after destroying the default group (e.g. leaving a rehearsal's fake world)."""
     _groups.clear()
+    for hook in _forget_hooks:
+        hook()

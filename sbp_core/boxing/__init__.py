@@ -10,13 +10,14 @@ from __future__ import annotations
 import torch
 
 from ..layout import Layout
-from ..process_groups import world_rank
+from ..process_groups import on_forget_groups, world_rank
 from .cross_placement import box_cross_placement
 from .same_placement import compile_same_placement
 
 
 _compiled: dict = {}  # (src layout, dst layout) -> this rank's steps; layouts are interned
 _COMPILED_LIMIT = 1 << 14
+on_forget_groups(_compiled.clear)  # planned steps hold their process groups
 
 
 def _compile(src: Layout, dst: Layout):

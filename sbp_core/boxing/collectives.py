@@ -19,6 +19,7 @@ split sizes, so no padding is ever sent.
 from __future__ import annotations
 
 import functools
+import math
 import pickle
 
 import torch
@@ -36,6 +37,11 @@ class CollectiveError(RuntimeError):
     """A collective or transfer failed or timed out; names the op, the peers and the rank."""
 
 
+def _failure(name: str, peers, exc: RuntimeError) -> CollectiveError:
+    return CollectiveError(f"{name} with ranks {sorted(peers)} failed on rank {world_rank()} "
+                           f"(timeout {get_timeout():g} s for sbp_core's groups): {exc}")
+
+
 def _collective(peers_of):
     """Re-raise backend failures (gloo/NCCL timeouts, lost peers) as a ``CollectiveError``."""
 
@@ -47,10 +53,7 @@ def _collective(peers_of):
             except RuntimeError as exc:
                 if isinstance(exc, CollectiveError):
                     raise
-                raise CollectiveError(
-                    f"{fn.__name__} with ranks {sorted(peers_of(*args, **kwargs))} failed on rank "
-                    f"{world_rank()} (timeout {get_timeout():g} s for sbp_core's groups): {exc}"
-                ) from exc
+                raise _failure(fn.__name__, peers_of(*args, **kwargs), exc) from exc
 
         return call
 
@@ -252,6 +255,54 @@ def all_to_all(local: torch.Tensor, ranks, split_dim: int, cat_dim: int, cat_len
         return out.view(whole)  # the pieces arrived concatenated along dim 0
     got = dict(zip(order, out.split([recv[k] for k in order])))
     return torch.cat([got[k].view(shapes[k]) for k in range(p)], cat_dim)
+
+
+def plan_all_to_all(ranks, split_dim: int, cat_dim: int, local_shape, cat_length: int):
+    """``all_to_all`` with its geometry fixed now: a function ``local -> local`` for this rank's
+    ``local_shape`` input (``S(cat_dim) -> S(split_dim)``, ``cat_length`` the gathered size).
+
+    When the pieces are even and the group orders its members as the axis
+    does (the common case), a call is one send-permute copy (none for
+    ``split_dim`` 0 of a contiguous local), one ``all_to_all_single`` without
+    split sizes and one receive un-permute copy (none for ``cat_dim`` 0): the
+    send buffer is ``local`` seen as ``(..., p, m, ...)`` with the piece axis
+    moved first, the receive buffer ``(p, *piece)`` with it moved back next
+    to ``cat_dim``, so no per-call list of pieces is built. Otherwise it is
+    ``all_to_all`` (split sizes, pieces placed by group order).
+    """
+    p = len(ranks)
+    shape = list(local_shape)
+    even = shape[split_dim] % p == 0 and cat_length % p == 0
+    if p == 1 or not even or _group_order(ranks) != list(range(p)):
+        return lambda local: all_to_all(local, ranks, split_dim, cat_dim, cat_length)
+    group = group_of(ranks)
+    piece = shape[:]
+    piece[split_dim] //= p
+    sent = (p - 1) * math.prod(piece)  # elements; times the item size per call
+    split_view = tuple(shape[:split_dim] + [p, piece[split_dim]] + shape[split_dim + 1 :])
+    send_order = (split_dim,) + tuple(i for i in range(len(split_view)) if i != split_dim)
+    recv_shape = (p,) + tuple(piece)
+    recv_order = tuple(range(1, cat_dim + 1)) + (0,) + tuple(range(cat_dim + 1, len(recv_shape)))
+    result = piece[:]
+    result[cat_dim] = cat_length
+    result = tuple(result)
+
+    def run(local: torch.Tensor) -> torch.Tensor:
+        ledger.record("all_to_all", p, sent * local.element_size(), ranks)
+        if split_dim == 0:
+            inp = local.contiguous()  # already the send buffer: piece k is rows block k
+        else:
+            inp = local.reshape(split_view).permute(send_order).contiguous()
+        out = inp.new_empty(recv_shape)
+        try:
+            dist.all_to_all_single(out, inp, group=group)
+        except RuntimeError as exc:
+            raise _failure("all_to_all", ranks, exc) from exc
+        if cat_dim == 0:
+            return out.view(result)
+        return out.permute(recv_order).reshape(result)
+
+    return run
 
 
 @_collective(lambda sends, recvs: {r for r, *_ in sends} | {r for r, *_ in recvs})

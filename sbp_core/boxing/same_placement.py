@@ -43,7 +43,9 @@ def axis_step(placement, state: tuple, axis: int, new, shape):
     view = view_shape(shape, placement.shape, state, coords, axis)
     if old.is_split:
         if new.is_split:
-            return lambda local: collectives.all_to_all(local, ranks, new.axis, old.axis, view[old.axis])
+            mine = list(view)
+            mine[old.axis] = shard_bounds(view[old.axis], p, index)[1]
+            return collectives.plan_all_to_all(ranks, new.axis, old.axis, mine, view[old.axis])
         if new.is_broadcast:
             return lambda local: collectives.all_gather(local, ranks, old.axis, view[old.axis])
         start, length = shard_bounds(view[old.axis], p, index)
