@@ -42,13 +42,12 @@ def axis_step(placement, state: tuple, axis: int, new, shape):
         return None
     view = view_shape(shape, placement.shape, state, coords, axis)
     if old.is_split:
+        start, length = shard_bounds(view[old.axis], p, index)
+        mine = view[: old.axis] + (length,) + view[old.axis + 1 :]  # this rank's local
         if new.is_split:
-            mine = list(view)
-            mine[old.axis] = shard_bounds(view[old.axis], p, index)[1]
             return collectives.plan_all_to_all(ranks, new.axis, old.axis, mine, view[old.axis])
         if new.is_broadcast:
-            return lambda local: collectives.all_gather(local, ranks, old.axis, view[old.axis])
-        start, length = shard_bounds(view[old.axis], p, index)
+            return collectives.plan_all_gather(ranks, old.axis, mine, view[old.axis])
 
         def place(local):  # S -> P: own piece in place, the identity elsewhere
             out = torch.full(view, reduce_identity(new.op, local.dtype), dtype=local.dtype, device=local.device)
@@ -64,7 +63,7 @@ def axis_step(placement, state: tuple, axis: int, new, shape):
             return None
         return lambda local: torch.full_like(local, reduce_identity(new.op, local.dtype))
     if new.is_split:
-        return lambda local: collectives.reduce_scatter(local, ranks, new.axis, old.op)
+        return collectives.plan_reduce_scatter(ranks, new.axis, view, old.op)
     if new.is_partial:
         if index == 0:
             return lambda local: collectives.reduce(local, ranks, old.op)
