@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from .layout import Layout, strides_in_order
+from .process_groups import on_forget_groups
 from .sbp import format_sbp, nd_sbp
 
 
@@ -85,13 +86,20 @@ class GlobalTensor(torch.Tensor):
         """Box to ``sbp`` on ``placement`` (either defaults to the current one)."""
         src = self._layout
         try:
-            dst = _targets[(src, placement, sbp)]
+            dst, steps = _targets[(src, placement, sbp)]
         except (KeyError, TypeError):  # TypeError: an unhashable sbp (a list)
-            dst = _target(src, placement, sbp)
+            dst, steps = _target(src, placement, sbp)
         if self.requires_grad and torch.is_grad_enabled():
             return _Boxing.apply(self, dst)
-        local = _box(self._local, src, dst)
-        return wrap(local, dst, dst.strides if local.is_contiguous() else _global_strides(dst.shape, local))
+        # box(...) and wrap(...) inlined: a local-only boxing (B -> S is a view) is mostly this call's frames.
+        local = self._local
+        for step in steps:
+            local = step(local)
+        strides = dst.strides if local.is_contiguous() else _global_strides(dst.shape, local)
+        out = _make_wrapper(GlobalTensor, dst.shape, strides, None, None, dst.dtype, _strided, local.device)
+        out._local = local
+        out._layout = dst
+        return out
 
     def full_tensor(self) -> torch.Tensor:
         """The whole global tensor on every member rank (all-gather / all-reduce as needed)."""
@@ -104,20 +112,23 @@ class GlobalTensor(torch.Tensor):
     # Python frame per op, not two.
 
 
-_targets: dict = {}  # (layout, placement arg, sbp arg) -> the layout to_global boxes to
+# (layout, placement arg, sbp arg) -> (the layout to_global boxes to, the planned boxing steps)
+_targets: dict = {}
+on_forget_groups(_targets.clear)  # the steps hold process groups
 
 
-def _target(src: Layout, placement, sbp) -> Layout:
-    """Validate ``to_global``'s arguments once per (layout, arguments) and cache the destination."""
+def _target(src: Layout, placement, sbp) -> tuple:
+    """Validate ``to_global``'s arguments once per (layout, arguments); cache the destination and its steps."""
     pl = src.placement if placement is None else placement
     dst = Layout(pl, src.sbp if sbp is None else nd_sbp(sbp, pl.ndim), src.shape, src.dtype)
+    entry = (dst, _planned(src, dst))
     try:
         if len(_targets) >= 1 << 14:
             _targets.clear()
-        _targets[(src, placement, sbp)] = dst
+        _targets[(src, placement, sbp)] = entry
     except TypeError:
         pass
-    return dst
+    return entry
 
 
 _make_wrapper = torch.Tensor._make_wrapper_subclass
@@ -140,5 +151,5 @@ GlobalTensor.__torch_dispatch__ = classmethod(_dispatch)
 
 # Bound once here rather than imported inside ``to_global``: an import statement in a
 # function costs two importlib frames per call (boxing imports this module, so not at the top).
-from .boxing import box as _box  # noqa: E402
+from .boxing import planned as _planned  # noqa: E402
 from .boxing.autograd import Boxing as _Boxing, ToLocal as _ToLocal  # noqa: E402

@@ -31,13 +31,10 @@ def _compile(src: Layout, dst: Layout):
     return [lambda local: box_cross_placement(local, src.placement, src.sbp, dst.placement, dst.sbp, src.shape, src.dtype)]
 
 
-def box(local: torch.Tensor, src: Layout, dst: Layout) -> torch.Tensor:
-    """This rank's local of the same global value laid out as ``dst`` instead of ``src``.
-
-    The steps for a pair of layouts are planned once per process (geometry,
-    ranks, slice bounds) and then only run; every collective still goes
-    through ``collectives`` and so into the ledger.
-    """
+def planned(src: Layout, dst: Layout) -> list:
+    """This rank's steps (functions ``local -> local``) boxing ``src`` to ``dst``, planned once per process
+    (geometry, ranks, slice bounds, groups). Whoever keeps them must drop them when the groups are
+    forgotten (``process_groups.on_forget_groups``)."""
     key = (src, dst)
     steps = _compiled.get(key)
     if steps is None:
@@ -45,6 +42,18 @@ def box(local: torch.Tensor, src: Layout, dst: Layout) -> torch.Tensor:
         if len(_compiled) >= _COMPILED_LIMIT:
             _compiled.clear()
         _compiled[key] = steps
+    return steps
+
+
+def box(local: torch.Tensor, src: Layout, dst: Layout) -> torch.Tensor:
+    """This rank's local of the same global value laid out as ``dst`` instead of ``src``.
+
+    Runs the ``planned`` steps; every collective still goes through
+    ``collectives`` and so into the ledger.
+    """
+    steps = _compiled.get((src, dst))
+    if steps is None:
+        steps = planned(src, dst)
     for step in steps:
         local = step(local)
     return local

@@ -31,7 +31,7 @@ BOUNDS = {
     "add S(0)+S(0)": 4,
     "matmul B@S(1)": 4,  # aten.mm with the tp column-parallel signature B, S(1) -> S(1)
     "relu B": 4,
-    "to_global B->S(0)": 3,  # to_global, box, wrap (the planned narrow is a C-level methodcaller)
+    "to_global B->S(0)": 1,  # to_global alone: box and wrap are inline, the planned narrow a C-level methodcaller
     "to_global B->S(0) grad": 11,  # to_global, apply (7), Boxing.forward, box, GlobalTensor.__new__
     "to_local grad": 8,  # to_local, apply (6), ToLocal.forward
 }
