@@ -65,15 +65,16 @@ def axis_step(placement, state: tuple, axis: int, new, shape):
     if new.is_split:
         return collectives.plan_reduce_scatter(ranks, new.axis, view, old.op)
     if new.is_partial:
+        reduce = collectives.plan_reduce(ranks, view, old.op)
         if index == 0:
-            return lambda local: collectives.reduce(local, ranks, old.op)
+            return reduce
 
         def reduce_away(local):
-            collectives.reduce(local, ranks, old.op)
+            reduce(local)
             return torch.full_like(local, reduce_identity(new.op, local.dtype))
 
         return reduce_away
-    return lambda local: collectives.all_reduce(local, ranks, old.op)
+    return collectives.plan_all_reduce(ranks, view, old.op)
 
 
 def compile_same_placement(placement, src: tuple, dst: tuple, shape, itemsize: int) -> list:
