@@ -381,26 +381,31 @@ def plan_reduce_scatter(ranks, dim: int, full_shape, op: str):
     return run
 
 
+def _planned_reduction(name: str, ranks, sent: int, collective):
+    """``t -> out``: record ``sent`` elements, run ``collective`` in place on a contiguous copy of ``t``."""
+    p = len(ranks)
+
+    def run(t: torch.Tensor) -> torch.Tensor:
+        ledger.record(name, p, sent * t.element_size(), ranks)
+        out = t.clone(memory_format=torch.contiguous_format)
+        try:
+            collective(out)
+        except RuntimeError as exc:
+            raise _failure(name, ranks, exc) from exc
+        return out
+
+    return run
+
+
 def plan_all_reduce(ranks, shape, op: str):
     """``all_reduce`` of a ``shape`` tensor as a function ``t -> reduced copy`` (ledger bytes and group fixed now)."""
     p = len(ranks)
     if p == 1:
         return lambda t: all_reduce(t, ranks, op)
-    group = group_of(ranks)
     numel = math.prod(shape)
     sent = numel + (p - 2) * shard_sizes(numel, p)[ranks.index(world_rank())]  # elements (ring)
-    red = _REDUCE[op]
-
-    def run(t: torch.Tensor) -> torch.Tensor:
-        ledger.record("all_reduce", p, sent * t.element_size(), ranks)
-        out = t.clone(memory_format=torch.contiguous_format)
-        try:
-            dist.all_reduce(out, op=red, group=group)
-        except RuntimeError as exc:
-            raise _failure("all_reduce", ranks, exc) from exc
-        return out
-
-    return run
+    return _planned_reduction("all_reduce", ranks, sent,
+                              functools.partial(dist.all_reduce, op=_REDUCE[op], group=group_of(ranks)))
 
 
 def plan_reduce(ranks, shape, op: str):
@@ -408,20 +413,9 @@ def plan_reduce(ranks, shape, op: str):
     p = len(ranks)
     if p == 1:
         return lambda t: reduce(t, ranks, op)
-    group = group_of(ranks)
     sent = 0 if ranks.index(world_rank()) == 0 else math.prod(shape)
-    red, root = _REDUCE[op], ranks[0]
-
-    def run(t: torch.Tensor) -> torch.Tensor:
-        ledger.record("reduce", p, sent * t.element_size(), ranks)
-        out = t.clone(memory_format=torch.contiguous_format)
-        try:
-            dist.reduce(out, dst=root, op=red, group=group)
-        except RuntimeError as exc:
-            raise _failure("reduce", ranks, exc) from exc
-        return out
-
-    return run
+    return _planned_reduction("reduce", ranks, sent,
+                              functools.partial(dist.reduce, dst=ranks[0], op=_REDUCE[op], group=group_of(ranks)))
 
 
 @_collective(lambda sends, recvs: {r for r, *_ in sends} | {r for r, *_ in recvs})
