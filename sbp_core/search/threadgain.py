@@ -19,9 +19,11 @@ work is not the calling thread's CPU time; the least of the repeats, because
 that is the call when its threads had their cores (the simulator shares the
 cores out itself, ``Cluster.thread_rate``). Calls below ``GRAIN`` elements
 run on one thread in torch and get 1 without being measured. Under heavy
-load the second thread seldom gets a core and the gain comes out low: the
-cache file (one per thread count) is best filled on a quiet machine, and
-deleting it re-measures.
+load the second thread seldom gets a core and the gain comes out low, so
+the cache file (one per thread count) keeps with each gain the load average
+it was measured at, and a gain measured at a load more than one above
+today's is measured again (and replaced): the cache converges to the
+quietest measurement instead of keeping the first.
 """
 from __future__ import annotations
 
@@ -63,7 +65,7 @@ class MeasuredThreadGain:
             raise ValueError(f"threads={threads}: a thread gain compares 2 or more threads with 1")
         self.path, self.threads = Path(path), threads
         self.repeats, self.budget_s = repeats, budget_s
-        self._table: dict = json.loads(self.path.read_text()) if self.path.exists() else {}
+        self._table: dict = json.loads(self.path.read_text()) if self.path.exists() else {}  # key -> [gain, load]
         self._hot: dict = {}
         self._dirty = False
 
@@ -74,10 +76,13 @@ class MeasuredThreadGain:
                 got = 1.0
             else:
                 key = repr(call.key)
-                got = self._table.get(key)
-                if got is None:
-                    got = self._table[key] = self.measure(call)
+                entry = self._table.get(key)
+                stored, load = entry if isinstance(entry, list) else (entry, float("inf"))  # a bare gain: load unknown
+                if stored is None or load > os.getloadavg()[0] + 1.0:
+                    stored = self.measure(call)
+                    self._table[key] = [stored, round(os.getloadavg()[0], 2)]
                     self._dirty = True
+                got = stored
             self._hot[call.key] = got
         return got
 

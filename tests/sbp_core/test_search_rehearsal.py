@@ -1,6 +1,8 @@
 """Rehearsals record what our dispatcher really does, and costs follow DESIGN.md's table and the links."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch import nn
@@ -194,9 +196,19 @@ def test_thread_gain_measures_only_threadable_calls(tmp_path):
     gains.save()
     assert not path.exists()  # nothing measured: torch runs it on one thread
     big = TensorSpec((256, 256), (256, 1), "float32")
-    g = gains.gain(OpCall("aten.mm.default", ((big, big), ()), ""))
+    mm = OpCall("aten.mm.default", ((big, big), ()), "")
+    g = gains.gain(mm)
     assert 1.0 <= g <= 2.0
     gains.save()
-    assert MeasuredThreadGain(path).gain(OpCall("aten.mm.default", ((big, big), ()), "")) == g  # cached
+    key = repr(mm.key)
+    assert json.loads(path.read_text())[key][0] == g
+    # a gain measured on a quiet machine is kept; one measured under a far higher load than now is measured again
+    path.write_text(json.dumps({key: [1.5, 0.0]}))
+    assert MeasuredThreadGain(path).gain(mm) == 1.5
+    path.write_text(json.dumps({key: [1.01, 1e9]}))
+    again = MeasuredThreadGain(path, repeats=2, budget_s=0.0)
+    assert 1.0 <= again.gain(mm) <= 2.0
+    again.save()
+    assert json.loads(path.read_text())[key][1] < 1e9
     with pytest.raises(ValueError, match="threads=1"):
         MeasuredThreadGain(path, threads=1)
