@@ -164,6 +164,9 @@ def main() -> None:
         pred_t.append(p.step_seconds)
         meas_t.append(mt.wall)
         rows.append((n, mt.wall, p.step_seconds, err, mt.cpu, work, p.peak_memory / 2**20, mt.spread))
+        if cluster.threads_per_device(s.world) > 1:  # what the per-call thread gains make of this layout
+            print(f"{n}: {cluster.threads_per_device(s.world)} intra-op threads per process keep "
+                  f"{p.works[0].weight / (s.dp * s.tp):.2f} busy on average (per-call gains, {op_cost_path(2).name})")
     costs.save()
     gains.save()
     print(f"\n{'layout':14s} {'measured s':>10s} {'spread':>6s} {'predicted s':>11s} {'error':>7s} {'cpu s/rank':>10s} "
