@@ -15,13 +15,15 @@ own actors. For stage ``s`` of ``pp`` on each of its ranks ``r``:
 - ``s{s}.B@r`` (compute, higher priority than F): backward of micro-batch
   ``k`` (``loss / m`` on the last stage, the received output gradient
   elsewhere); gradients accumulate in the layout they arrive in
-  (``defer_grad_boxing``: partial sums add locally, no traffic); its output
+  (``defer_grad_boxing``: partial sums add locally, no traffic) except in
+  the last micro-batch's backward, which boxes them to their parameters'
+  layouts in buckets overlapping it (``sbp_core.grad_buckets``); its output
   is the gradient of the stage's input boxed to the boundary layout;
 - boundary actors (``runtime.pipeline.boundary``) carry activations from
   stage ``s`` to ``s + 1`` and gradients back, by cross-placement boxing;
-- ``s{s}.reduce@r`` (compute, once per step): boxes every gradient to its
-  parameter's layout (one ``P -> B`` all-reduce over data parallel per
-  parameter per step) and sums tied parameters' gradients across stages;
+- ``s{s}.reduce@r`` (compute, once per step): boxes any gradient left in
+  another layout than its parameter's (``box_grads``, or ZeRO's
+  ``sync_grads``) and sums tied parameters' gradients across stages;
 - ``s{s}.update@r`` (compute, once per step): global-norm clipping over all
   stages, the optimizer and LR scheduler step, ``zero_grad``; returns the
   step's mean loss on the last stage.
@@ -45,6 +47,7 @@ path's bit for bit, without its per-op host cost.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
@@ -222,7 +225,9 @@ class PipelineStep:
         return self.last_loss
 
     def _backward(self, k, stash: Stash, grad=None):
-        with sc.defer_grad_boxing():
+        # All but the last micro-batch accumulate partial sums locally; the last one's backward
+        # boxes the sums in buckets that overlap it (sbp_core.grad_buckets), as DDP's no_sync.
+        with sc.defer_grad_boxing() if k < self.cfg.micro_batches - 1 else contextlib.nullcontext():
             if grad is None:
                 (stash.output / self.cfg.micro_batches).backward()
             else:
