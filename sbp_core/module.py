@@ -18,18 +18,21 @@ value, and a rank keeps only its shard (no communication). A parameter on
 the meta device (a table too big to build whole on every rank) is built
 shard by shard: its module's ``init_shard(name, box)`` returns the values of
 the box ``((start, length), ...)`` this rank holds. Gradients are
-boxed to their parameter's layout as soon as backward accumulates them
-(``P -> B`` all-reduce for data parallel), so ``torch.optim`` steps local
-shards without communicating. A sparse row gradient (``sbp_core.sparse``)
-is boxed to that layout with its row splits as ``B``. Under ``defer_grad_boxing()`` (gradient
-accumulation over micro-batches) gradients stay in the layout they arrive
-in — partial terms add locally, no traffic — and ``box_grads(module)``
-boxes them once, after the last micro-batch.
+boxed to their parameter's layout while backward runs (``P -> B``
+all-reduce for data parallel), in buckets of about ``bucket_bytes`` started
+as soon as backward has accumulated every gradient of one
+(``sbp_core.grad_buckets``, as DDP's) and waited for when backward ends, so
+``torch.optim`` steps local shards without communicating. A sparse row
+gradient (``sbp_core.sparse``) is boxed to that layout with its row splits
+as ``B``. Under ``defer_grad_boxing()`` (gradient accumulation: every
+micro-batch but the last) gradients stay in the layout they arrive in —
+partial terms add locally, no traffic — and the last micro-batch's backward
+boxes the sums; ``box_grads(module)`` boxes whatever is left (all of them
+when every backward was deferred) in one collective.
 """
 from __future__ import annotations
 
 import fnmatch
-from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -37,6 +40,7 @@ from torch import nn
 from .boxing.coalesced import box_many
 from .declare import distribute
 from .global_tensor import GlobalTensor
+from .grad_buckets import BUCKET_BYTES, FIRST_BUCKET_BYTES, GradBuckets, defer_grad_boxing  # noqa: F401  (defer_grad_boxing: re-exported)
 from .layout import Layout, local_box
 from .process_groups import world_rank
 from .sbp import Broadcast, format_sbp, nd_sbp
@@ -60,32 +64,8 @@ def _on_mesh(sbp: tuple, placement) -> tuple:
     return tuple(Broadcast() if n == 1 and s.is_split else s for s, n in zip(sbp, placement.shape))
 
 
-# Process-wide, not per thread: CUDA runs backward hooks on the autograd
-# engine's device threads, not on the thread that called backward.
-_deferred = [0]
-
-
-@contextmanager
-def defer_grad_boxing():
-    """Inside (any thread of this process), backward leaves gradients in the layout they arrive in."""
-    _deferred[0] += 1
-    try:
-        yield
-    finally:
-        _deferred[0] -= 1
-
-
-def _box_grad_to_param(param):
-    if _deferred[0]:
-        return
-    grad = param.grad
-    if not isinstance(grad, GlobalTensor):
-        return
-    # A sparse row gradient cannot split rows: it stays B where its table is row-split.
-    target = sparse_sbp_for(param.sbp) if isinstance(grad, SparseGlobalTensor) else param.sbp
-    if grad.sbp != target:
-        with torch.no_grad():
-            param.grad = grad.to_global(sbp=target)
+def _set_grad(param, grad) -> None:
+    param.grad = grad
 
 
 @torch.no_grad()
@@ -113,8 +93,11 @@ def box_grads(module: nn.Module) -> None:
         p.grad = GlobalTensor(local, dst)
 
 
-def distribute_module(module: nn.Module, placement, plan: dict | None = None) -> nn.Module:
-    """Replace ``module``'s parameters and buffers by global tensors, in place; returns it."""
+def distribute_module(module: nn.Module, placement, plan: dict | None = None,
+                      bucket_bytes: int = BUCKET_BYTES) -> nn.Module:
+    """Replace ``module``'s parameters and buffers by global tensors, in place; returns it.
+
+    ``bucket_bytes``: gradient bytes boxed by one collective during backward (module docstring)."""
     plan = dict(plan or {})
     names = {n for n, _ in module.named_parameters()} | {n for n, _ in module.named_buffers()}
     module_names = {n for n, _ in module.named_modules()}
@@ -129,6 +112,7 @@ def distribute_module(module: nn.Module, placement, plan: dict | None = None) ->
                              f"some names: {sorted(pool)[:8]}")
     broadcast = tuple(Broadcast() for _ in placement.shape)
     done: dict = {}  # id(old parameter) -> new one, so tied parameters stay one parameter
+    trained = []
     for mod_name, mod in module.named_modules(remove_duplicate=False):
         prefix = f"{mod_name}." if mod_name else ""
         for pname, param in list(mod.named_parameters(recurse=False)):
@@ -142,7 +126,7 @@ def distribute_module(module: nn.Module, placement, plan: dict | None = None) ->
                 g = distribute(param.detach(), placement, sbp)
             new = nn.Parameter(g, requires_grad=param.requires_grad)
             if new.requires_grad:
-                new.register_post_accumulate_grad_hook(_box_grad_to_param)
+                trained.append(new)
             done[id(param)] = new
             setattr(mod, pname, new)
         for bname, buf in list(mod.named_buffers(recurse=False)):
@@ -154,6 +138,8 @@ def distribute_module(module: nn.Module, placement, plan: dict | None = None) ->
             for pattern, sbp in plan.items():
                 if pattern.endswith(":" + where) and fnmatch.fnmatchcase(mod_name, pattern.rsplit(":", 1)[0]):
                     _pin(mod, where, _on_mesh(nd_sbp(sbp, placement.ndim), placement))
+    module._grad_buckets = GradBuckets(trained, [p.sbp for p in trained], _set_grad, bucket_bytes, min(
+        bucket_bytes, FIRST_BUCKET_BYTES))
     return module
 
 

@@ -31,7 +31,10 @@ memory step per variant, ``--steps`` timed steps of each run round-robin
 (the order rotates every round, so load from other processes hits all
 alike): every rank waits on a barrier and times its step (schedule, tied
 gradients, optimizer); a step's time is the max over ranks, a variant's the
-median over its steps; tokens/s = batch x seq / that.
+median over its steps; tokens/s = batch x seq / that. ``cpu ms`` is the
+same over each rank's process CPU time of the step (all its threads; one
+intra-op thread per rank), which other jobs on the machine disturb less than
+wall time: the ratio table gives throughput by both.
 
 **Memory.** Peak bytes of C heap in use (glibc ``mallinfo2``: in-use arena
 plus mmapped chunks of every thread; torch's CPU tensors live there; RSS
@@ -332,7 +335,7 @@ def worker(o):
     """Every rank: build each variant, warm it up, measure its memory; then timed steps round-robin."""
     rank = dist.get_rank()
     tied_group = dist.new_group([0, o.pp - 1]) if o.pp > 1 else None
-    variants, out = {}, {"stage": rank, "mem": {}, "times": {n: [] for n in VARIANTS},
+    variants, out = {}, {"stage": rank, "mem": {}, "times": {n: [] for n in VARIANTS}, "cpu": {n: [] for n in VARIANTS},
                          "losses": {n: {} for n in VARIANTS}, "events": {n: [] for n in VARIANTS}}
     for name in VARIANTS:
         v = Ours(o, name.split()[1]) if name.startswith("ours") else Theirs(o, name.split()[1].lower(), tied_group)
@@ -347,9 +350,10 @@ def worker(o):
         order = VARIANTS[k % len(VARIANTS):] + VARIANTS[:k % len(VARIANTS)]
         for name in order:
             dist.barrier()
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             out["losses"][name][first + k] = variants[name].step(first + k)
             out["times"][name].append(time.perf_counter() - t)
+            out["cpu"][name].append(time.process_time() - c)
             out["events"][name].append(variants[name].events())
     return out
 
@@ -395,6 +399,7 @@ def report(res, o) -> str:
     lines = []
     tokens = o.batch * o.seq
     step_time = {n: statistics.median(max(r["times"][n][k] for r in res) for k in range(o.steps)) for n in VARIANTS}
+    cpu_time = {n: statistics.median(max(r["cpu"][n][k] for r in res) for k in range(o.steps)) for n in VARIANTS}
     mem = {n: max(r["mem"][n]["step"] for r in res) for n in VARIANTS}
     losses = {n: {i: x for r in res for i, x in r["losses"][n].items() if x is not None} for n in VARIANTS}
     ref = losses[VARIANTS[1]]
@@ -404,21 +409,22 @@ def report(res, o) -> str:
     lines.append(f"loss per step agrees across the 4 variants: max rel diff {worst:.1e} "
                  f"(step 0 loss {ref[0]:.4f}, last {ref[max(ref)]:.4f})")
     lines.append("")
-    head = f"{'variant':12s} {'step ms':>9s} {'tokens/s':>9s}"
+    head = f"{'variant':12s} {'step ms':>9s} {'tokens/s':>9s} {'cpu ms':>7s}"
     for r in res:
         head += f" {'heap MB s' + str(r['stage']):>11s} {'saved MB s' + str(r['stage']):>12s}"
     lines.append(head)
     for n in VARIANTS:
-        row = f"{n:12s} {step_time[n] * 1e3:9.0f} {tokens / step_time[n]:9.0f}"
+        row = f"{n:12s} {step_time[n] * 1e3:9.0f} {tokens / step_time[n]:9.0f} {cpu_time[n] * 1e3:7.0f}"
         for r in res:
             row += f" {r['mem'][n]['step'] / MB:11.1f} {r['mem'][n]['saved'] / MB:12.1f}"
         lines.append(row)
     lines.append("")
-    lines.append(f"{'ours / torch':14s} {'throughput':>10s} {'peak heap':>10s}")
+    lines.append(f"{'ours / torch':14s} {'throughput':>10s} {'by CPU time':>11s} {'peak heap':>10s}")
     ratios = {}
     for ours, theirs in (("ours 1f1b", "torch 1F1B"), ("ours gpipe", "torch GPipe")):
         ratios[ours] = (step_time[theirs] / step_time[ours], mem[ours] / mem[theirs])
-        lines.append(f"{ours[5:] + ' vs ' + theirs[6:]:14s} {ratios[ours][0]:9.2f}x {ratios[ours][1]:9.2f}x")
+        lines.append(f"{ours[5:] + ' vs ' + theirs[6:]:14s} {ratios[ours][0]:9.2f}x "
+                     f"{cpu_time[theirs] / cpu_time[ours]:10.2f}x {ratios[ours][1]:9.2f}x")
     lines.append("")
     th = theory(o.pp, o.micro)
     lines.append(f"per stage: bubble (median over the timed steps; theory (p-1)/(m+p-1) = {th:.2f}) and the most "

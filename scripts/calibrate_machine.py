@@ -10,8 +10,17 @@ A "device" here is one process of ours; the devices share the CPU. Measured:
 - ``contention``: CPU seconds per training step (a small GPT-2, one thread)
   when 1, 2, 4 and 8 processes step at once, relative to one alone: the
   slowdown of shared caches and of more processes than cores;
-- ``device.thread_speedup``: a training step (the contention probe's) with 2
-  intra-op threads vs 1 (best of interleaved repeats);
+- ``device.thread_speedup``: what 2 intra-op threads give the kernels of a
+  one-process training step (the large calibration GPT-2's): its kernels'
+  one-thread seconds over their seconds divided by each call's measured gain
+  (``sbp_core.search.threadgain``, the same per-call gains the simulator uses,
+  cached in ``op-costs-<host>-threads2.json``). A whole step timed with 2
+  threads vs 1 is no measure of it: under load the second thread waits for a
+  core at every kernel's barrier (such a probe said 1.1x where a gpt2-tiny
+  step gains 1.6x); the simulator uses it only for cost models without
+  per-call gains;
+- ``sync``: the latency of one message step when 2, 4 and 8 of our processes
+  share the cores (``sync_probe.py``: a peer off its core makes the step wait);
 - ``device.dispatch_us`` and ``device.kernel_factor``: our cost per op on
   global tensors beyond its kernel, and how much longer kernels take inside
   a step than measured alone (cold caches, fresh memory) — from two real
@@ -32,7 +41,6 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
-import socket
 import statistics
 import sys
 import time
@@ -42,11 +50,15 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from sync_probe import sync_latency  # noqa: E402
 
 
-def op_cost_path() -> Path:
-    cache = Path(os.environ.get("SBP_CACHE_DIR", "~/.cache/sbp-recipes")).expanduser()
-    return cache / f"op-costs-{socket.gethostname()}.json"
+def op_cost_path(threads: int = 1) -> Path:
+    from sbp_core.search.opcost import measurement_cache
+
+    return measurement_cache(threads)
 
 
 def _spin(seconds: float, q) -> None:
@@ -83,27 +95,19 @@ def _best(fn, repeats: int) -> float:
     return best
 
 
-def thread_speedup(rounds: int = 10) -> float:
-    """A real training step (the contention probe's GPT-2) with 2 intra-op threads vs 1: best wall times, interleaved.
+def thread_speedup(costs=None) -> float:
+    """2 intra-op threads vs 1 over the kernels of one step of the large calibration GPT-2 (see the module doc)."""
+    from sbp_core.search.opcost import MeasuredOpCosts
+    from sbp_core.search.threadgain import MeasuredThreadGain
 
-    Not a big matmul: those scale with threads, but a training step's kernels
-    are mostly too small or memory-bound to, and under load the second thread
-    waits for a core at every kernel's barrier (a 512^3 matmul said 1.85x
-    where the step gains ~1.1x).
-    """
-    before = torch.get_num_threads()
-    step = _probe_step()
-    best = {1: float("inf"), 2: float("inf")}
-    try:
-        for _ in range(rounds):
-            for threads in best:
-                torch.set_num_threads(threads)
-                t0 = time.perf_counter()
-                step()
-                best[threads] = min(best[threads], time.perf_counter() - t0)
-    finally:
-        torch.set_num_threads(before)
-    return round(max(1.0, best[1] / best[2]), 3)
+    costs = costs or MeasuredOpCosts(op_cost_path(), threads=1)
+    gains = MeasuredThreadGain(op_cost_path(2), threads=2)
+    calls, _ = _rehearsed_step(_calibration_gpt(True), 2)
+    one = sum(costs.seconds(c) for c in calls)
+    two = sum(costs.seconds(c) / gains.gain(c) for c in calls)
+    costs.save()
+    gains.save()
+    return round(one / two, 3) if two > 0 else 1.0
 
 
 def memory_bandwidth() -> float:
@@ -121,43 +125,55 @@ def _host_run(conf, rows: int, costs) -> tuple:
     rehearsal of the same step priced by ``costs``.
     """
     import sbp_core as sc
-    from recipes.gpt2.model import GPT2LMHeadModel
-    from recipes.gpt2.plan import mesh_plan
-    from sbp_core.search.rehearsal import Rehearsal
-    from sbp_core.search.stage_trace import global_input
-    from toolkit.mesh import model_names, plan_for_module
-
-    seq, vocab = conf.n_positions, conf.vocab_size
-
-    def build(placement):
-        torch.manual_seed(0)
-        m = GPT2LMHeadModel(conf)
-        m = sc.distribute_module(m, placement, plan_for_module(m, mesh_plan(), model_names(m)))
-        return m, torch.optim.AdamW(m.parameters(), lr=1e-4)
-
-    def step(model, opt, ids):
-        _, loss = model(ids, ids)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
 
     p = sc.placement("cpu", [[0]])
-    model, opt = build(p)
-    ids = sc.to_global(torch.randint(0, vocab, (rows, seq)), placement=p, sbp=(sc.sbp.split(0), sc.sbp.broadcast))
-    step(model, opt, ids)
+    model, opt = _build_gpt(conf, p)
+    ids = sc.to_global(torch.randint(0, conf.vocab_size, (rows, conf.n_positions)), placement=p,
+                       sbp=(sc.sbp.split(0), sc.sbp.broadcast))
+    _train_step(model, opt, ids)
     best = float("inf")
     for _ in range(20):
         c0 = time.process_time()
-        step(model, opt, ids)
+        _train_step(model, opt, ids)
         best = min(best, time.process_time() - c0)
+    calls, n_ops = _rehearsed_step(conf, rows)
+    return best, sum(costs.seconds(c) for c in calls), n_ops
+
+
+def _build_gpt(conf, placement):
+    """The GPT-2 of ``conf`` on ``placement`` with the recipe's plan, and its AdamW."""
+    import sbp_core as sc
+    from recipes.gpt2.model import GPT2LMHeadModel
+    from recipes.gpt2.plan import mesh_plan
+    from toolkit.mesh import model_names, plan_for_module
+
+    torch.manual_seed(0)
+    m = GPT2LMHeadModel(conf)
+    m = sc.distribute_module(m, placement, plan_for_module(m, mesh_plan(), model_names(m)))
+    return m, torch.optim.AdamW(m.parameters(), lr=1e-4)
+
+
+def _train_step(model, opt, ids) -> None:
+    _, loss = model(ids, ids)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def _rehearsed_step(conf, rows: int) -> tuple:
+    """``(local calls, global ops)`` of one one-device training step of ``conf`` (forward, backward, AdamW), rehearsed."""
+    import sbp_core as sc
+    from sbp_core.search.rehearsal import Rehearsal
+    from sbp_core.search.stage_trace import global_input
+
     with Rehearsal(1) as r:
         p = sc.placement("cpu", [[0]])
-        fmodel, fopt = build(p)
-        fids = global_input((rows, seq), torch.int64, p, (sc.sbp.split(0), sc.sbp.broadcast))
-        step(fmodel, fopt, fids)  # the optimizer's state exists from here on, as in the timed steps
+        fmodel, fopt = _build_gpt(conf, p)
+        fids = global_input((rows, conf.n_positions), torch.int64, p, (sc.sbp.split(0), sc.sbp.broadcast))
+        _train_step(fmodel, fopt, fids)  # the optimizer's state exists from here on, as in the timed steps
         with r.phase("step") as ph:
-            step(fmodel, fopt, fids)
-    return best, sum(costs.seconds(c) for c in ph.calls), len(ph.global_ops)
+            _train_step(fmodel, fopt, fids)
+    return ph.calls, len(ph.global_ops)
 
 
 def _calibration_gpt(large: bool):
@@ -312,11 +328,12 @@ def calibrate(out: str, devices: int = 8) -> str:
     load = os.getloadavg()[0]
     cap = capacity()
     slow, probe = contention()
-    speed = thread_speedup()
     bw = memory_bandwidth()
     fits = [host_costs() for _ in range(5)]  # the VM's CPU time is noisy (kernel_factor 1.1-1.5 under load): the median of five fits
     disp, factor = statistics.median(f[0] for f in fits), statistics.median(f[1] for f in fits)
+    speed = thread_speedup()
     link = gloo_link()
+    sync = sync_latency()
     cores = os.cpu_count() or 1
     text = f"""# This machine, measured by scripts/calibrate_machine.py on {time.strftime('%Y-%m-%d %H:%M')}
 # (load average {load:.1f} when it ran; rerun it on the machine you simulate).
@@ -331,6 +348,8 @@ costs: measured
 capacity: {cap}
 # [busy processes of ours, CPU time per step relative to one alone]: oversubscription and shared caches
 contention: {slow}
+# [processes of ours sharing the cores, latency of one message step in us] (scripts/sync_probe.py)
+sync: {sync}
 device:
   kind: cpu-process
   memory_gib: {memory_gib()}
@@ -338,6 +357,7 @@ device:
   memory_bandwidth_gbs: {bw}
   dispatch_us: {disp * 1e6:.1f}
   kernel_factor: {factor:.3f}
+  # 2 intra-op threads vs 1 on a calibration step's kernels (per-call gains: {op_cost_path(2)})
   thread_speedup: {speed}
   # CPU seconds of one contention-probe step alone (scripts/verify_simulator.py rescales contention by it)
   probe_step_s: {probe:.4f}

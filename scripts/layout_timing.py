@@ -11,7 +11,8 @@ after a barrier; its CPU time the max over ranks of the process CPU time.
 Before each round ``capacity()`` (``calibrate_machine``) measures how many
 cores our busy threads get right now, ``link()`` the latency and bandwidth
 of a two-rank gloo all-reduce between matmuls (under load mostly the wait
-for a peer that lost its core), and ``contention()`` how much CPU time
+for a peer that lost its core), ``sync()`` the latency of a message step
+with 2, 4 and 8 of our processes at once (``sync_probe``), and ``contention()`` how much CPU time
 a fixed training step takes with 1-8 of our processes stepping at once,
 relative to the calibration's quiet-machine value (other jobs slow the work
 itself, not only our share of the cores).
@@ -71,10 +72,16 @@ def run_steps(key, overrides, strategy_dict, steps: int, threads: int) -> list:
 class Timing:
     walls: list
     cpus: list
+    round_walls: list = dataclasses.field(default_factory=list)  # the median step of each round
 
     @property
     def wall(self) -> float:
         return statistics.median(self.walls)
+
+    @property
+    def spread(self) -> float:
+        """How far apart the rounds' medians are: ``(max - min) / median`` of them (0 with one round)."""
+        return (max(self.round_walls) - min(self.round_walls)) / self.wall if self.round_walls else 0.0
 
     @property
     def cpu(self) -> float:
@@ -90,6 +97,7 @@ class LayoutTimer:
         self.timeout = timeout
         self.capacities: list = []  # one capacity curve per round
         self.links: list = []  # one gloo link probe per round (``calibrate_machine.gloo_link``)
+        self.syncs: list = []  # one sync curve per round (``sync_probe.sync_latency``)
 
     def _run(self, strategy, steps):
         from toolkit.rank_pool import get_pool
@@ -102,6 +110,7 @@ class LayoutTimer:
     def measure(self, strategies, rounds: int = 3, steps: int = 2, warmup: int = 1, log=print) -> dict:
         """``{strategy: Timing}`` over ``rounds`` interleaved rounds of ``steps`` steps each."""
         from calibrate_machine import capacity, contention, gloo_link
+        from sync_probe import sync_latency
 
         out = {s: Timing([], []) for s in strategies}
         for s in strategies:
@@ -113,15 +122,17 @@ class LayoutTimer:
             # under load a message's latency is mostly the wait for a peer that lost its core while computing:
             # probe it as the load is now, with compute between the messages as in training
             self.links.append(gloo_link(busy=256, rounds=60))
+            self.syncs.append(sync_latency(sorted({max(2, s.world + s.world % 2) for s in strategies})))
             if self.probe_step:
                 self.contentions.append(contention(steps=3, base=self.probe_step)[0])
             order = strategies[r % len(strategies):] + strategies[: r % len(strategies)]
             for s in order:
                 walls, cpus = self._run(s, steps)
                 out[s].walls += walls
+                out[s].round_walls.append(statistics.median(walls))
                 out[s].cpus += cpus
             log(f"  round {r + 1}/{rounds} done (load {os.getloadavg()[0]:.1f}, capacity {self.capacities[-1]}, "
-                f"link {self.links[-1]}"
+                f"link {self.links[-1]}, sync {self.syncs[-1]}"
                 + (f", contention {self.contentions[-1]})" if self.contentions else ")"))
         return out
 
@@ -137,6 +148,10 @@ class LayoutTimer:
     def link(self) -> dict:
         """The median over rounds of the two-rank gloo link's latency and bandwidth (``links.intra_node`` keys)."""
         return {k: statistics.median(r[k] for r in self.links) for k in ("bandwidth_gbs", "latency_us")}
+
+    def sync(self) -> tuple:
+        """The median over rounds of the message-step latency in microseconds, per processes sharing the cores."""
+        return _median_curve(self.syncs)
 
     def contention(self) -> tuple:
         """The median over rounds of the CPU time per unit of work (vs the calibration's), per busy processes."""

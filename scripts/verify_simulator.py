@@ -6,17 +6,24 @@
    of 256 tokens per step, micro-batches of 4, AdamW, clipping) trains with
    the real trainer on local gloo ranks (``scripts/layout_timing.py``):
    rounds interleave the layouts, a layout's step time is the median of its
-   ``rounds * steps`` steps (max over ranks). Before each round the cores our
+   ``rounds * steps`` steps (max over ranks), each layout warmed up by a step
+   when its job is built. How repeatable that is: each layout's *spread*
+   (its rounds' medians, ``(max - min) / median``) and the Spearman
+   correlation between the rounds' rankings of the layouts (the best a
+   prediction can hope for; with 3+ rounds, the least over pairs of rounds). Before each round the cores our
    busy threads get are measured (``capacity``: other jobs share the machine),
    the latency and bandwidth of a two-rank gloo all-reduce (``link``: under
-   load a message mostly waits for its receiver to get a core), and the CPU
+   load a message mostly waits for its receiver to get a core), the latency
+   of a message step with 2, 4 and 8 of our processes at once (``sync``,
+   ``sync_probe.py``: a peer off its core makes every step wait), and the CPU
    time a fixed probe step takes with 1-8 of our processes at once relative
    to the calibration's quiet value (``contention``).
 2. **Predicted**: the simulator (``sbp_core.search``) on this machine's
    cluster file, calibrated first by ``scripts/calibrate_machine.py`` (into a
    scratch file; ``--cluster`` gives one instead)
-   with the capacity, link and contention measured in step 1 (medians) —
-   rehearsed stages, per-op CPU seconds measured here, the task graph of the runtime's
+   with the capacity, link, sync and contention measured in step 1 (medians) —
+   rehearsed stages, per-op CPU seconds measured here (and per-op gains of 2
+   intra-op threads for one process, ``threadgain``), the task graph of the runtime's
    actors, processor sharing of the cores. No step time of step 1 enters a
    prediction. Also printed: the predicted and measured CPU seconds per rank.
 3. **Delta vs full**: random per-op (per layer) layout changes of a tp2_pp2
@@ -74,6 +81,16 @@ def delta_vs_full(model, evaluator, base_strategy, n: int, seed: int = 0) -> tup
     return full_t / delta_t, len(cands)
 
 
+def round_agreement(measured, strategies) -> float:
+    """The least Spearman correlation between two rounds' rankings of the layouts (nan with one round)."""
+    rounds = len(measured[strategies[0]].round_walls)
+    pairs = [(i, j) for i in range(rounds) for j in range(i + 1, rounds)]
+    if not pairs:
+        return float("nan")
+    return min(spearman([measured[s].round_walls[i] for s in strategies],
+                        [measured[s].round_walls[j] for s in strategies]) for i, j in pairs)
+
+
 def spearman(a, b) -> float:
     from scipy.stats import spearmanr
 
@@ -85,7 +102,7 @@ def main() -> None:
     ap.add_argument("--layouts", default=LAYOUTS)
     ap.add_argument("--micro", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--budget", type=int, default=60, help="search proposals")
     ap.add_argument("--changes", type=int, default=20, help="per-op changes timed for delta vs full")
     ap.add_argument("--cluster", default=None, help="a measured cluster file (default: calibrate this machine now)")
@@ -102,6 +119,7 @@ def main() -> None:
     from sbp_core.search.mcmc import search
     from sbp_core.search.opcost import MeasuredOpCosts
     from sbp_core.search.space import SearchSpace
+    from sbp_core.search.threadgain import MeasuredThreadGain
     from toolkit.autoparallel.cluster_file import load_cluster
     from toolkit.autoparallel.search_model import RecipeSearchModel
     from toolkit.config import compose
@@ -121,17 +139,19 @@ def main() -> None:
     calibrated = load_cluster(o.cluster)
     timer = LayoutTimer(overrides, probe_step=calibrated.probe_step)
     measured = timer.measure(strategies, o.rounds, o.steps)
-    cap, slow = timer.capacity(), timer.contention()
+    cap, slow, sync = timer.capacity(), timer.contention(), timer.sync()
     link = timer.link()
     intra = Link(link["bandwidth_gbs"] * GB, link["latency_us"] * 1e-6)
     cluster = dataclasses.replace(calibrated, capacity=cap, contention=slow or calibrated.contention, intra=intra,
-                                  inter=intra)
+                                  inter=intra, sync=tuple((n, us * 1e-6) for n, us in sync) or calibrated.sync)
     costs = MeasuredOpCosts(op_cost_path(), threads=1)
-    ev = Evaluator(model, cluster, costs)
+    gains = MeasuredThreadGain(op_cost_path(2), threads=2)
+    ev = Evaluator(model, cluster, costs, gains)
     print(f"capacity used for predictions (busy threads -> cores, median of rounds): {list(cap)}")
     print(f"contention used (busy processes -> CPU time per unit of work vs quiet calibration): "
           f"{list(cluster.contention)}")
     print(f"link used (two-rank gloo all-reduce, median of rounds): {link}")
+    print(f"sync used (processes -> us per message step, median of rounds): {[list(p) for p in sync]}")
 
     rows, errs, pred_t, meas_t = [], [], [], []
     for n, s in zip(names, strategies):
@@ -143,15 +163,22 @@ def main() -> None:
         errs.append(abs(err))
         pred_t.append(p.step_seconds)
         meas_t.append(mt.wall)
-        rows.append((n, mt.wall, p.step_seconds, err, mt.cpu, work, p.peak_memory / 2**20))
+        rows.append((n, mt.wall, p.step_seconds, err, mt.cpu, work, p.peak_memory / 2**20, mt.spread))
+        if cluster.threads_per_device(s.world) > 1:  # what the per-call thread gains make of this layout
+            print(f"{n}: {cluster.threads_per_device(s.world)} intra-op threads per process keep "
+                  f"{p.works[0].weight / (s.dp * s.tp):.2f} busy on average (per-call gains, {op_cost_path(2).name})")
     costs.save()
-    print(f"\n{'layout':14s} {'measured s':>10s} {'predicted s':>11s} {'error':>7s} {'cpu s/rank':>10s} "
+    gains.save()
+    print(f"\n{'layout':14s} {'measured s':>10s} {'spread':>6s} {'predicted s':>11s} {'error':>7s} {'cpu s/rank':>10s} "
           f"{'pred cpu s':>10s} {'pred MiB':>8s}")
-    for n, mw, pw, e, mc, pc, mem in rows:
-        print(f"{n:14s} {mw:10.3f} {pw:11.3f} {e:+7.0%} {mc:10.3f} {pc:10.3f} {mem:8.0f}")
+    for n, mw, pw, e, mc, pc, mem, sp in rows:
+        print(f"{n:14s} {mw:10.3f} {sp:6.0%} {pw:11.3f} {e:+7.0%} {mc:10.3f} {pc:10.3f} {mem:8.0f}")
     med = statistics.median(errs)
     rho = spearman(pred_t, meas_t)
+    spreads = [r[-1] for r in rows]
     print(f"median |error| {med:.1%}, spearman {rho:.3f}")
+    print(f"measurement: median spread of a layout's rounds {statistics.median(spreads):.0%} (max "
+          f"{max(spreads):.0%}); round-to-round spearman {round_agreement(measured, strategies):.3f}")
 
     speedup, n_changes = delta_vs_full(model, ev, _strategy("tp2_pp2", o.micro), o.changes)
     print(f"delta vs full simulation: identical timelines for {n_changes} per-op changes of tp2_pp2; "

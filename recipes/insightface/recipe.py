@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
+from omegaconf import OmegaConf
 
 import sbp_core as sc
 from toolkit.data import MicroBatches
@@ -91,9 +92,8 @@ class InsightFaceRecipe(Recipe):
         s, pairs = int(d.image_size), d.val_pairs
         if d.source == "synthetic":
             y = d.synthetic
-            spec = synthetic.SyntheticSpec(int(m.num_classes), int(y.images_per_identity), s, int(y.val_identities),
-                                           int(y.val_pairs), int(y.blobs), float(y.jitter), float(y.noise),
-                                           int(y.seed))
+            # The schema's synthetic fields are the generator's own (typed and checked before spawn).
+            spec = synthetic.SyntheticSpec(identities=int(m.num_classes), image_size=s, **OmegaConf.to_container(y))
             root = synthetic.ensure(spec, str(d.cache_dir))
             source = FaceRecords(root, s, bool(d.flip))
             pairs = pairs or os.path.join(root, "val.bin")

@@ -13,9 +13,9 @@ Trainer protocol (one call per pipeline-stage module, on that stage's placement)
                              compute_dtype=torch.bfloat16)       # or None: fp32 compute
     opt = zero.optimizer(torch.optim.AdamW, lr=3e-4, weight_decay=0.1)
     for step in ...:
-        for micro in batches:                    # stage 0 (fp32): inside sc.defer_grad_boxing()
-            model(x, y)[1].backward()            # for one reduction per step
-        zero.sync_grads()                        # masters' .grad: S(d), fp32 (stage 1: one reduce-scatter)
+        for micro in batches:                    # stages 0-1: all but the last inside sc.defer_grad_boxing()
+            model(x, y)[1].backward()            # (one reduction per step, in buckets overlapping the last backward)
+        zero.sync_grads()                        # masters' .grad: S(d), fp32
         norm = sc.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()                               # pre-hook: sync_grads (no-op now); post-hook: refresh()
         opt.zero_grad()                          #   re-gathers the compute copies (stages 0-2)

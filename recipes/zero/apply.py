@@ -32,9 +32,15 @@ forward first reads one of its parameters, frees it when the unit's forward
 returns, and gathers it again when backward first needs a saved weight of it
 (``sbp_core.cast``'s rematerialisation). Many parameters share one
 collective (``cast_many``/``cast_group``), as DDP's and DeepSpeed's buckets
-do; stage 2 reduces a bucket as soon as ``BUCKET_BYTES`` of gradients are
-ready and the rest when backward ends. Communication is never written here:
-it is boxing between the layouts above.
+do. Stages 0-2 box the grad leaves' gradients in buckets that overlap
+backward (``sbp_core.grad_buckets``: a bucket of about ``bucket_bytes``
+starts its collective as soon as backward has accumulated all of it, and
+every bucket is waited for when backward ends): stage 2 in every backward,
+stages 0-1 in every backward outside ``sc.defer_grad_boxing()`` (with
+gradient accumulation, the last micro-batch's). Stage 1 writes its reduced
+shard into its own rows of the full gradient's buffer, so it holds what the
+paper's stage 1 holds (full-size gradients) until the step.
+Communication is never written here: it is boxing between the layouts above.
 """
 from __future__ import annotations
 
@@ -43,13 +49,11 @@ from torch import nn
 
 import sbp_core as sc
 from sbp_core.cast import cast, cast_group, cast_many, remat_saved
+from sbp_core.grad_buckets import BUCKET_BYTES, FIRST_BUCKET_BYTES, GradBuckets
 from sbp_core.layout import Layout, local_box
 from sbp_core.process_groups import world_rank
 
 from .plan import check_stage, describe, rewrite_plan
-
-BUCKET_BYTES = 25 * 2**20  # stage 2: unreduced gradient bytes held before a reduce-scatter (DDP's default)
-
 
 class _Slot:
     """One parameter (tied ones share a slot): master, grad leaf and compute copy."""
@@ -59,7 +63,7 @@ class _Slot:
         self.compute_sbp = compute_sbp
         self.unit = None  # stage 3: the _Unit gathered with it
         self.cache = None  # stage 3: the gathered copy while its unit's forward runs
-        self.grad = None  # stage 2: the reduced gradient shard, in the compute dtype
+        self.grad = None  # stages 0-2: the reduced gradient (stage 0: B; 1-2: the S(d) shard), compute dtype
 
     def compute(self):
         """The tensor forward reads: the persistent copy, or (stage 3) its unit's copies gathered on use."""
@@ -113,13 +117,17 @@ def _swap_class(mod: nn.Module, names) -> None:
     mod.__class__ = _classes[key]
 
 
+def _nested(msbp: tuple, dp_axis: int) -> bool:
+    """Whether the master's dp-axis split dimension is split again on a later mesh axis."""
+    d = next((s.axis for i, s in enumerate(msbp) if i == dp_axis and s.is_split), None)
+    return d is not None and any(s.is_split and s.axis == d for s in msbp[dp_axis + 1:])
+
+
 def _own_rows(local, layout: Layout, msbp: tuple, dp_axis: int):
     """This rank's master local: a view of the compute local when its rows lie inside it."""
     p = layout.placement
     me = world_rank()
-    d = next((s.axis for i, s in enumerate(msbp) if i == dp_axis and s.is_split), None)
-    nested = d is not None and any(s.is_split and s.axis == d for s in msbp[dp_axis + 1:])
-    if nested:  # collective on every rank: box from the compute layout
+    if _nested(msbp, dp_axis):  # collective on every rank: box from the compute layout
         return sc.GlobalTensor(local, layout).to_global(sbp=msbp)._local
     if me not in p:
         return local
@@ -141,17 +149,15 @@ class Zero:
     ``refresh`` after each optimizer step (``attach``/``optimizer`` register both as step hooks).
     """
 
-    def __init__(self, module: nn.Module, placement, stage: int, dp_axis: int, compute_dtype, units=None):
+    def __init__(self, module: nn.Module, placement, stage: int, dp_axis: int, compute_dtype, units=None,
+                 bucket_bytes: int = BUCKET_BYTES):
         self.module, self.placement, self.stage, self.dp_axis = module, placement, stage, dp_axis
         self.compute_dtype = compute_dtype
         self._depth = 0
         self._remat = None
         self.slots: list = []
         self.units: list = []
-        self.bucket_bytes = BUCKET_BYTES
-        self._pending: list = []
-        self._pending_bytes = 0
-        self._queued = False
+        self.buckets = None  # stages 0-2: the grad leaves' GradBuckets
         self._by_leaf: dict = {}
         named = {n: p for n, p in module.named_parameters() if p.requires_grad}
         self.layouts = {n: (p.shape, p.sbp) for n, p in named.items()}
@@ -185,6 +191,9 @@ class Zero:
             mod._zero_slots = by_name
             _swap_class(mod, by_name)
         self.units = list(by_unit.values())
+        if stage < 3:
+            self.buckets = GradBuckets([s.leaf for s in self.slots], [s.master.sbp for s in self.slots], self._reduced,
+                                       bucket_bytes, min(bucket_bytes, FIRST_BUCKET_BYTES), always=stage == 2)
         if stage == 3:
             for unit in self.units:
                 if unit.name:
@@ -205,8 +214,6 @@ class Zero:
             master = nn.Parameter(sc.GlobalTensor(own if aliased else own.clone(), lay.with_sbp(msbp)))
             copy = p._local if dtype == p.dtype else p._local.to(dtype)
             leaf = sc.GlobalTensor(copy, Layout(lay.placement, lay.sbp, lay.shape, dtype), requires_grad=True)
-            if self.stage == 2:
-                leaf.register_post_accumulate_grad_hook(lambda t: self._pend(t))
         else:
             master = nn.Parameter(sc.GlobalTensor(own.clone(), lay.with_sbp(msbp)))
             leaf = master if dtype == p.dtype else sc.GlobalTensor(
@@ -222,27 +229,19 @@ class Zero:
         if leaf.grad is not None:
             leaf.grad = _compact(leaf.grad)
 
-    # -- stage 2: reduce-scatter in buckets as gradients become ready ------------
-    def _pend(self, leaf) -> None:
-        if not self._queued:  # reduce what is left when this backward ends
-            self._queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-        self._pending.append(self._by_leaf[id(leaf)])
-        self._pending_bytes += leaf.grad._local.numel() * leaf.grad.element_size()
-        if self._pending_bytes >= self.bucket_bytes:
-            self._flush()
-
-    def _end_of_backward(self) -> None:
-        self._queued = False
-        self._flush()
-
-    @torch.no_grad()
-    def _flush(self) -> None:
-        pending, self._pending, self._pending_bytes = self._pending, [], 0
-        reduced = cast_many([s.leaf.grad for s in pending], [s.master.sbp for s in pending])
-        for s, g in zip(pending, reduced):
-            s.grad = _compact(g) if s.grad is None else s.grad + g
-            s.leaf.grad = None
+    # -- stages 0-2: the buckets' reduced gradients ------------------------------
+    def _reduced(self, leaf, g) -> None:
+        """``g``: ``leaf.grad`` boxed to the master's layout (a bucket of ``self.buckets`` is done)."""
+        s = self._by_leaf[id(leaf)]
+        if s.grad is not None:
+            s.grad = s.grad + g
+        elif self.stage == 1 and world_rank() in self.placement and not _nested(s.master.sbp, self.dp_axis):
+            # Into its own rows of the full gradient: stage 1 holds full-size gradients until the step.
+            rows = _own_rows(leaf.grad._local, leaf.layout, s.master.sbp, self.dp_axis)
+            s.grad = sc.GlobalTensor(rows.copy_(g._local), g.layout)
+        else:
+            s.grad = _compact(g)
+        leaf.grad = None
 
     # -- stage 3: gather on use, free after ---------------------------------
     def _enter(self, mod, args) -> None:
@@ -270,7 +269,8 @@ class Zero:
 
         Stage 0: ``P -> B`` (all-reduce); stage 1: ``P -> S(d)`` (reduce-scatter),
         once per step however many micro-batches accumulated, one collective for
-        all; stages 2-3: already ``S(d)``, converted to the master's dtype.
+        all, unless backward's buckets already did it (then only converted to the
+        master's dtype); stages 2-3: already ``S(d)``, converted to the master's dtype.
         Frees the compute-dtype gradients.
         """
         if not self.slots:
@@ -353,7 +353,8 @@ class Zero:
 
 
 def apply_zero(module: nn.Module, placement, plan: dict | None = None, stage: int = 1, dp_axis: int = 0,
-               compute_dtype: torch.dtype | None = None, units: list | None = None):
+               compute_dtype: torch.dtype | None = None, units: list | None = None,
+               bucket_bytes: int = BUCKET_BYTES):
     """Distribute ``module`` by ``plan`` on ``placement`` with ZeRO ``stage`` on mesh axis ``dp_axis``.
 
     Returns ``(module, zero)``; ``module`` is changed in place (its parameters
@@ -365,6 +366,7 @@ def apply_zero(module: nn.Module, placement, plan: dict | None = None, stage: in
     with one collective and freed when the submodule's forward returns;
     default every block of every ``nn.ModuleList``; the rest (and parameters
     shared across units) form the root's unit, freed when the root returns.
+    ``bucket_bytes`` (stages 0-2): gradient bytes per collective overlapping backward.
     """
     if not 0 <= dp_axis < placement.ndim:
         raise ValueError(f"dp_axis {dp_axis} is not a mesh axis of {placement} (valid: 0..{placement.ndim - 1})")
@@ -373,7 +375,7 @@ def apply_zero(module: nn.Module, placement, plan: dict | None = None, stage: in
     if getattr(module, "_zero", None) is not None:
         raise ValueError(f"{type(module).__name__} already has ZeRO applied")
     stage = check_stage(stage, placement.shape[dp_axis])
-    sc.distribute_module(module, placement, plan)
-    zero = Zero(module, placement, stage, dp_axis, compute_dtype, units)
+    sc.distribute_module(module, placement, plan, bucket_bytes)
+    zero = Zero(module, placement, stage, dp_axis, compute_dtype, units, bucket_bytes)
     module._zero = zero
     return module, zero

@@ -15,13 +15,15 @@ own actors. For stage ``s`` of ``pp`` on each of its ranks ``r``:
 - ``s{s}.B@r`` (compute, higher priority than F): backward of micro-batch
   ``k`` (``loss / m`` on the last stage, the received output gradient
   elsewhere); gradients accumulate in the layout they arrive in
-  (``defer_grad_boxing``: partial sums add locally, no traffic); its output
+  (``defer_grad_boxing``: partial sums add locally, no traffic) except in
+  the last micro-batch's backward, which boxes them to their parameters'
+  layouts in buckets overlapping it (``sbp_core.grad_buckets``); its output
   is the gradient of the stage's input boxed to the boundary layout;
 - boundary actors (``runtime.pipeline.boundary``) carry activations from
   stage ``s`` to ``s + 1`` and gradients back, by cross-placement boxing;
-- ``s{s}.reduce@r`` (compute, once per step): boxes every gradient to its
-  parameter's layout (one ``P -> B`` all-reduce over data parallel per
-  parameter per step) and sums tied parameters' gradients across stages;
+- ``s{s}.reduce@r`` (compute, once per step): boxes any gradient left in
+  another layout than its parameter's (``box_grads``, or ZeRO's
+  ``sync_grads``) and sums tied parameters' gradients across stages;
 - ``s{s}.update@r`` (compute, once per step): global-norm clipping over all
   stages, the optimizer and LR scheduler step, ``zero_grad``; returns the
   step's mean loss on the last stage.
@@ -32,9 +34,20 @@ only run a backward, and a backward wins when both are ready, so stage
 form a lockstep gang (their actions call collectives with each other), so
 they act in the order their first rank picks — unless that order is forced
 (a stash of one register, evaluation), when they need no gang.
+
+A stage whose placement holds one device (``sc.runs_local``) runs its
+forwards and backwards on plain tensors: for the step, its module's global
+parameters are swapped for leaves sharing their storage
+(``sc.LocalParameters``), micro-batch fields and boundary activations enter
+as their locals, and ``reduce`` first hands the leaves' gradients back to
+the parameters in their layouts, so gradient reduction, tied gradients,
+clipping and the optimizer see global tensors as on any other stage. On one
+device every op's signature is the plain one, so values are the dispatched
+path's bit for bit, without its per-op host cost.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
@@ -140,6 +153,10 @@ class PipelineStep:
         # global-norm clipping across stages meets on it.
         sc.placement(cfg.placements[0].device_type, sorted(r for p in cfg.placements for r in p.ranks))
         self.tied = TiedGrads(cfg.tied, module, cfg.placements, self.stage)
+        # ZeRO's cast module keeps masters and compute copies apart: it stays on the dispatched path.
+        one = self.stage is not None and cfg.placements[self.stage].size == 1 and getattr(module, "_zero", None) is None
+        self._shards = sc.LocalParameters(module) if one else None
+        self._local = False  # this step runs the stage on plain tensors (decided per run, see _run)
         self.step_index = 0
         self._losses = []
         self.last_trace, self.last_loss, self.grad_norm = None, None, None
@@ -162,11 +179,14 @@ class PipelineStep:
         return [ActorSpec(prefix, data if mine else None, queue="data", rank=r)], prefix
 
     def _global_fields(self, local, names: tuple) -> dict:
-        """``{field: GlobalTensor}`` of ``names`` from this rank's local micro-batch (no communication)."""
+        """``{field: GlobalTensor}`` of ``names`` from this rank's local micro-batch (no communication);
+        the locals themselves on a stage that runs on plain tensors."""
         if not isinstance(local, dict):
             if len(self.cfg.batch) != 1:
                 raise TypeError(f"the batch has fields {sorted(self.cfg.batch)}: its data must be a dict of them")
             local = {next(iter(self.cfg.batch)): local}
+        if self._local:
+            return {name: local[name] for name in names}
         out = {}
         for name in names:
             shape, dtype = self.cfg.batch[name]
@@ -178,10 +198,12 @@ class PipelineStep:
         s, last = self.stage, self.stage == self.pp - 1
         if s == 0:
             x = self._global_fields(x, self.cfg.inputs)
+        elif self._local:  # the received activation's local, a leaf of this stage's graph
+            x = x._local.detach().requires_grad_(x.requires_grad)
         if last:
             labels = self._global_fields(labels, self.cfg.labels)
         out = self.forward(self.module, x, labels)
-        if not last:
+        if not last and not self._local:  # one device: any act_sbp's local is the whole tensor
             out = out.to_global(sbp=self.cfg.act_sbp)
         return Stash(x if s > 0 else None, out)
 
@@ -199,22 +221,28 @@ class PipelineStep:
         total = losses[0]
         for x in losses[1:]:
             total = total + x
-        self.last_loss = float((total / len(losses)).full_tensor())
+        self.last_loss = float(_value(total / len(losses)))
         return self.last_loss
 
     def _backward(self, k, stash: Stash, grad=None):
-        with sc.defer_grad_boxing():
+        # All but the last micro-batch accumulate partial sums locally; the last one's backward
+        # boxes the sums in buckets that overlap it (sbp_core.grad_buckets), as DDP's no_sync.
+        with sc.defer_grad_boxing() if k < self.cfg.micro_batches - 1 else contextlib.nullcontext():
             if grad is None:
                 (stash.output / self.cfg.micro_batches).backward()
             else:
-                stash.output.backward(grad)
+                stash.output.backward(grad._local if self._local else grad)
         if self.stage == self.pp - 1:
             self._losses.append(stash.output.detach())
         if stash.inputs is None:
             return None
+        if self._local:  # the boundary's cut takes a plain tensor as the whole (one-device) value
+            return stash.inputs.grad
         return stash.inputs.grad.to_global(sbp=self.cfg.act_sbp)
 
     def _reduce(self, k, outs):
+        if self._local:
+            self._shards.restore()
         zero = getattr(self.module, "_zero", None)  # ZeRO keeps gradients in its masters' layout
         if zero is not None:
             zero.sync_grads()
@@ -227,8 +255,7 @@ class PipelineStep:
         total = losses[0]
         for x in losses[1:]:
             total = total + x
-        total = total / len(losses)
-        return float(total.full_tensor())
+        return float(_value(total / len(losses)))
 
     def _update(self, k, loss):
         norm = None
@@ -319,7 +346,14 @@ class PipelineStep:
             batches.step = self.step_index
         trace = self.trace_factory() if self.trace_factory else None
         self.last_loss = None
-        res = run(plan, pieces, timeout=self.cfg.timeout, trace=trace)
+        self._local = self._shards is not None and sc.runs_local(self.cfg.placements[self.stage])
+        if self._local:
+            self._shards.swap()
+        try:
+            res = run(plan, pieces, timeout=self.cfg.timeout, trace=trace)
+        finally:  # evaluation, or a failed step: the module gets its global parameters back
+            if self._shards is not None:
+                self._shards.restore()
         self.last_trace, self.last_stats = trace, res.stats
         if "loss@0" in res.outputs:
             return res.outputs["loss@0"][0]
@@ -343,3 +377,8 @@ class PipelineStep:
         loss = self._run(self.plan, self.cfg.micro_batches, self.batches)
         self.step_index += 1
         return loss
+
+
+def _value(t):
+    """A loss's whole value: ``full_tensor`` of a global tensor, a plain tensor as it is."""
+    return t.full_tensor() if isinstance(t, GlobalTensor) else t

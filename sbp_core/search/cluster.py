@@ -25,8 +25,13 @@ unit of work relative to one process], ...]`` (oversubscribed cores and a
 shared cache slow every process down), ``device.dispatch_us`` (our Python cost per
 global op), ``device.kernel_factor`` (kernels inside a step vs alone),
 ``device.thread_speedup`` (a process with 2 intra-op threads vs
-1 on big kernels), and ``memory_shared: true`` (all processes share the
-node's ``memory_gib``).
+1 on the kernels torch splits over threads; used when no per-call gain is
+measured, ``threadgain``), ``sync``: ``[[processes, latency_us], ...]``
+(the latency of one message step inside the node when that many of our
+processes share the cores: a step waits for a peer that is off its core;
+measured by ``scripts/calibrate_machine.py``, it replaces
+``links.intra_node.latency_us``), and ``memory_shared: true`` (all
+processes share the node's ``memory_gib``).
 
 Device ``d`` is on node ``d // devices_per_node``; a job's rank ``r`` is
 device ``r``.
@@ -62,6 +67,7 @@ class Cluster:
     thread_speedup: float = 1.0
     kernel_factor: float = 1.0  # measured kernels take this much longer inside a step than alone
     contention: tuple = ()  # ((busy processes, CPU time per unit of work relative to one), ...)
+    sync: tuple = ()  # ((processes sharing the cores, seconds per message step inside the node), ...)
     probe_step: float = 0.0  # CPU seconds of the calibration's contention probe step alone (measured machines)
     memory_shared: bool = False
     source: str = ""
@@ -94,6 +100,12 @@ class Cluster:
             return min(threads, self.cores)
         return _interpolate(self.capacity, threads, through_origin=True)
 
+    def step_latency(self, processes: float) -> float:
+        """Seconds of one message step inside a node with ``processes`` of ours sharing its cores (``sync``)."""
+        if not self.sync:
+            return self.intra.latency
+        return _interpolate(self.sync, processes)
+
     def thread_rate(self, threads: float) -> float:
         """Speed of each of ``threads`` busy threads: its share of the cores, over the contention slowdown."""
         share = min(1.0, self.cores_for(threads) / threads) if threads > 0 else 1.0
@@ -123,7 +135,7 @@ def _link(d: dict, where: str) -> Link:
 
 
 def cluster_from_dict(d: dict, source: str = "<dict>") -> Cluster:
-    known = {"name", "nodes", "devices_per_node", "device", "links", "cores", "capacity", "contention", "costs"}
+    known = {"name", "nodes", "devices_per_node", "device", "links", "cores", "capacity", "contention", "costs", "sync"}
     unknown = sorted(set(d) - known)
     if unknown:
         raise ValueError(f"cluster file {source}: unknown keys {unknown}; valid: {sorted(known)}")
@@ -149,6 +161,7 @@ def cluster_from_dict(d: dict, source: str = "<dict>") -> Cluster:
         costs=costs, cores=float(d.get("cores", 0.0)),
         capacity=tuple((float(n), float(c)) for n, c in (d.get("capacity") or ())),
         contention=tuple((float(n), float(c)) for n, c in (d.get("contention") or ())),
+        sync=tuple((float(n), float(us) * 1e-6) for n, us in (d.get("sync") or ())),
         probe_step=float(dev.get("probe_step_s", 0.0)),
         thread_speedup=float(dev.get("thread_speedup", 1.0)), kernel_factor=float(dev.get("kernel_factor", 1.0)),
         memory_shared=bool(dev.get("memory_shared", False)),

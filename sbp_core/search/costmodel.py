@@ -21,12 +21,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .cluster import Cluster
-from .rehearsal import Collective, OpCall, PhaseTrace, TensorSpec
+from .rehearsal import Collective, OpCall, PhaseTrace
+from .threadgain import threadable
 
 _STEPS = {"all_reduce": lambda p: 2 * (p - 1), "all_gather": lambda p: p - 1, "reduce_scatter": lambda p: p - 1,
           "all_to_all": lambda p: p - 1, "reduce": lambda p: p - 1, "send": lambda p: 1, "broadcast": lambda p: 1,
           "all_gather_object": lambda p: 2 * (p - 1)}
-GRAIN = 32768  # elements below which torch's CPU kernels run on one thread (at::internal::GRAIN_SIZE)
 
 
 def link_for(cluster: Cluster, devices, stage_devices) -> tuple:
@@ -38,52 +38,58 @@ def link_for(cluster: Cluster, devices, stage_devices) -> tuple:
     return cluster.inter, max(1, sum(1 for d in stage_devices if cluster.node_of(d) == node))
 
 
-def collective_seconds(c: Collective, cluster: Cluster, devices, stage_devices) -> float:
+def collective_seconds(c: Collective, cluster: Cluster, devices, stage_devices, processes: int = 0) -> float:
+    """Seconds of collective ``c`` over ``devices``; ``processes``: how many of the job's processes share the cores.
+
+    Inside a node whose devices share cores, a message step's latency is the
+    cluster's ``sync`` curve at ``processes`` when measured
+    (``Cluster.step_latency``): with more processes than cores a step waits
+    for a peer that is off its core.
+    """
     p = max(2, len(devices))
     steps = _STEPS.get(c.op, lambda p: p - 1)(p)
     link, sharers = link_for(cluster, devices, stage_devices)
-    return steps * link.latency + c.bytes * sharers / link.bandwidth
-
-
-def _largest(spec) -> int:
-    if isinstance(spec, TensorSpec):
-        n = 1
-        for s in spec.shape:
-            n *= s
-        return n
-    if isinstance(spec, tuple):
-        return max((_largest(s) for s in spec), default=0)
-    return 0
+    one_node = len({cluster.node_of(d) for d in devices}) == 1
+    latency = cluster.step_latency(processes) if one_node and cluster.sync else link.latency
+    return steps * latency + c.bytes * sharers / link.bandwidth
 
 
 @dataclass(frozen=True)
 class PhaseCost:
     """``seconds`` = the phase's work; its parts for reports.
 
-    ``threaded``: the part of ``compute`` spent in kernels big enough to use
-    all of the process's intra-op threads (the rest keeps one thread busy).
+    ``thread_seconds``: busy-thread seconds the phase keeps the CPU busy
+    (``seconds`` with one thread; with more, a kernel sped up ``g``-fold by
+    them keeps ``g`` threads busy: its one-thread work is conserved).
     """
 
     seconds: float
     compute: float
     host: float
     comm: float
-    threaded: float = 0.0
+    thread_seconds: float = 0.0
 
 
-def phase_cost(trace: PhaseTrace, op_costs, cluster: Cluster, offset: int, stage_devices, threads: int = 1) -> PhaseCost:
-    """Price ``trace`` for a stage whose rank ``r`` is device ``offset + r`` (``stage_devices``: all of its devices)."""
-    compute = comm = threaded = 0.0
-    speedup = cluster.thread_speedup if threads > 1 else 1.0
+def phase_cost(trace: PhaseTrace, op_costs, cluster: Cluster, offset: int, stage_devices, threads: int = 1,
+               gains=None, processes: int = 0) -> PhaseCost:
+    """Price ``trace`` for a stage whose rank ``r`` is device ``offset + r`` (``stage_devices``: all of its devices).
+
+    With ``threads`` > 1 a kernel runs ``gain`` times faster: ``gains.gain(call)``
+    when a per-call measurement is given (``threadgain.MeasuredThreadGain``),
+    else the cluster's ``thread_speedup`` for kernels torch splits over threads
+    (``threadgain.threadable``). ``processes``: see ``collective_seconds``.
+    """
+    compute = comm = work = 0.0
     for e in trace.events:
         if isinstance(e, OpCall):
             s = op_costs.seconds(e) * cluster.kernel_factor
-            if threads > 1 and _largest(e.args) >= GRAIN:
-                s /= speedup
-                threaded += s
-            compute += s
+            gain = 1.0
+            if threads > 1:
+                gain = gains.gain(e) if gains is not None else (cluster.thread_speedup if threadable(e) else 1.0)
+            compute += s / gain
+            work += s
         else:
-            comm += collective_seconds(e, cluster, tuple(offset + r for r in e.ranks), stage_devices)
+            comm += collective_seconds(e, cluster, tuple(offset + r for r in e.ranks), stage_devices, processes)
     host = len(trace.global_ops) * cluster.host_overhead
     busy = compute + host if cluster.costs == "measured" else max(compute, host)
-    return PhaseCost(busy + comm, compute, host, comm, threaded)
+    return PhaseCost(busy + comm, compute, host, comm, work + host + comm)

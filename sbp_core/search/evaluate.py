@@ -51,8 +51,11 @@ class Prediction:
 
 
 class Evaluator:
-    def __init__(self, model, cluster, op_costs):
-        self.model, self.cluster, self.op_costs = model, cluster, op_costs
+    """``thread_gains``: per-call speedups of a process's intra-op threads (``threadgain.MeasuredThreadGain``),
+    used for every strategy whose processes have cores to spare; ``None``: the cluster's ``thread_speedup``."""
+
+    def __init__(self, model, cluster, op_costs, thread_gains=None):
+        self.model, self.cluster, self.op_costs, self.thread_gains = model, cluster, op_costs, thread_gains
 
     def stage_devices(self, strategy, stage: int) -> tuple:
         n = strategy.dp * strategy.tp
@@ -61,20 +64,21 @@ class Evaluator:
     def stage_work(self, strategy, stage: int, trace) -> StageWork:
         c = self.cluster
         devices = self.stage_devices(strategy, stage)
-        threads = c.threads_per_device(strategy.world)
-        priced = {name: phase_cost(trace.phases[name], self.op_costs, c, devices[0], devices, threads)
+        threads, world = c.threads_per_device(strategy.world), strategy.world
+        gains = self.thread_gains if threads > 1 else None
+        priced = {name: phase_cost(trace.phases[name], self.op_costs, c, devices[0], devices, threads, gains, world)
                   for name in ("F", "B0", "B", "reduce", "update")}
         costs = {name: p.seconds for name, p in priced.items()}
         send = copy = 0.0
         if stage < strategy.pp - 1 and trace.act_bytes:
             peer = devices[0] + len(devices)
-            send = collective_seconds(Collective("send", (0, 1), trace.act_bytes), c, (devices[0], peer), devices)
+            send = collective_seconds(Collective("send", (0, 1), trace.act_bytes), c, (devices[0], peer), devices,
+                                      world)
             copy = trace.act_bytes / c.mem_bandwidth if c.mem_bandwidth else 0.0
-        # Threads a process keeps busy: all of them in big kernels, one in small kernels, dispatch and
-        # collectives (torch's idle intra-op threads sleep and take no share of the cores).
+        # Threads a process keeps busy on average: its one-thread work over its time (a kernel sped up g-fold
+        # keeps g threads busy; dispatch, small kernels and collectives one).
         total = sum(p.seconds for p in priced.values())
-        threaded = sum(p.threaded for p in priced.values())
-        busy = 1.0 + (threads - 1) * threaded / total if total > 0 else float(threads)
+        busy = sum(p.thread_seconds for p in priced.values()) / total if total > 0 else 1.0
         weight = len(devices) * busy if c.cores else 0.0
         return StageWork(costs["F"], costs["B0"], costs["B"], costs["reduce"], costs["update"], send, copy, weight)
 
@@ -91,7 +95,8 @@ class Evaluator:
         if nbytes is None or strategy.pp == 1:
             return None
         first, last = self.stage_devices(strategy, 0), self.stage_devices(strategy, strategy.pp - 1)
-        return collective_seconds(Collective("send", (0, 1), nbytes), self.cluster, (first[0], last[0]), first)
+        return collective_seconds(Collective("send", (0, 1), nbytes), self.cluster, (first[0], last[0]), first,
+                                  strategy.world)
 
     def graph(self, strategy, works: list):
         m = self.model.micro_batches(strategy)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import tempfile
 import time
 from pathlib import Path
@@ -77,6 +78,17 @@ def call_args(call: OpCall, device: str):
     return resolve_op(call.op), build_args(pos, device), {k: build_args(v, device) for k, v in kw}
 
 
+def measurement_cache(threads: int = 1) -> Path:
+    """This host's cache of per-call measurements: seconds with one thread, or the gain of ``threads`` threads.
+
+    ``$SBP_CACHE_DIR`` (default ``~/.cache/sbp-recipes``)``/op-costs-<host>.json``, and
+    ``op-costs-<host>-threads<n>.json`` for ``threadgain.MeasuredThreadGain``.
+    """
+    cache = Path(os.environ.get("SBP_CACHE_DIR", "~/.cache/sbp-recipes")).expanduser()
+    tail = "" if threads == 1 else f"-threads{threads}"
+    return cache / f"op-costs-{socket.gethostname()}{tail}.json"
+
+
 def is_view(func) -> bool:
     """True for an op that returns an alias of an input without writing it (``view``, ``t``, ``slice``...)."""
     rets = func._schema.returns
@@ -126,14 +138,18 @@ class MeasuredOpCosts:
 
     def save(self) -> None:
         """Write new measurements to the cache file (atomically)."""
-        if not self._dirty:
-            return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name, suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(self._table, f)
-        os.replace(tmp, self.path)
-        self._dirty = False
+        if self._dirty:
+            save_table(self.path, self._table)
+            self._dirty = False
+
+
+def save_table(path: Path, table: dict) -> None:
+    """Write a measurement cache (``{repr(call key): value}``) to ``path`` atomically."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(table, f)
+    os.replace(tmp, path)
 
 
 def _writes(func) -> bool:

@@ -23,10 +23,37 @@ def test_layout_matches_one_device(name):
     assert loss <= 1e-5 and grads <= 1e-5, (loss, grads)
 
 
-def test_global_norm_clipping_spans_every_stage():
-    res = get_pool(8).run(run_pipeline, "tp2_pp2", 2, "1f1b", MICRO, 0.05)
+@pytest.mark.parametrize("name", ["tp2_pp2", "pp2"])  # pp2: one-device stages, run on plain tensors
+def test_global_norm_clipping_spans_every_stage(name):
+    res = get_pool(8).run(run_pipeline, name, 2, "1f1b", MICRO, 0.05)
     loss, grads = compare(res, 2, max_grad_norm=0.05)
     assert loss <= 1e-5 and grads <= 1e-5, (loss, grads)
+
+
+def _local_and_dispatched():
+    """pp2: evaluation on plain tensors, then under ``sc.explain`` (dispatched), then a training step."""
+    import sbp_core as sc
+    from scripts.verify_pipeline import build
+
+    step, _ = build(1, 1, 2)
+    local = step.evaluate(step.batches, MICRO)
+    ran_local = step._local
+    with sc.explain() as ops:
+        dispatched = step.evaluate(step.batches, MICRO)
+    explained_local = step._local
+    step.step(0)
+    return step.stage, local, dispatched, ran_local, explained_local, len(ops), step._local
+
+
+def test_one_device_stages_run_on_plain_tensors_unless_explained():
+    res = get_pool(8).run(_local_and_dispatched)
+    for stage, local, dispatched, ran_local, explained_local, n_ops, trained_local in res:
+        assert local == dispatched  # the same ops on the same locals: bit for bit
+        if stage is None:
+            continue
+        assert ran_local and trained_local and not explained_local
+        assert n_ops > 0  # explain lists the stage's ops
+    assert res[0][1] is not None and res[1][1] is not None
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])

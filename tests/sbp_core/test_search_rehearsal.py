@@ -1,6 +1,8 @@
 """Rehearsals record what our dispatcher really does, and costs follow DESIGN.md's table and the links."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch import nn
@@ -119,22 +121,94 @@ def test_bad_cluster_file_names_the_key():
         cluster_from_dict({**CLUSTER, "gpus": 3})
 
 
-def test_phase_cost_threaded_part():
-    """Big kernels use the process's threads (sped up, counted as threaded); small ones, dispatch and comm one."""
-    from sbp_core.search.costmodel import phase_cost
+def _two_mm_trace():
     from sbp_core.search.rehearsal import OpCall, PhaseTrace, TensorSpec
 
-    class Fixed:  # 1 ms per call, whatever the call
-        def seconds(self, call):
-            return 1e-3
-
     big, small = TensorSpec((256, 256), (256, 1), "float32"), TensorSpec((8, 8), (8, 1), "float32")
-    trace = PhaseTrace("F", [OpCall("aten.mm.default", ((big, big), ()), ""),
-                             OpCall("aten.mm.default", ((small, small), ()), "")], [object()] * 3)
+    return PhaseTrace("F", [OpCall("aten.mm.default", ((big, big), ()), ""),
+                            OpCall("aten.mm.default", ((small, small), ()), "")], [object()] * 3)
+
+
+class _Fixed:  # 1 ms per call, whatever the call
+    def seconds(self, call):
+        return 1e-3
+
+
+def test_phase_cost_threaded_part():
+    """Without per-call gains, kernels torch splits over threads get the cluster's speedup; their work is conserved."""
+    from sbp_core.search.costmodel import phase_cost
+
+    trace = _two_mm_trace()
     c = cluster_from_dict({**CLUSTER, "cores": 2, "costs": "measured",
                            "device": {**CLUSTER["device"], "thread_speedup": 2.0, "dispatch_us": 10}})
-    two = phase_cost(trace, Fixed(), c, 0, (0,), threads=2)
-    assert (two.compute, two.threaded, two.host) == pytest.approx((1.5e-3, 0.5e-3, 3e-5))
+    two = phase_cost(trace, _Fixed(), c, 0, (0,), threads=2)
+    assert (two.compute, two.host) == pytest.approx((1.5e-3, 3e-5))
     assert two.seconds == pytest.approx(1.5e-3 + 3e-5)
-    one = phase_cost(trace, Fixed(), c, 0, (0,), threads=1)
-    assert (one.compute, one.threaded) == pytest.approx((2e-3, 0.0))
+    # busy-thread seconds: both kernels' one-thread work (2 ms) and the dispatch
+    assert two.thread_seconds == pytest.approx(2e-3 + 3e-5)
+    one = phase_cost(trace, _Fixed(), c, 0, (0,), threads=1)
+    assert (one.compute, one.thread_seconds) == pytest.approx((2e-3, 2e-3 + 3e-5))
+
+
+def test_phase_cost_per_call_gains():
+    """Measured per-call gains replace the cluster's speedup, for every call, only when the process has threads."""
+    from sbp_core.search.costmodel import phase_cost
+
+    class Gains:  # the big mm gains 1.6x, the small one 1.25x
+        def gain(self, call):
+            return 1.6 if call.args[0][0].shape[0] == 256 else 1.25
+
+    trace = _two_mm_trace()
+    c = cluster_from_dict({**CLUSTER, "cores": 2, "costs": "measured",
+                           "device": {**CLUSTER["device"], "thread_speedup": 9.0, "kernel_factor": 2.0}})
+    two = phase_cost(trace, _Fixed(), c, 0, (0,), threads=2, gains=Gains())
+    # kernel_factor 2: 2 ms each alone in a step, then / 1.6 and / 1.25
+    assert two.compute == pytest.approx(2e-3 / 1.6 + 2e-3 / 1.25)
+    assert two.thread_seconds == pytest.approx(4e-3)  # the one-thread work: 1.6 threads busy for 1.25 ms, ...
+    one = phase_cost(trace, _Fixed(), c, 0, (0,), threads=1, gains=Gains())
+    assert one.compute == pytest.approx(4e-3)
+
+
+def test_sync_latency_grows_with_processes():
+    """Inside a node, a message step costs the ``sync`` curve's latency at the job's processes (interpolated)."""
+    c = cluster_from_dict({**CLUSTER, "cores": 2, "costs": "measured", "sync": [[2, 100], [4, 300], [8, 1100]]})
+    assert c.step_latency(2) == pytest.approx(100e-6)
+    assert c.step_latency(6) == pytest.approx(700e-6)
+    assert c.step_latency(1) == pytest.approx(100e-6)  # flat below the first point
+    ar = Collective("all_reduce", (0, 1), 10**6)
+    # 2 steps at the 4-process latency + 1 MB at 10 GB/s
+    assert collective_seconds(ar, c, (0, 1), (0, 1), processes=4) == pytest.approx(2 * 300e-6 + 1e-4)
+    # across nodes the network's own latency stays
+    assert collective_seconds(ar, c, (0, 2), (0, 1, 2, 3), processes=4) == pytest.approx(2e-5 + 2e-3)
+    # no curve: the link's latency
+    plain = cluster_from_dict(CLUSTER)
+    assert collective_seconds(ar, plain, (0, 1), (0, 1), processes=8) == pytest.approx(2e-6 + 1e-4)
+
+
+def test_thread_gain_measures_only_threadable_calls(tmp_path):
+    from sbp_core.search.rehearsal import OpCall, TensorSpec
+    from sbp_core.search.threadgain import MeasuredThreadGain
+
+    path = tmp_path / "gains.json"
+    gains = MeasuredThreadGain(path, threads=2, repeats=2, budget_s=0.0)
+    small = TensorSpec((8, 8), (8, 1), "float32")
+    assert gains.gain(OpCall("aten.mm.default", ((small, small), ()), "")) == 1.0
+    gains.save()
+    assert not path.exists()  # nothing measured: torch runs it on one thread
+    big = TensorSpec((256, 256), (256, 1), "float32")
+    mm = OpCall("aten.mm.default", ((big, big), ()), "")
+    g = gains.gain(mm)
+    assert 1.0 <= g <= 2.0
+    gains.save()
+    key = repr(mm.key)
+    assert json.loads(path.read_text())[key][0] == g
+    # a gain measured on a quiet machine is kept; one measured under a far higher load than now is measured again
+    path.write_text(json.dumps({key: [1.5, 0.0]}))
+    assert MeasuredThreadGain(path).gain(mm) == 1.5
+    path.write_text(json.dumps({key: [1.01, 1e9]}))
+    again = MeasuredThreadGain(path, repeats=2, budget_s=0.0)
+    assert 1.0 <= again.gain(mm) <= 2.0
+    again.save()
+    assert json.loads(path.read_text())[key][1] < 1e9
+    with pytest.raises(ValueError, match="threads=1"):
+        MeasuredThreadGain(path, threads=1)

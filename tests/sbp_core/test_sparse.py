@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import sbp_core as sc
-from sbp_core.module import _box_grad_to_param
+from sbp_core.grad_buckets import GradBuckets
 from sbp_core.sbp import Broadcast, Split, format_sbp
 from sbp_core.sparse import rows_in_box
 from toolkit.rank_pool import get_pool
@@ -48,7 +48,7 @@ def _case(ranks, table_sbp, ids_sbp):
     p = sc.placement("cpu", ranks)
     me = torch.distributed.get_rank()
     w = torch.nn.Parameter(sc.distribute(table, p, table_sbp))
-    w.register_post_accumulate_grad_hook(_box_grad_to_param)
+    GradBuckets([w], [w.sbp], lambda leaf, grad: setattr(leaf, "grad", grad))  # as distribute_module's
     for i in ids:
         F.embedding(sc.distribute(i, p, ids_sbp), w, sparse=True).pow(2).sum().backward()
     g = w.grad

@@ -73,7 +73,8 @@ def search_plan(cfg, recipe, zero=None, progress: bool = True, log=print):
     """Run the search; returns ``(SearchResult, search model)``."""
     from sbp_core.search.evaluate import Evaluator
     from sbp_core.search.mcmc import search
-    from sbp_core.search.opcost import MeasuredOpCosts, RooflineOpCosts
+    from sbp_core.search.opcost import MeasuredOpCosts, RooflineOpCosts, measurement_cache
+    from sbp_core.search.threadgain import MeasuredThreadGain
     from sbp_core.search.space import SearchSpace
 
     from .search_model import RecipeSearchModel
@@ -82,20 +83,21 @@ def search_plan(cfg, recipe, zero=None, progress: bool = True, log=print):
     s = cfg.parallel.search
     cluster = load_cluster(s.cluster)
     devices, all_devices = _devices(cfg, cluster)
+    gains = None
     if cluster.costs == "measured":
-        cache = Path(os.path.expanduser(os.environ.get("SBP_CACHE_DIR", "~/.cache/sbp-recipes")))
-        import socket
-
-        costs = MeasuredOpCosts(cache / f"op-costs-{socket.gethostname()}.json", threads=1)
+        costs = MeasuredOpCosts(measurement_cache(1), threads=1)
+        gains = MeasuredThreadGain(measurement_cache(2), threads=2)
     else:
         costs = RooflineOpCosts(cluster.peak_flops, cluster.mem_bandwidth, cluster.kernel_overhead)
     model = RecipeSearchModel(recipe, cfg, zero)
     space = SearchSpace(model, devices, all_devices=all_devices)
     log(f"searching plans for {recipe.name} on {cluster.name} ({devices} devices{'' if all_devices else ' at most'}; "
         f"budget {s.budget}, beta {s.beta})")
-    result = search(space, Evaluator(model, cluster, costs), budget=int(s.budget), beta=float(s.beta),
+    result = search(space, Evaluator(model, cluster, costs, gains), budget=int(s.budget), beta=float(s.beta),
                     seed=int(s.seed), devices_per_node=cluster.devices_per_node, progress=progress)
     costs.save()
+    if gains is not None:
+        gains.save()
     return result, model
 
 

@@ -1,0 +1,76 @@
+"""``LocalParameters``: a one-device module run on plain tensors gives the dispatched path's gradients, in global tensors."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import sbp_core as sc
+from sbp_core import sbp
+
+
+class Net(nn.Module):
+    """A sparse embedding, a buffer, and one weight tied under two names (``lin`` and ``lin2``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 4, sparse=True)
+        self.lin, self.lin2, self.head = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 10, bias=False)
+        self.lin2.weight = self.lin.weight
+        self.register_buffer("scale", torch.tensor([2.0, 1.0, 0.5, 1.0]))
+
+    def forward(self, ids):
+        h = torch.tanh(self.lin2(self.lin(self.emb(ids) * self.scale)))
+        return torch.log_softmax(self.head(h), -1).square().mean()
+
+
+def _dense(g):
+    return (g.to_dense() if g.is_sparse else g).full_tensor()
+
+
+def test_local_run_gives_the_dispatched_gradients_in_the_parameters_layouts():
+    p = sc.placement("cpu", [0])
+    torch.manual_seed(0)
+    model = sc.distribute_module(Net(), p)
+    params = dict(model.named_parameters())
+    batches = [torch.tensor([[1, 2, 3], [3, 4, 5]]), torch.tensor([[0, 9, 3], [7, 7, 2]])]
+    want_loss = []
+    with sc.defer_grad_boxing():  # as a pipeline accumulates micro-batches
+        for b in batches:
+            loss = model(sc.distribute(b, p, (sbp.broadcast,)))
+            loss.backward()
+            want_loss.append(float(loss.detach().full_tensor()))
+    want = {n: _dense(q.grad) for n, q in params.items()}
+    model.zero_grad(set_to_none=True)
+
+    shards = sc.LocalParameters(model)
+    assert sc.runs_local(p)
+    shards.swap()
+    assert not any(isinstance(q, sc.GlobalTensor) for q in model.parameters())
+    assert model.lin.weight is model.lin2.weight and not isinstance(model.scale, sc.GlobalTensor)
+    got_loss = []
+    for b in batches:
+        loss = model(b)
+        loss.backward()
+        got_loss.append(float(loss.detach()))
+    shards.restore()
+    assert dict(model.named_parameters()) == params  # the same parameter objects are back
+    assert isinstance(model.scale, sc.GlobalTensor)
+    assert got_loss == want_loss
+    for n, q in params.items():
+        assert isinstance(q.grad, sc.SparseGlobalTensor if n == "emb.weight" else sc.GlobalTensor), n
+        assert q.grad.layout.placement == p and q.grad.sbp == q.sbp, n
+        assert torch.equal(_dense(q.grad), want[n]), n
+
+    # The optimizer steps the global parameters in place: the next swap's leaves see the new values.
+    before = model.head.weight.full_tensor().clone()
+    torch.optim.SGD([model.head.weight], lr=0.1).step()
+    shards.swap()
+    assert torch.equal(model.head.weight, before - 0.1 * want["head.weight"])
+    shards.restore()
+
+
+def test_explain_keeps_the_dispatched_path():
+    p = sc.placement("cpu", [0])
+    with sc.explain():
+        assert not sc.runs_local(p)
+    assert sc.runs_local(p)
