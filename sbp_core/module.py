@@ -127,10 +127,10 @@ def distribute_module(module: nn.Module, placement, plan: dict | None = None,
             new = nn.Parameter(g, requires_grad=param.requires_grad)
             if new.requires_grad:
                 trained.append(new)
-            done[id(param)] = new
+            done[id(param)] = done[id(new)] = new  # a module under two names is visited twice
             setattr(mod, pname, new)
         for bname, buf in list(mod.named_buffers(recurse=False)):
-            if buf is None:
+            if buf is None or isinstance(buf, GlobalTensor):  # None, or distributed on an earlier visit
                 continue
             sbp = _on_mesh(nd_sbp(_match(plan, prefix + bname) or broadcast, placement.ndim), placement)
             mod._buffers[bname] = distribute(buf, placement, sbp)

@@ -74,3 +74,40 @@ def test_explain_keeps_the_dispatched_path():
     with sc.explain():
         assert not sc.runs_local(p)
     assert sc.runs_local(p)
+
+
+def test_a_module_under_two_names_is_distributed_once():
+    """``m.block2 = m.block``: the second visit must not wrap the already-global parameters or buffers again."""
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.register_buffer("scale", torch.tensor([2.0, 1.0, 0.5, 1.0]))
+
+        def forward(self, x):
+            return torch.tanh(self.lin(x) * self.scale)
+
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = Scaled()
+            self.block2 = self.block
+
+        def forward(self, x):
+            return self.block2(self.block(x)).sum()
+
+    p = sc.placement("cpu", [0])
+    torch.manual_seed(0)
+    plain = Twice()
+    torch.manual_seed(0)
+    model = sc.distribute_module(Twice(), p)
+    x = torch.randn(6, 4)
+    for t in list(model.parameters()) + list(model.buffers()):
+        assert isinstance(t, sc.GlobalTensor) and not isinstance(t._local, sc.GlobalTensor)
+    assert model.block.lin.weight is model.block2.lin.weight
+    loss = model(sc.distribute(x, p, (sbp.broadcast,)))
+    loss.backward()
+    want = plain(x)
+    want.backward()
+    assert float(loss.detach().full_tensor()) == float(want.detach())
+    torch.testing.assert_close(model.block.lin.weight.grad.full_tensor(), plain.block.lin.weight.grad)
