@@ -1,4 +1,4 @@
-"""The one choke point where sbp_core talks to ``torch.distributed``.
+"""The one choke point where sbp_core talks to ``torch.distributed`` (with ``collective_plans.py``, its planned forms).
 
 Every function takes the participating global ranks *in mesh-axis order*
 (``ranks[k]`` holds piece ``k``) and hides that process groups order their
@@ -20,7 +20,6 @@ split sizes, so no padding is ever sent.
 from __future__ import annotations
 
 import functools
-import math
 import pickle
 
 import torch
@@ -339,167 +338,6 @@ def all_to_all(local: torch.Tensor, ranks, split_dim: int, cat_dim: int, cat_len
         return out.view(whole)  # the pieces arrived concatenated along dim 0
     got = dict(zip(order, out.split([recv[k] for k in order])))
     return torch.cat([got[k].view(shapes[k]) for k in range(p)], cat_dim)
-
-
-# -- planned collectives ----------------------------------------------------------------------
-# Boxing plans a step once per (src, dst) layout pair, when this rank's local shape is known,
-# so the geometry (split sizes, permutations, group, ledger bytes) is computed then, not per
-# call. Even pieces on a group that orders its members as the mesh axis does (the common case)
-# take a path with no per-call lists: each buffer is the tensor seen with the split dim cut in
-# ``p`` pieces and the piece axis moved first, one ``permute().contiguous()`` (no copy when the
-# dim is 0). Anything else runs the general functions above.
-
-
-def _in_order(ranks) -> bool:
-    return _group_order(ranks) == list(range(len(ranks)))
-
-
-def _pieces_first(shape, dim: int, p: int) -> tuple:
-    """``(view, order)``: ``shape`` with ``dim`` cut in ``p`` pieces, and the permutation putting the piece axis first."""
-    view = tuple(shape[:dim]) + (p, shape[dim] // p) + tuple(shape[dim + 1 :])
-    return view, (dim,) + tuple(i for i in range(len(view)) if i != dim)
-
-
-def _pieces_back(ndim: int, dim: int) -> tuple:
-    """Permutation of a ``(p, *piece)`` buffer putting the piece axis just before ``dim`` (then flattened into it)."""
-    return tuple(range(1, dim + 1)) + (0,) + tuple(range(dim + 1, ndim + 1))
-
-
-def _with(shape, dim: int, size: int) -> tuple:
-    out = list(shape)
-    out[dim] = size
-    return tuple(out)
-
-
-def plan_all_to_all(ranks, split_dim: int, cat_dim: int, local_shape, cat_length: int):
-    """``all_to_all`` for this rank's ``local_shape`` input as a function ``local -> local``.
-
-    Planned path: one send-permute copy (none for ``split_dim`` 0 of a
-    contiguous local), one ``all_to_all_single`` without split sizes, one
-    receive un-permute copy (none for ``cat_dim`` 0).
-    """
-    p = len(ranks)
-    if p == 1 or local_shape[split_dim] % p or cat_length % p or not _in_order(ranks):
-        return lambda local: all_to_all(local, ranks, split_dim, cat_dim, cat_length)
-    group = group_of(ranks)
-    split_view, send_order = _pieces_first(local_shape, split_dim, p)
-    piece = _with(local_shape, split_dim, local_shape[split_dim] // p)
-    sent = (p - 1) * math.prod(piece)  # elements
-    recv_shape = (p,) + piece
-    recv_order = _pieces_back(len(piece), cat_dim)
-    result = _with(piece, cat_dim, cat_length)
-
-    def run(local: torch.Tensor) -> torch.Tensor:
-        ledger.record("all_to_all", p, sent * local.element_size(), ranks)
-        if split_dim == 0:
-            inp = local.contiguous()  # already the send buffer: piece k is row block k
-        else:
-            inp = local.reshape(split_view).permute(send_order).contiguous()
-        out = inp.new_empty(recv_shape)
-        try:
-            dist.all_to_all_single(out, inp, group=group)
-        except RuntimeError as exc:
-            raise _failure("all_to_all", ranks, exc) from exc
-        if cat_dim == 0:
-            return out.view(result)
-        return out.permute(recv_order).reshape(result)
-
-    return run
-
-
-def plan_all_gather(ranks, dim: int, local_shape, length: int):
-    """``all_gather`` for this rank's ``local_shape`` input as a function ``local -> local``.
-
-    Planned path: one ``all_gather_single`` into a ``(p, *local)`` buffer,
-    which is the result along dim 0 (a view) and one permute copy otherwise.
-    """
-    p = len(ranks)
-    if p == 1 or length % p or not _in_order(ranks):
-        return lambda local: all_gather(local, ranks, dim, length)
-    group = group_of(ranks)
-    local_shape = tuple(local_shape)
-    sent = (p - 1) * math.prod(local_shape)
-    recv_shape = (p,) + local_shape
-    recv_order = _pieces_back(len(local_shape), dim)
-    result = _with(local_shape, dim, length)
-
-    def run(local: torch.Tensor) -> torch.Tensor:
-        ledger.record("all_gather", p, sent * local.element_size(), ranks)
-        buf = local.new_empty(recv_shape)
-        try:
-            _all_gather_flat(buf.view(-1), local.contiguous().view(-1), group=group)
-        except RuntimeError as exc:
-            raise _failure("all_gather", ranks, exc) from exc
-        if dim == 0:
-            return buf.view(result)
-        return buf.permute(recv_order).reshape(result)
-
-    return run
-
-
-def plan_reduce_scatter(ranks, dim: int, full_shape, op: str):
-    """``reduce_scatter`` of a ``full_shape`` tensor as a function ``full -> piece``.
-
-    Planned path: one send-permute copy (none along dim 0 of a contiguous
-    tensor) and one ``reduce_scatter_single``.
-    """
-    p = len(ranks)
-    if p == 1 or full_shape[dim] % p or not _in_order(ranks):
-        return lambda full: reduce_scatter(full, ranks, dim, op)
-    group = group_of(ranks)
-    view, order = _pieces_first(full_shape, dim, p)
-    piece = _with(full_shape, dim, full_shape[dim] // p)
-    sent = (p - 1) * math.prod(piece)
-    red = _REDUCE[op]
-
-    def run(full: torch.Tensor) -> torch.Tensor:
-        ledger.record("reduce_scatter", p, sent * full.element_size(), ranks)
-        inp = full.contiguous() if dim == 0 else full.reshape(view).permute(order).contiguous()
-        out = inp.new_empty(piece)
-        try:
-            _reduce_scatter_flat(out.view(-1), inp.view(-1), op=red, group=group)
-        except RuntimeError as exc:
-            raise _failure("reduce_scatter", ranks, exc) from exc
-        return out
-
-    return run
-
-
-def _planned_reduction(name: str, ranks, sent: int, collective):
-    """``t -> out``: record ``sent`` elements, run ``collective`` in place on a contiguous copy of ``t``."""
-    p = len(ranks)
-
-    def run(t: torch.Tensor) -> torch.Tensor:
-        ledger.record(name, p, sent * t.element_size(), ranks)
-        out = t.clone(memory_format=torch.contiguous_format)
-        try:
-            collective(out)
-        except RuntimeError as exc:
-            raise _failure(name, ranks, exc) from exc
-        return out
-
-    return run
-
-
-def plan_all_reduce(ranks, shape, op: str):
-    """``all_reduce`` of a ``shape`` tensor as a function ``t -> reduced copy`` (ledger bytes and group fixed now)."""
-    p = len(ranks)
-    if p == 1:
-        return lambda t: all_reduce(t, ranks, op)
-    numel = math.prod(shape)
-    sent = numel + (p - 2) * shard_sizes(numel, p)[ranks.index(world_rank())]  # elements (ring)
-    return _planned_reduction("all_reduce", ranks, sent,
-                              functools.partial(dist.all_reduce, op=_REDUCE[op], group=group_of(ranks)))
-
-
-def plan_reduce(ranks, shape, op: str):
-    """``reduce`` onto ``ranks[0]`` of a ``shape`` tensor as a function ``t -> t'`` (see ``reduce``)."""
-    p = len(ranks)
-    if p == 1:
-        return lambda t: reduce(t, ranks, op)
-    sent = 0 if ranks.index(world_rank()) == 0 else math.prod(shape)
-    return _planned_reduction("reduce", ranks, sent,
-                              functools.partial(dist.reduce, dst=ranks[0], op=_REDUCE[op], group=group_of(ranks)))
 
 
 @_collective(lambda sends, recvs: {r for r, *_ in sends} | {r for r, *_ in recvs})

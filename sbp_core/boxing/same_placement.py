@@ -22,7 +22,7 @@ import torch
 
 from ..layout import reduce_identity, shard_bounds, view_shape
 from ..process_groups import world_rank
-from . import collectives, nd_plan
+from . import collective_plans, nd_plan
 
 
 def axis_step(placement, state: tuple, axis: int, new, shape):
@@ -45,9 +45,9 @@ def axis_step(placement, state: tuple, axis: int, new, shape):
         start, length = shard_bounds(view[old.axis], p, index)
         mine = view[: old.axis] + (length,) + view[old.axis + 1 :]  # this rank's local
         if new.is_split:
-            return collectives.plan_all_to_all(ranks, new.axis, old.axis, mine, view[old.axis])
+            return collective_plans.plan_all_to_all(ranks, new.axis, old.axis, mine, view[old.axis])
         if new.is_broadcast:
-            return collectives.plan_all_gather(ranks, old.axis, mine, view[old.axis])
+            return collective_plans.plan_all_gather(ranks, old.axis, mine, view[old.axis])
 
         def place(local):  # S -> P: own piece in place, the identity elsewhere
             out = torch.full(view, reduce_identity(new.op, local.dtype), dtype=local.dtype, device=local.device)
@@ -63,9 +63,9 @@ def axis_step(placement, state: tuple, axis: int, new, shape):
             return None
         return lambda local: torch.full_like(local, reduce_identity(new.op, local.dtype))
     if new.is_split:
-        return collectives.plan_reduce_scatter(ranks, new.axis, view, old.op)
+        return collective_plans.plan_reduce_scatter(ranks, new.axis, view, old.op)
     if new.is_partial:
-        reduce = collectives.plan_reduce(ranks, view, old.op)
+        reduce = collective_plans.plan_reduce(ranks, view, old.op)
         if index == 0:
             return reduce
 
@@ -74,7 +74,7 @@ def axis_step(placement, state: tuple, axis: int, new, shape):
             return torch.full_like(local, reduce_identity(new.op, local.dtype))
 
         return reduce_away
-    return collectives.plan_all_reduce(ranks, view, old.op)
+    return collective_plans.plan_all_reduce(ranks, view, old.op)
 
 
 def compile_same_placement(placement, src: tuple, dst: tuple, shape, itemsize: int) -> list:
