@@ -269,6 +269,11 @@ def _scalar(x: GlobalTensor):
     return local.item()
 
 
+def explaining() -> bool:
+    """Whether an ``explain()`` is recording (then every op must take the dispatched path)."""
+    return bool(_explain)
+
+
 @contextlib.contextmanager
 def explain():
     """``with sc.explain() as steps:`` records each op's chosen signature and the boxing it caused.

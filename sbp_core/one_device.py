@@ -36,14 +36,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .dispatch import _explain
+from .dispatch import explaining
 from .global_tensor import GlobalTensor
 from .sparse import SparseGlobalTensor, sparse_sbp_for
 
 
 def runs_local(placement) -> bool:
     """May work on ``placement`` skip op dispatch? One device, and ``explain`` is not recording."""
-    return placement.size == 1 and not _explain
+    return placement.size == 1 and not explaining()
 
 
 class LocalParameters:
