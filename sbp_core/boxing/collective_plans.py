@@ -45,6 +45,13 @@ def _with(shape, dim: int, size: int) -> tuple:
     return tuple(out)
 
 
+def _joined(buf: torch.Tensor, dim: int, order: tuple, result: tuple) -> torch.Tensor:
+    """A received ``(p, *piece)`` buffer as the pieces joined along ``dim``: a view for dim 0, else one permute copy."""
+    if dim == 0:
+        return buf.view(result)
+    return buf.permute(order).reshape(result)
+
+
 def plan_all_to_all(ranks, split_dim: int, cat_dim: int, local_shape, cat_length: int):
     """``all_to_all`` for this rank's ``local_shape`` input as a function ``local -> local``.
 
@@ -74,9 +81,7 @@ def plan_all_to_all(ranks, split_dim: int, cat_dim: int, local_shape, cat_length
             dist.all_to_all_single(out, inp, group=group)
         except RuntimeError as exc:
             raise _failure("all_to_all", ranks, exc) from exc
-        if cat_dim == 0:
-            return out.view(result)
-        return out.permute(recv_order).reshape(result)
+        return _joined(out, cat_dim, recv_order, result)
 
     return run
 
@@ -104,9 +109,7 @@ def plan_all_gather(ranks, dim: int, local_shape, length: int):
             _all_gather_flat(buf.view(-1), local.contiguous().view(-1), group=group)
         except RuntimeError as exc:
             raise _failure("all_gather", ranks, exc) from exc
-        if dim == 0:
-            return buf.view(result)
-        return buf.permute(recv_order).reshape(result)
+        return _joined(buf, dim, recv_order, result)
 
     return run
 
