@@ -135,12 +135,12 @@ def dispatch(func, types, args=(), kwargs=None):
             _key_kwargs(func, kwargs, key)
     except _Nested:
         return _dispatch_nested(func, args, kwargs or {})
-    if func is _SCALAR:
-        return _scalar(args[0])
     key = tuple(key)
     try:
         d = _cache[key]
     except (KeyError, TypeError):
+        if func is _SCALAR:  # never cached, so tested here rather than on every op
+            return _scalar(args[0])
         d = _miss(func, args, kwargs or {}, key)
     if _explain:
         _record_explain(func, args, kwargs, d)
