@@ -97,9 +97,10 @@ def _miss(func, args, kwargs, key):
     return d
 
 
-def dispatch(cls, func, types, args=(), kwargs=None):
-    """``GlobalTensor.__torch_dispatch__``. Kept flat on purpose: every Python frame and
-    bytecode here is paid per op (see the README's performance notes)."""
+def dispatch(func, types, args=(), kwargs=None):
+    """``GlobalTensor.__torch_dispatch__`` (a staticmethod: torch then calls this function as it is,
+    with no bound method made per op). Kept flat on purpose: every Python frame and bytecode here
+    is paid per op (see the README's performance notes)."""
     key = [id(func)]
     loc = []  # the arguments with each global tensor replaced by its local
     try:
@@ -134,15 +135,23 @@ def dispatch(cls, func, types, args=(), kwargs=None):
             _key_kwargs(func, kwargs, key)
     except _Nested:
         return _dispatch_nested(func, args, kwargs or {})
-    if func is _SCALAR:
-        return _scalar(args[0])
     key = tuple(key)
     try:
         d = _cache[key]
     except (KeyError, TypeError):
+        if func is _SCALAR:  # never cached, so tested here rather than on every op
+            return _scalar(args[0])
         d = _miss(func, args, kwargs or {}, key)
     if _explain:
         _record_explain(func, args, kwargs, d)
+    one = d.fast
+    if one is not None:  # plain, not in place, one tensor out: the common case, tested once
+        out = d.call(*loc, **kwargs) if kwargs else d.call(*loc)
+        # wrap(out, ...) inlined: one frame less per op.
+        g = _make_wrapper(GlobalTensor, one[0], one[1], None, None, one[2], _strided, out.device)
+        g._local = out
+        g._layout = one[3]
+        return g
     if d.plain:
         out = d.call(*loc, **kwargs) if kwargs else d.call(*loc)
     elif d.direct_local:  # a custom local on unboxed inputs: no need to rebuild the arguments
@@ -154,7 +163,6 @@ def dispatch(cls, func, types, args=(), kwargs=None):
     one = d.one
     if one is None:
         return _wrap_many(out, d)
-    # wrap(out, ...) inlined: one frame less per op.
     g = _make_wrapper(GlobalTensor, one[0], one[1], None, None, one[2], _strided, out.device)
     g._local = out
     g._layout = one[3]

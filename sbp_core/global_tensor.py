@@ -95,7 +95,8 @@ class GlobalTensor(torch.Tensor):
         local = self._local
         for step in steps:
             local = step(local)
-        strides = dst.strides if local.is_contiguous() else _global_strides(dst.shape, local)
+        # Dense strides go as None (the constructor derives them; cheaper than parsing a tuple).
+        strides = None if local.is_contiguous() else _global_strides(dst.shape, local)
         out = _make_wrapper(GlobalTensor, dst.shape, strides, None, None, dst.dtype, _strided, local.device)
         out._local = local
         out._layout = dst
@@ -108,8 +109,8 @@ class GlobalTensor(torch.Tensor):
         return self.to_global(sbp=tuple(Broadcast() for _ in self.sbp)).to_local()
 
     # -- dispatch -----------------------------------------------------------
-    # ``__torch_dispatch__`` is ``sbp_core.dispatch.dispatch`` itself (set below): one
-    # Python frame per op, not two.
+    # ``__torch_dispatch__`` is ``sbp_core.dispatch.dispatch`` itself (set below, a staticmethod):
+    # one Python frame per op, not two, and no bound method object per op.
 
 
 # (layout, placement arg, sbp arg) -> (the layout to_global boxes to, the planned boxing steps)
@@ -147,7 +148,7 @@ def wrap(local: torch.Tensor, layout: Layout, strides) -> GlobalTensor:
 
 from .dispatch import dispatch as _dispatch  # noqa: E402  (dispatch needs GlobalTensor defined)
 
-GlobalTensor.__torch_dispatch__ = classmethod(_dispatch)
+GlobalTensor.__torch_dispatch__ = staticmethod(_dispatch)
 
 # Bound once here rather than imported inside ``to_global``: an import statement in a
 # function costs two importlib frames per call (boxing imports this module, so not at the top).

@@ -7,7 +7,7 @@ along that axis (every other coordinate fixed):
 S(i) -> S(j)          all-to-all
 S -> B                all-gather
 S -> P(op)            own piece in place, ``op``'s identity elsewhere
-B -> S                narrow, a view (no communication, no copy)
+B -> S                a slice, a view (no communication, no copy)
 B -> P(op)            first rank keeps the value, the others ``op``'s identity
 P(op) -> S            reduce-scatter with ``op``
 P(op) -> B            all-reduce with ``op``
@@ -16,7 +16,7 @@ P(op) -> P(op2)       reduce with ``op`` onto the first rank, ``op2``'s identity
 """
 from __future__ import annotations
 
-from operator import methodcaller
+from operator import itemgetter
 
 import torch
 
@@ -29,7 +29,7 @@ def axis_step(placement, state: tuple, axis: int, new, shape):
     """One planner step on this rank as a function ``local -> local``, its geometry computed now.
 
     ``state`` is the N-d SBP before the step. Local steps are views where
-    torch allows (``B -> S`` is a ``narrow``, no copy; the shard may then be
+    torch allows (``B -> S`` is a slice, no copy; the shard may then be
     non-contiguous, which every consumer handles).
     """
     old = state[axis]
@@ -58,7 +58,11 @@ def axis_step(placement, state: tuple, axis: int, new, shape):
     if old.is_broadcast:
         if new.is_split:
             start, length = shard_bounds(view[new.axis], p, index)
-            return methodcaller("narrow", new.axis, start, length)  # C-level: no Python frame per call
+            # Basic slicing gives the view ``narrow`` gives, ~0.8 us cheaper a call (no schema
+            # argument parsing; a bare slice for dim 0, where a one-element tuple index costs
+            # ~0.25 us more); an itemgetter is C-level: no Python frame per call.
+            piece = slice(start, start + length)
+            return itemgetter(piece if new.axis == 0 else (slice(None),) * new.axis + (piece,))
         if index == 0:
             return None
         return lambda local: torch.full_like(local, reduce_identity(new.op, local.dtype))
@@ -70,8 +74,10 @@ def axis_step(placement, state: tuple, axis: int, new, shape):
             return reduce
 
         def reduce_away(local):
-            reduce(local)
-            return torch.full_like(local, reduce_identity(new.op, local.dtype))
+            # What the reduce sent from is a fresh copy of ours and means nothing afterwards:
+            # refill it with the identity instead of allocating another (at 4 MiB a malloc whose
+            # pages fault in again).
+            return reduce(local).fill_(reduce_identity(new.op, local.dtype))
 
         return reduce_away
     return collective_plans.plan_all_reduce(ranks, view, old.op)

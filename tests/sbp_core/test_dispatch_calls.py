@@ -19,6 +19,8 @@ from sbp_core.boxing import _compiled
 from sbp_core.dispatch import _cache
 from toolkit.rank_pool import get_pool
 
+aten = torch.ops.aten
+
 WORLD = 5  # the shared pool of tests/sbp_core
 
 # Python frames entered by one call on a cache hit, measured (torch 2.13, Python 3.11).
@@ -35,6 +37,11 @@ BOUNDS = {
     "to_global B->S(0) grad": 11,  # to_global, apply (7), Boxing.forward, box, GlobalTensor.__new__
     "to_local grad": 8,  # to_local, apply (6), ToLocal.forward
 }
+
+
+def test_torch_dispatch_is_a_staticmethod():
+    # torch calls __torch_dispatch__ per op; a classmethod would make a bound method object each time.
+    assert isinstance(sc.GlobalTensor.__dict__["__torch_dispatch__"], staticmethod)
 
 
 def _count_calls(fn) -> int:
@@ -85,14 +92,21 @@ def _hot_path_counts():
     out["to_global B->S(0) grad"] = _count_calls(fn)
     out["to_local grad"] = _count_calls(lambda: ag.to_local())
     sig = (a @ w).sbp
-    return out, misses, sig
+    # The three ops are plain (no boxing, no custom local) with one output: each decision must
+    # take the hot path's single ``fast`` test, wrapping with dense strides passed as None.
+    slow = [str(d.func) for d in _cache.values()
+            if d.func in (aten.add.Tensor, aten.mm.default, aten.relu.default) and d.fast is None]
+    dense = [d.fast[1] for d in _cache.values() if d.func is aten.add.Tensor and d.fast is not None]
+    return out, misses, sig, slow, dense
 
 
 def test_hot_path_call_counts_do_not_grow():
     res = get_pool(WORLD).run(_hot_path_counts)
     for rank in (0, 1):
-        counts, misses, sig = res[rank]
+        counts, misses, sig, slow, dense = res[rank]
         assert sig == (sbp.split(1),), sig  # the tp signature B, S(1) -> S(1), no boxing
+        assert not slow, f"plain one-output decisions off the fast path: {slow}"
+        assert dense and all(s is None for s in dense), dense
         assert not any(misses.values()), misses
         grown = {k: (v, BOUNDS[k]) for k, v in counts.items() if v > BOUNDS[k]}
         assert not grown, f"Python calls per op on a cache hit (counted, bound): {grown}"
