@@ -298,9 +298,12 @@ def _execute(specs, pieces, timeout, trace, rank, user_names, gang=None) -> RunR
     for t in st.threads.values():
         t.start()
     last, since = -1, time.monotonic()
-    while any(t.is_alive() for t in st.threads.values()):
-        for t in st.threads.values():
-            t.join(0.02)
+    pending = list(st.threads.values())
+    while pending:
+        # Wake when the first pending thread ends, else every 0.1 s for the error and stall checks:
+        # the caller's thread costs CPU per wake-up, which the queue threads' work competes with.
+        pending[0].join(0.1)
+        pending = [t for t in pending if t.is_alive()]
         if st.error is not None:
             break
         if st.progress != last or any(t.busy for t in st.threads.values()):
