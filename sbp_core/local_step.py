@@ -5,8 +5,9 @@ AdamW over global tensors runs ~12 ops per parameter (``lerp_``, ``mul_``,
 ``GlobalTensor.__torch_dispatch__``. When a parameter and its gradient (and
 the optimizer's state) share one layout, every one of those ops takes the
 signature "same layout in, same layout out, run on the locals" — an
-element-wise update needs no communication in any SBP, since no ``P``
-parameter exists. So the same update is the optimizer's own step on the
+element-wise update needs no communication in any SBP but partial (a
+nonlinear update of partial terms is not the update of their sum; such a
+parameter keeps the dispatched step). So the same update is the optimizer's own step on the
 local tensors: on ``S`` the shard of the global update, on ``B`` each
 replica's (identical) copy. ``step_on_locals(optimizer)`` runs
 ``optimizer.step()`` that way, bit for bit the dispatched path's values:
@@ -27,9 +28,9 @@ replica's (identical) copy. ``step_on_locals(optimizer)`` runs
 Only optimizers whose update is element-wise per parameter qualify
 (``ELEMENTWISE``: SGD, Adam, AdamW, not their subclasses, which may add a
 reduction); a step where some gradient is not a dense global tensor in its
-parameter's layout (a sparse row gradient, or one not yet boxed), or an
-optimizer with step hooks (they would see the locals), runs the ordinary
-dispatched ``optimizer.step()``. With locals on CUDA torch picks its
+parameter's layout (a sparse row gradient, or one not yet boxed), some
+parameter is laid out partial, or the optimizer has step hooks (they would
+see the locals) runs the ordinary dispatched ``optimizer.step()``. With locals on CUDA torch picks its
 ``foreach`` kernels by itself, which it never does for a tensor subclass.
 """
 from __future__ import annotations
@@ -53,6 +54,10 @@ def steps_on_locals(optimizer: torch.optim.Optimizer) -> bool:
 
 
 def _swappable(p) -> bool:
+    """Is ``p``'s update its locals' update: no partial value (an element-wise update of partial
+    terms is not the update of their sum), and its gradient absent or dense in ``p``'s layout?"""
+    if any(s.is_partial for s in p._layout.sbp):
+        return False
     g = p.grad
     return g is None or (type(g) is GlobalTensor and (g._layout is p._layout or g._layout == p._layout))
 
@@ -61,7 +66,8 @@ def step_on_locals(optimizer: torch.optim.Optimizer) -> None:
     """``optimizer.step()`` on the global parameters' local tensors (module docstring); same values.
 
     Falls back to the dispatched ``optimizer.step()`` when ``steps_on_locals``
-    is false or a gradient is not in its parameter's layout. No communication.
+    is false, a parameter is laid out partial or a gradient is not in its
+    parameter's layout. No communication.
     """
     groups = optimizer.param_groups
     params = [p for g in groups for p in g["params"] if isinstance(p, GlobalTensor)]

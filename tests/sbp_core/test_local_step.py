@@ -94,11 +94,21 @@ def _fallbacks():
     sc.step_on_locals(opt)
     after_partial = q.full_tensor().clone()
     sc.step_on_locals(hooked)
-    return sc.steps_on_locals(opt), sc.steps_on_locals(hooked), after_partial, q.full_tensor()
+    # A parameter laid out partial: Adam's update of its terms is not the update of their sum, so
+    # the local step must not run; the dispatched one refuses it loudly (no rule for addcdiv_ on P).
+    part = torch.nn.Parameter(sc.to_global(torch.ones(4, 2), placement=p, sbp=(sbp.partial_sum,)))
+    part.grad = sc.to_global(torch.ones(4, 2), placement=p, sbp=(sbp.partial_sum,))
+    try:
+        sc.step_on_locals(torch.optim.Adam([part]))
+        partial = "stepped"
+    except ValueError as exc:
+        partial = str(exc)
+    return sc.steps_on_locals(opt), sc.steps_on_locals(hooked), after_partial, q.full_tensor(), partial
 
 
-def test_unboxed_gradients_and_step_hooks_take_the_dispatched_step():
-    for ok, hooked, after_partial, after in get_pool(WORLD).run(_fallbacks)[:2]:
+def test_unboxed_gradients_partial_parameters_and_step_hooks_take_the_dispatched_step():
+    for ok, hooked, after_partial, after, partial in get_pool(WORLD).run(_fallbacks)[:2]:
         assert ok and not hooked
+        assert "cannot run with inputs" in partial, partial
         assert torch.equal(after_partial, torch.zeros(4, 2))  # 1 - (0.5 + 0.5)
         assert torch.equal(after, -torch.ones(4, 2))
