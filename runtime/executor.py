@@ -1,5 +1,9 @@
 """Running a plan: one OS thread per hardware queue, each a FIFO of messages.
 
+The threads outlive a run: each queue's loop runs on a long-lived worker of
+that queue (``runtime.workers``; a thread started per step costs its cold
+allocator and BLAS state every step).
+
 Each queue thread owns the actors placed on it and touches only them. It
 drains its messages (``req``: a register became readable; ``ack``: a
 consumer is done with one), then lets the highest-priority ready actor act
@@ -17,7 +21,6 @@ run stops with an error listing what each waiting actor lacks.
 from __future__ import annotations
 
 import queue
-import threading
 import time
 from collections import deque
 from dataclasses import dataclass, replace
@@ -27,6 +30,7 @@ import torch
 from sbp_core.boxing import collectives
 from sbp_core.process_groups import channel_group, world_rank, world_size
 
+from . import workers
 from .actor import Actor
 from .ids import actor_id, thread_of
 from .plan import QUEUES, ActorSpec, Plan, PlanError
@@ -49,9 +53,10 @@ class RunResult:
     outputs: dict  # sink actor name -> its outputs in piece order
 
 
-class QueueThread(threading.Thread):
+class QueueThread:
+    """One queue's loop for one run, on a long-lived worker thread of that queue (``runtime.workers``)."""
+
     def __init__(self, index: int, name: str, run):
-        super().__init__(name=f"sbp-{name}", daemon=True)
         self.index = index
         self.queue_name = name
         self.run_state = run
@@ -60,6 +65,17 @@ class QueueThread(threading.Thread):
         self.actors: list = []
         self.busy = False  # an action is under way (a long action is not a stall)
         self.gang = None  # (group, leader rank, roles in sorted order) on a ganged compute queue
+        self._done = None  # set when the loop has returned
+
+    def start(self) -> None:
+        self._done = workers.start(self.queue_name, self.run)
+
+    def is_alive(self) -> bool:
+        return self._done is not None and not self._done.is_set()
+
+    def join(self, timeout: float | None = None) -> None:
+        if self._done is not None:
+            self._done.wait(timeout)
 
     def send(self, kind, reg, actor, edge):
         target = self.run_state.threads[thread_of(actor.aid)]
@@ -282,9 +298,12 @@ def _execute(specs, pieces, timeout, trace, rank, user_names, gang=None) -> RunR
     for t in st.threads.values():
         t.start()
     last, since = -1, time.monotonic()
-    while any(t.is_alive() for t in st.threads.values()):
-        for t in st.threads.values():
-            t.join(0.02)
+    pending = list(st.threads.values())
+    while pending:
+        # Wake when the first pending thread ends, else every 0.1 s for the error and stall checks:
+        # the caller's thread costs CPU per wake-up, which the queue threads' work competes with.
+        pending[0].join(0.1)
+        pending = [t for t in pending if t.is_alive()]
         if st.error is not None:
             break
         if st.progress != last or any(t.busy for t in st.threads.values()):

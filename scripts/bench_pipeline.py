@@ -44,8 +44,8 @@ persistent buffers). That is what a step adds — saved activations, stage
 outputs held for backward, gradients, boundary and receive buffers — without
 RSS's noise (freed pages, allocator caching, other variants' leftovers).
 MKL keeps ~12 MB of GEMM buffers per OS thread from its first matmul to the
-thread's exit; our executor starts its threads per step, so the peer's
-sampled step runs on a fresh thread too and both windows contain them. Not
+thread's exit; our executor's queue threads and the peer's main thread both
+live from warm-up on, so neither window contains them. Not
 counted: buffers a runtime keeps across steps (the peer's ``m`` receive
 buffers per direction, 2 MB per rank here). ``saved MB`` is exact and
 counts activations only: the peak bytes of distinct non-parameter storages
@@ -292,40 +292,21 @@ def _cfg(o) -> GPT2Config:
 
 # -- the worker ----------------------------------------------------------------------------
 
-def _on_fresh_thread(fn, *args):
-    """``fn(*args)`` on a new OS thread; its result, or its exception re-raised here."""
-    out = {}
-
-    def body():
-        try:
-            out["value"] = fn(*args)
-        except BaseException as exc:  # noqa: BLE001  (re-raised in the caller)
-            out["error"] = exc
-
-    t = threading.Thread(target=body)
-    t.start()
-    t.join()
-    if "error" in out:
-        raise out["error"]
-    return out["value"]
-
-
 def _memory_step(v, i):
     """One step sampled: ``(heap growth peak, saved activations peak, loss, peak's wall time, events)``.
 
     MKL keeps GEMM packing buffers per OS thread (~12 MB here), allocated at
-    a thread's first matmul and freed at its exit. Our executor starts its
-    queue threads per step, so its step pays them; the peer's step runs on
-    the rank's main thread, which keeps them from warm-up on, outside the
-    window. Running the peer's sampled step on a fresh thread puts them
-    inside the window on both sides.
+    a thread's first matmul and freed at its exit. Both sides keep their
+    threads from warm-up on (our executor's queue workers are long-lived,
+    ``runtime.workers``; the peer runs on the rank's main thread), so those
+    buffers are outside the window on both sides.
     """
     gc.collect()
     dist.barrier()
     pre, sampler = HEAP(), HeapPeak()
     v.acts.reset()
     sampler.start()
-    loss = v.step(i) if isinstance(v, Ours) else _on_fresh_thread(v.step, i)
+    loss = v.step(i)
     peak = sampler.stop()
     v.acts.on = False
     return peak - pre, v.acts.peak, loss, sampler.when, v.events()

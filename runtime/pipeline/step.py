@@ -25,8 +25,9 @@ own actors. For stage ``s`` of ``pp`` on each of its ranks ``r``:
   another layout than its parameter's (``box_grads``, or ZeRO's
   ``sync_grads``) and sums tied parameters' gradients across stages;
 - ``s{s}.update@r`` (compute, once per step): global-norm clipping over all
-  stages, the optimizer and LR scheduler step, ``zero_grad``; returns the
-  step's mean loss on the last stage.
+  stages, the optimizer step (on the parameters' local tensors when it is
+  element-wise, ``sc.step_on_locals``), the LR scheduler step,
+  ``zero_grad``; returns the step's mean loss on the last stage.
 
 Nothing here orders forwards and backwards: with the stash full a stage can
 only run a backward, and a backward wins when both are ready, so stage
@@ -268,7 +269,8 @@ class PipelineStep:
             coef = min(1.0, self.cfg.max_grad_norm / (float(norm.to_local()) + 1e-6))
             for p in self.tied.copies():
                 p.grad.mul_(coef)
-        self.optimizer.step()
+        # An element-wise optimizer steps the parameters' locals (no op dispatch); the state stays global.
+        sc.step_on_locals(self.optimizer)
         if self.scheduler is not None:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -137,3 +137,23 @@ def test_trace_has_one_event_per_action_and_named_threads():
     events = trace.chrome_events()
     assert sum(e["ph"] == "X" for e in events) == 8
     assert {e["args"]["name"] for e in events if e["name"] == "thread_name"} == {"compute", "data"}
+
+
+def test_queue_threads_outlive_a_run_and_start_each_run_with_autograd_on():
+    """Runs reuse one long-lived OS thread per queue (``runtime.workers``) that does not leak grad mode."""
+    import threading
+
+    import torch
+
+    seen = []
+
+    def act(k):
+        seen.append((threading.current_thread(), torch.is_grad_enabled()))
+        torch.set_grad_enabled(False)  # left off on purpose: the next run must not inherit it
+        return k
+
+    plan = Plan([ActorSpec("a", act, queue="compute", quota=1)])
+    run(plan, 1)
+    run(plan, 1)
+    assert seen[0][0] is seen[1][0] and seen[0][0] is not threading.current_thread()
+    assert seen[0][1] and seen[1][1]
