@@ -137,8 +137,8 @@ class PendingBoxing:
     """``box_many_async``'s boxings in flight: ``advance()`` waits for each first half and starts
     what follows it (an all-reduce's all-gather), ``wait()`` returns the boxed locals in the items' order."""
 
-    def __init__(self, out: list, parts: list):
-        self._out, self._parts = out, parts
+    def __init__(self, out: list, parts: list, into=None):
+        self._out, self._parts, self._into = out, parts, into
 
     def advance(self) -> None:
         for _, pending, _ in self._parts:
@@ -147,7 +147,8 @@ class PendingBoxing:
     def wait(self) -> list:
         for idxs, pending, unpack in self._parts:
             for i, t in zip(idxs, unpack(pending.wait())):
-                self._out[i] = t
+                self._out[i] = t if self._into is None or self._into[i] is None or self._into[i] is t \
+                    else self._into[i].copy_(t)
         self._parts = []
         return self._out
 
@@ -194,32 +195,38 @@ class _EvenGroup:
         split_view, order = _pieces_first(view, d, self.p)
         return local.reshape(split_view).permute(order).reshape(self.p, n)
 
-    def joined(self, rows, i: int):
-        """Inverse of ``rows``: a ``(p, piece numel)`` view back as the whole tensor (one copy)."""
-        view, d, piece, _ = self.items[i]
+    def joined(self, rows, i: int, out=None):
+        """Inverse of ``rows``: a ``(p, piece numel)`` view back as the whole tensor (one copy),
+        written into ``out`` when given (a contiguous ``out`` along dim 0: that copy itself)."""
+        view, d, piece, n = self.items[i]
         if d is None or d == 0:
-            return rows.reshape(view)
-        return rows.reshape((self.p,) + tuple(piece)).permute(_pieces_back(len(piece), d)).reshape(view)
+            if out is not None and out.is_contiguous():
+                out.view(self.p, n).copy_(rows)
+                return out
+            whole = rows.reshape(view)
+        else:
+            whole = rows.reshape((self.p,) + tuple(piece)).permute(_pieces_back(len(piece), d)).reshape(view)
+        return whole if out is None else out.copy_(whole)
 
-    def start(self, locals_, ranks):
+    def start(self, locals_, ranks, into):
         width = self.offsets[-1]
+        spans = list(enumerate(zip(self.offsets, self.offsets[1:])))
+
+        def unpack_joined(got):
+            return [self.joined(got[:, a:b], i, into[i]) for i, (a, b) in spans]
+
         if self.kind == "all_gather":
             send = torch.cat([t.reshape(-1) for t in locals_])  # a copy: the locals may change once started
-
-            def unpack_gathered(got):
-                return [self.joined(got[:, a:b], i) for i, (a, b) in enumerate(zip(self.offsets, self.offsets[1:]))]
-
-            return collectives.all_gather_start(send, ranks), unpack_gathered
+            return collectives.all_gather_start(send, ranks), unpack_joined
         packed = torch.cat([self.rows(t, i) for i, t in enumerate(locals_)], dim=1)
         if self.kind == "all_reduce":
-            def unpack_reduced(got):
-                return [self.joined(got[:, a:b], i) for i, (a, b) in enumerate(zip(self.offsets, self.offsets[1:]))]
 
             return (collectives.all_reduce_packed_start(packed.view(-1), ranks, "sum", [width] * self.p),
-                    unpack_reduced)
+                    unpack_joined)
 
         def unpack_scattered(got):
-            return [got[a:b].view(self.items[i][2]) for i, (a, b) in enumerate(zip(self.offsets, self.offsets[1:]))]
+            out = [got[a:b].view(self.items[i][2]) for i, (a, b) in spans]
+            return [o if t is None else t.copy_(o) for o, t in zip(out, into)]
 
         return collectives.reduce_scatter_start(packed.view(-1), ranks, "sum"), unpack_scattered
 
@@ -261,24 +268,29 @@ def _plan(layouts: tuple) -> _Plan:
     return plan
 
 
-def box_many_async(items) -> PendingBoxing:
+def box_many_async(items, into=None) -> PendingBoxing:
     """Start boxing each ``(local, src, dst)`` to ``dst``: one asynchronous collective per coalescable
     group; anything else is boxed now, one by one. The locals may change once this returns
-    (the collectives read packed copies)."""
+    (the collectives read packed copies). ``into`` (optional, one per item, ``None`` allowed):
+    tensors of the boxed locals' shapes and dtypes that receive the results (then returned)."""
     out = [None] * len(items)
     plan = _plan(tuple((src, dst) for _, src, dst in items))
     for i in plan.single:
         local, src, dst = items[i]
         out[i] = box(local, src, dst)
+        if into is not None and into[i] is not None:
+            out[i] = into[i].copy_(out[i])
     parts = []
     for idxs, axis, kind, ranks, even in plan.groups:
         if even is not None:
-            parts.append((idxs, *even.start([items[i][0] for i in idxs], ranks)))
+            sub_into = [None] * len(idxs) if into is None else [into[i] for i in idxs]
+            parts.append((idxs, *even.start([items[i][0] for i in idxs], ranks, sub_into)))
         else:
             parts.append((idxs, *_start([items[i] for i in idxs], axis, kind)))
-    return PendingBoxing(out, parts)
+    return PendingBoxing(out, parts, into)
 
 
-def box_many(items) -> list:
-    """Locals of each ``(local, src, dst)`` boxed to ``dst``; one collective per coalescable group."""
-    return box_many_async(items).wait()
+def box_many(items, into=None) -> list:
+    """Locals of each ``(local, src, dst)`` boxed to ``dst`` (written into ``into``'s tensors when
+    given, see ``box_many_async``); one collective per coalescable group."""
+    return box_many_async(items, into).wait()
