@@ -9,7 +9,10 @@ into chunk ``k`` of one flat buffer (chunks padded to the largest, which
 happens only when splits are uneven), runs the collective, and unpacks.
 All-reduce packs the same way (piece ``k`` of each flattened tensor in chunk
 ``k``) and runs as reduce-scatter plus all-gather, so each element is summed
-in the order a per-tensor all-reduce sums it (``collectives.all_reduce_packed_start``). The
+in one order wherever it sits in the buffer, the coalesced reduce-scatter's
+(``collectives.reduce_scatter_start``: on gloo the terms of an all-to-all in
+group-rank order, which a per-tensor gloo collective's ring may differ from
+in the last bit; ``collectives.all_reduce_packed_start``). The
 ledger records the one collective with its bytes, which equal the sum of
 the per-tensor ones when no chunk is padded. Anything else is boxed one by
 one. Every rank of the world calls it with the same tensors in the same order.

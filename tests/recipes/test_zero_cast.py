@@ -1,6 +1,6 @@
 """The cast ZeRO is written with: coalesced boxing, differentiable group casts, rematerialisation.
 
-- ``box_many`` equals boxing each tensor on its own (uneven splits on 3
+- ``box_many`` equals boxing each tensor on its own to 1e-6 relative (uneven splits on 3
   ranks, a 2x2 mesh, a step that cannot be coalesced) with one collective
   per kind of step, sending the same bytes when splits are even;
 - ``cast`` and ``cast_group`` (fp32 -> bf16 narrowing, ``S -> B``) have the
@@ -52,7 +52,8 @@ def _box_many_case(ranks, pairs, shapes):
         got = box_many(items)
     if torch.distributed.get_rank() not in p:
         return None
-    err = max((a - b).abs().max().item() if a.numel() else 0.0 for a, b in zip(got, want))
+    # relative: on gloo the coalesced reduce-scatter sums in group-rank order, a per-tensor one in ring order
+    err = max((a - b).abs().max().item() / b.abs().max().item() if a.numel() else 0.0 for a, b in zip(got, want))
     shapes_ok = all(a.shape == b.shape for a, b in zip(got, want))
     return err, shapes_ok, one_by_one.count(), coalesced.count(), one_by_one.bytes, coalesced.bytes
 
