@@ -93,8 +93,12 @@ def cast(x: GlobalTensor, sbp=None, dtype: torch.dtype | None = None, placement=
 
 
 @torch.no_grad()
-def cast_many(tensors, sbps, dtype: torch.dtype | None = None) -> list:
-    """``[cast(t, s, dtype) for ...]`` without autograd; one collective per kind of step and axis."""
+def cast_many(tensors, sbps, dtype: torch.dtype | None = None, into=None) -> list:
+    """``[cast(t, s, dtype) for ...]`` without autograd; one collective per kind of step and axis.
+
+    ``into`` (optional): one local tensor per result, of its local shape and
+    dtype, that receives it (ZeRO's refresh writes the gathered copies into
+    the compute copies' storage without an intermediate tensor)."""
     from .boxing.coalesced import box_many
 
     tensors = list(tensors)
@@ -102,9 +106,16 @@ def cast_many(tensors, sbps, dtype: torch.dtype | None = None) -> list:
         _check(t, dtype)
     xs = [_convert(t, dtype) if _narrowing(t, dtype) else t for t in tensors]
     dsts = [Layout(x.placement, nd_sbp(s, x.placement.ndim), x.shape, x.dtype) for x, s in zip(xs, sbps)]
-    locals_ = box_many([(x._local, x.layout, dst) for x, dst in zip(xs, dsts)])
+    widening = [not _narrowing(t, dtype) and dtype not in (None, t.dtype) for t in tensors]
+    direct = None if into is None else [None if w else o for o, w in zip(into, widening)]
+    locals_ = box_many([(x._local, x.layout, dst) for x, dst in zip(xs, dsts)], direct)
     outs = [GlobalTensor(loc, dst) for loc, dst in zip(locals_, dsts)]
-    return [o if _narrowing(t, dtype) else _convert(o, dtype) for o, t in zip(outs, tensors)]
+    outs = [o if _narrowing(t, dtype) else _convert(o, dtype) for o, t in zip(outs, tensors)]
+    if into is not None:
+        for o, t, w in zip(outs, into, widening):
+            if w:
+                t.copy_(o._local)
+    return outs
 
 
 class _CastGroup(torch.autograd.Function):

@@ -25,8 +25,9 @@ boxes the accumulated sum), or every backward with ``always=True`` (ZeRO-2
 reduces each micro-batch's gradient).
 
 Exact: a bucket's collectives are ``box_many``'s, so every element is summed
-in the order a per-tensor collective sums it (see
-``collectives.all_reduce_packed_start``), whatever the bucket size. Sparse
+in one order whatever the bucket size, the same for data parallel's
+all-reduce and ZeRO's reduce-scatter (see
+``collectives.all_reduce_packed_start``). Sparse
 row gradients (``SparseGlobalTensor``) are boxed alone, synchronously, to
 the layout their table's rows allow, when their bucket starts. Every rank
 must run the same backward (same graph): buckets start in bucket order.

@@ -5,7 +5,11 @@ a split gradient's squared sum is a partial sum over its shards (one small
 all-reduce), a broadcast gradient's is counted once, a sparse row gradient's
 comes from its coalesced values, and a partial gradient is first reduced
 (reduce-scatter to a split, cheaper than an all-reduce) before squaring. Gradients on different placements send their scalar to
-the first gradient's placement. In a pipeline each rank holds only its
+the first gradient's placement. Dense gradients without partial axes take a
+shortcut with the same communication: their local squared sums come from one
+``torch._foreach_norm`` per layout and they are scaled by one
+``torch._foreach_mul_`` (a step of dispatched ``pow``/``sum``/``add``/``mul_``
+per gradient cost ~3x torch's clip on a GPT-2 ZeRO step). In a pipeline each rank holds only its
 stage's parameters: ``stages`` (every stage's placement) makes each stage's
 scalar cross to every rank, so all stages clip by the same global norm.
 """
@@ -17,7 +21,7 @@ from .global_tensor import GlobalTensor
 from .layout import Layout
 from .placement import placement as make_placement
 from .process_groups import world_rank
-from .sbp import Broadcast, Split
+from .sbp import Broadcast, Partial, Split
 
 
 def _broadcast(placement) -> tuple:
@@ -47,6 +51,33 @@ def _across_stages(total: GlobalTensor, stages: list, norm_type) -> GlobalTensor
     return out
 
 
+def _dense_here(g, me: int) -> bool:
+    """A plain dense gradient without partial axes on a placement holding rank ``me``: the local fast path."""
+    return type(g) is GlobalTensor and not any(s.is_partial for s in g.sbp) and me in g.placement
+
+
+def _local_terms(grads, norm_type) -> list:
+    """One scalar per (placement, SBP, dtype) group of ``_dense_here`` gradients: the group's
+    ``sum(g.pow(2))`` (or ``max(g.abs())``), ``P`` on the axes the gradients split, ``B`` elsewhere.
+
+    The same value ``g.pow(2).sum()`` per gradient gives (up to rounding), from one
+    ``torch._foreach_norm`` over the locals instead of three dispatched ops per gradient.
+    """
+    groups: dict = {}
+    for g in grads:
+        groups.setdefault((g.placement, g.sbp, g.dtype), []).append(g._local)
+    op = "sum" if norm_type == 2 else "max"
+    terms = []
+    for (placement, sbp, dtype), locals_ in groups.items():
+        if dtype != torch.float32:
+            locals_ = [t.float() for t in locals_]
+        norms = torch.stack(torch._foreach_norm(locals_, norm_type))
+        local = norms.pow(2).sum() if norm_type == 2 else norms.amax()
+        term_sbp = tuple(Partial(op) if s.is_split else Broadcast() for s in sbp)
+        terms.append(GlobalTensor(local, Layout(placement, term_sbp, torch.Size(), torch.float32)))
+    return terms
+
+
 @torch.no_grad()
 def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, stages=None) -> GlobalTensor:
     """Scale gradients in place so their global ``norm_type``-norm is at most ``max_norm``.
@@ -65,11 +96,17 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, stages=
         raise ValueError("clip_grad_norm_ got no parameter with a gradient")
     home = grads[0].placement
     total = None
+    me = world_rank()
+    dense = [g for g in grads if _dense_here(g, me)]
+    terms = _local_terms(dense, norm_type)
     for g in grads:
+        if _dense_here(g, me):
+            continue
         if g.is_sparse:  # a row gradient: its coalesced values hold its norm
             g = g.coalesce().values_global()
         g = _without_partial(g).float()
-        term = g.pow(2).sum() if norm_type == 2 else g.abs().amax()
+        terms.append(g.pow(2).sum() if norm_type == 2 else g.abs().amax())
+    for term in terms:
         if term.placement != home:
             term = term.to_global(placement=home, sbp=_broadcast(home))
         if total is None:
@@ -81,7 +118,14 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, stages=
         home = total.placement
     total = total.sqrt() if norm_type == 2 else total
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    by_dtype: dict = {}  # dense gradients on home: one foreach multiply per dtype by coef's local (B: the value)
+    local_coef = all(s.is_broadcast for s in coef.sbp)
     for g in grads:
+        if local_coef and _dense_here(g, me) and g.placement == home:
+            by_dtype.setdefault(g.dtype, []).append(g._local)
+            continue
         c = coef if g.placement == home else coef.to_global(placement=g.placement, sbp=_broadcast(g.placement))
         g.mul_(c.to(g.dtype))
+    for dtype, locals_ in by_dtype.items():
+        torch._foreach_mul_(locals_, coef._local.to(dtype))
     return total

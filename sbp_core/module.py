@@ -75,8 +75,8 @@ def box_grads(module: nn.Module) -> None:
     DDP's buckets as one boxing of a list: the gradients that need the same
     kind of step (``P -> B`` over data parallel, typically all of them) share
     one collective (``boxing.coalesced.box_many``: reduce-scatter plus
-    all-gather of one packed buffer, each element summed in the order a
-    per-parameter all-reduce would sum it); anything else is boxed alone.
+    all-gather of one packed buffer, each element summed in one order
+    whatever the bucket); anything else is boxed alone.
     Sparse row gradients (``SparseGlobalTensor``) are boxed alone, to the
     layout their table's rows allow (``sparse_sbp_for``). Every rank calls it
     with the same module structure.

@@ -22,7 +22,9 @@ Then ``torch.distributed.optim.ZeroRedundancyOptimizer`` under DDP (ZeRO-1)
 and FSDP2 ``fully_shard`` per block and root (ZeRO-3) train the same model
 in fp32, each back to back with our fp32 stage 1 / stage 3 for ``--rounds``
 rounds (best median step of each): mem = our bytes held / the peer's (worst
-rank), thr = our tokens/s / the peer's. Last line:
+rank), thr = our tokens/s / the peer's; the line before the last compares
+the best median process CPU per step the same way (gloo's threads included),
+which other jobs on the machine move less than wall time. Last line:
 ``zero bytes vs formula exact: K/K; vs ZeroRedundancyOptimizer mem X.XXx thr Y.YYx; vs FSDP2 mem X.XXx thr Y.YYx``.
 ``--json PATH`` also writes the rows (ours per stage and dtype, each peer).
 """
@@ -88,16 +90,18 @@ def _batches(steps: int):
     return [torch.randint(0, CFG.vocab_size, (BATCH, SEQ)) for _ in range(steps)]
 
 
-def _timed(step, batches, warmup: int) -> float:
-    """Median seconds per step after ``warmup`` steps (the median resists other load on the machine)."""
+def _timed(step, batches, warmup: int) -> tuple:
+    """Median (wall seconds, process CPU seconds) per step after ``warmup`` steps (the median resists
+    other load on the machine; CPU time, gloo's threads included, resists it better)."""
     for ids in batches[:warmup]:
         step(ids)
-    times = []
+    times, cpus = [], []
     for ids in batches[warmup:]:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         step(ids)
         times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
+        cpus.append(time.process_time() - c0)
+    return sorted(times)[len(times) // 2], sorted(cpus)[len(cpus) // 2]
 
 
 def run_ours(stage: int, bf16: bool, steps: int, warmup: int) -> dict:
@@ -122,8 +126,9 @@ def run_ours(stage: int, bf16: bool, steps: int, warmup: int) -> dict:
             opt.zero_grad()
         seen["by_op"] = ledger.by_op()
 
-    step_s = _timed(step, _batches(warmup + steps), warmup)
-    return dict(mem=seen["mem"], by_op=seen["by_op"], psi=model_elements(zero), step_s=step_s, rss=_peak_rss(base))
+    step_s, cpu_s = _timed(step, _batches(warmup + steps), warmup)
+    return dict(mem=seen["mem"], by_op=seen["by_op"], psi=model_elements(zero), step_s=step_s, cpu_s=cpu_s,
+                rss=_peak_rss(base))
 
 
 def run_zero_redundancy(steps: int, warmup: int) -> dict:
@@ -150,8 +155,8 @@ def run_zero_redundancy(steps: int, warmup: int) -> dict:
         opt.step()
         opt.zero_grad()
 
-    step_s = _timed(step, _batches(warmup + steps), warmup)
-    return dict(mem=seen["mem"], step_s=step_s, rss=_peak_rss(base))
+    step_s, cpu_s = _timed(step, _batches(warmup + steps), warmup)
+    return dict(mem=seen["mem"], step_s=step_s, cpu_s=cpu_s, rss=_peak_rss(base))
 
 
 def run_fsdp2(steps: int, warmup: int) -> dict:
@@ -181,8 +186,8 @@ def run_fsdp2(steps: int, warmup: int) -> dict:
         opt.step()
         opt.zero_grad()
 
-    step_s = _timed(step, _batches(warmup + steps), warmup)
-    return dict(mem=seen["mem"], step_s=step_s, rss=_peak_rss(base))
+    step_s, cpu_s = _timed(step, _batches(warmup + steps), warmup)
+    return dict(mem=seen["mem"], step_s=step_s, cpu_s=cpu_s, rss=_peak_rss(base))
 
 
 def _mb(nbytes: float) -> str:
@@ -236,7 +241,7 @@ def main(argv=None) -> int:
     print("bytes this rank holds (MiB; worst rank) measured/formula; bytes it sends per step (ledger, MiB); "
           "peak RSS MB (max over ranks) + above the run's start; median step")
     print(f"{'stage':>5} {'dtype':>5} {'params':>17} {'grads':>17} {'optim states':>17} {'exact':>5} "
-          f"{'sent':>7} {'formula':>7} {'peak RSS':>12} {'step s':>7} {'tok/s':>6}")
+          f"{'sent':>7} {'formula':>7} {'peak RSS':>12} {'step s':>7} {'tok/s':>6} {'cpu s':>6}")
     exact = total = 0
     best: dict = {}  # config -> (bytes held by the worst rank, best median step time)
     for bf16 in (False, True):
@@ -254,14 +259,14 @@ def main(argv=None) -> int:
             cols = " ".join(f"{_mb(worst['mem'][k])}/{_mb(want[k])}" for k in ("params", "grads", "optimizer_states"))
             print(f"{stage:>5} {'bf16' if bf16 else 'fp32':>5} {cols} {'yes' if ok else 'NO':>5} "
                   f"{_mb(sent)} {_mb(traffic_formula(stage, psi, WORLD, bf16))} {_rss(res)} "
-                  f"{step_s:7.3f} {tokens / step_s:6.0f}")
+                  f"{step_s:7.3f} {tokens / step_s:6.0f} {max(r['cpu_s'] for r in res):6.3f}")
             rows.append(dict(kind="ours", stage=stage, dtype="bf16" if bf16 else "fp32", held=worst["mem"], formula=want,
                              exact=ok, sent=sent, sent_formula=traffic_formula(stage, psi, WORLD, bf16), step_s=step_s))
     print(f"Ψ = {psi:,} parameters, N = {WORLD}. formula: held per the ZeRO paper (K = 12 mixed, 8 fp32); "
           "sent = 2Ψ(N-1)/N for stages 0-2 and 3Ψ(N-1)/N for stage 3, in compute-dtype bytes "
           "(measured adds the loss's and the gradient norm's scalars)")
     peers = {"ZeroRedundancyOptimizer": (run_zero_redundancy, 1), "FSDP2": (run_fsdp2, 3)}
-    ratios = {}
+    ratios, cpu_ratios = {}, {}  # name -> (ours, peer) best median process CPU per step (worst rank)
     for rnd in range(args.rounds):  # ours and the peer back to back, so both see the same machine load
         for name, (fn, stage) in peers.items():
             try:
@@ -276,6 +281,8 @@ def main(argv=None) -> int:
             worst = max(res, key=lambda r: r["mem"]["total"])
             peer_s = min(ratios.get(name, (0, 0, float("inf")))[2], max(r["step_s"] for r in res))
             ratios[name] = (held / worst["mem"]["total"], step_s, peer_s)
+            ours_cpu, peer_cpu = cpu_ratios.get(name, (float("inf"), float("inf")))
+            cpu_ratios[name] = (min(ours_cpu, max(r["cpu_s"] for r in mine)), min(peer_cpu, max(r["cpu_s"] for r in res)))
             if rnd == args.rounds - 1:
                 cols = " ".join(f"{k} {_mb(worst['mem'][k])}" for k in ("params", "grads", "optimizer_states"))
                 print(f"{name} (vs our fp32 stage {stage}): {cols} MiB; peak RSS {_rss(res)} MB; best median step "
@@ -285,6 +292,9 @@ def main(argv=None) -> int:
                      else f"vs {n} failed" for n in peers)
     print("mem = our bytes held / the peer's (worst rank; lower is better); thr = our tokens/s / the peer's "
           f"(best median step over {args.rounds} back-to-back rounds; higher is better)")
+    print("by CPU time (best median process CPU per step, worst rank, gloo's threads included; the load "
+          "of other jobs moves it less than wall time): " + "; ".join(
+              f"vs {n} {peer / ours:.2f}x ({ours * 1e3:.1f} vs {peer * 1e3:.1f} ms)" for n, (ours, peer) in cpu_ratios.items()))
     print(f"zero bytes vs formula exact: {exact}/{total}; {tail}")
     if args.json:
         with open(args.json, "w") as f:

@@ -62,6 +62,8 @@ class _Slot:
         self.zero, self.master, self.leaf = zero, master, leaf
         self.compute_sbp = compute_sbp
         self.unit = None  # stage 3: the _Unit gathered with it
+        # stage 1: where the reduced shard goes in the full gradient (its own rows), or None
+        self.own = _own_slices(leaf.layout, master.sbp, zero.dp_axis) if zero.stage == 1 else None
         self.cache = None  # stage 3: the gathered copy while its unit's forward runs
         self.grad = None  # stages 0-2: the reduced gradient (stage 0: B; 1-2: the S(d) shard), compute dtype
 
@@ -123,17 +125,24 @@ def _nested(msbp: tuple, dp_axis: int) -> bool:
     return d is not None and any(s.is_split and s.axis == d for s in msbp[dp_axis + 1:])
 
 
-def _own_rows(local, layout: Layout, msbp: tuple, dp_axis: int):
-    """This rank's master local: a view of the compute local when its rows lie inside it."""
+def _own_slices(layout: Layout, msbp: tuple, dp_axis: int):
+    """Where this rank's master rows lie in its compute local (index slices), or ``None`` when they
+    do not lie inside it (a nested split) or this rank holds no part."""
     p = layout.placement
     me = world_rank()
-    if _nested(msbp, dp_axis):  # collective on every rank: box from the compute layout
-        return sc.GlobalTensor(local, layout).to_global(sbp=msbp)._local
-    if me not in p:
-        return local
+    if _nested(msbp, dp_axis) or me not in p:
+        return None
     outer = local_box(layout.shape, p.shape, layout.sbp, p.coords(me))
     inner = local_box(layout.shape, p.shape, msbp, p.coords(me))
-    return local[tuple(slice(i - o, i - o + n) for (o, _), (i, n) in zip(outer, inner))]
+    return tuple(slice(i - o, i - o + n) for (o, _), (i, n) in zip(outer, inner))
+
+
+def _own_rows(local, layout: Layout, msbp: tuple, dp_axis: int):
+    """This rank's master local: a view of the compute local when its rows lie inside it."""
+    if _nested(msbp, dp_axis):  # collective on every rank: box from the compute layout
+        return sc.GlobalTensor(local, layout).to_global(sbp=msbp)._local
+    own = _own_slices(layout, msbp, dp_axis)
+    return local if own is None else local[own]
 
 
 def _compact(g):
@@ -156,6 +165,7 @@ class Zero:
         self._depth = 0
         self._remat = None
         self.slots: list = []
+        self._apart: list = []  # slots whose grad leaf is not the master (a compute copy of its own)
         self.units: list = []
         self.buckets = None  # stages 0-2: the grad leaves' GradBuckets
         self._by_leaf: dict = {}
@@ -191,6 +201,7 @@ class Zero:
             mod._zero_slots = by_name
             _swap_class(mod, by_name)
         self.units = list(by_unit.values())
+        self._apart = [s for s in self.slots if s.leaf is not s.master]
         if stage < 3:
             self.buckets = GradBuckets([s.leaf for s in self.slots], [s.master.sbp for s in self.slots], self._reduced,
                                        bucket_bytes, min(bucket_bytes, FIRST_BUCKET_BYTES), always=stage == 2)
@@ -235,10 +246,9 @@ class Zero:
         s = self._by_leaf[id(leaf)]
         if s.grad is not None:
             s.grad = s.grad + g
-        elif self.stage == 1 and world_rank() in self.placement and not _nested(s.master.sbp, self.dp_axis):
+        elif s.own is not None:
             # Into its own rows of the full gradient: stage 1 holds full-size gradients until the step.
-            rows = _own_rows(leaf.grad._local, leaf.layout, s.master.sbp, self.dp_axis)
-            s.grad = sc.GlobalTensor(rows.copy_(g._local), g.layout)
+            s.grad = sc.GlobalTensor(leaf.grad._local[s.own].copy_(g._local), g.layout)
         else:
             s.grad = _compact(g)
         leaf.grad = None
@@ -276,30 +286,32 @@ class Zero:
         if not self.slots:
             sc.box_grads(self.module)
             return
-        for dtype in {s.master.dtype for s in self.slots}:
-            todo = [s for s in self.slots if s.master.dtype == dtype and s.leaf is not s.master
-                    and (s.leaf.grad is not None or s.grad is not None)]
-            grads = cast_many([s.grad if s.grad is not None else s.leaf.grad for s in todo],
-                              [s.master.sbp for s in todo], dtype)
-            for s, g in zip(todo, grads):
-                g = _compact(g)
-                s.master.grad = g if s.master.grad is None else s.master.grad + g
+        todo, done = [], []  # to box or convert; already in the master's layout and dtype (the buckets')
+        for s in self._apart:
+            g = s.grad if s.grad is not None else s.leaf.grad
+            if g is not None:
+                (done if g.layout is s.master.layout else todo).append((s, g))
+        for dtype in {s.master.dtype for s, _ in todo}:
+            group = [(s, g) for s, g in todo if s.master.dtype == dtype]
+            done += zip([s for s, _ in group], cast_many([g for _, g in group], [s.master.sbp for s, _ in group], dtype))
+        for s, g in done:
+            g = _compact(g)
+            s.master.grad = g if s.master.grad is None else s.master.grad + g
         self.zero_grad()
 
     @torch.no_grad()
     def refresh(self) -> None:
         """Recast the compute copies from the updated masters (stages 0-2: one all-gather; 3: local)."""
-        todo = [s for s in self.slots if s.leaf is not s.master]
-        copies = cast_many([s.master for s in todo], [s.leaf.sbp for s in todo], self.compute_dtype)
-        for s, c in zip(todo, copies):
-            s.leaf._local.copy_(c._local)
+        todo = self._apart
+        cast_many([s.master for s in todo], [s.leaf.sbp for s in todo], self.compute_dtype,
+                  into=[s.leaf._local for s in todo])
 
     def zero_grad(self) -> None:
         """Drop compute-dtype gradients not yet synced (after a skipped step); ``optimizer.zero_grad``
         drops the masters'."""
+        for s in self._apart:
+            s.leaf.grad = None
         for s in self.slots:
-            if s.leaf is not s.master:
-                s.leaf.grad = None
             s.grad = None
 
     def attach(self, optimizer: torch.optim.Optimizer, shards=()) -> torch.optim.Optimizer:

@@ -9,7 +9,10 @@ into chunk ``k`` of one flat buffer (chunks padded to the largest, which
 happens only when splits are uneven), runs the collective, and unpacks.
 All-reduce packs the same way (piece ``k`` of each flattened tensor in chunk
 ``k``) and runs as reduce-scatter plus all-gather, so each element is summed
-in the order a per-tensor all-reduce sums it (``collectives.all_reduce_packed_start``). The
+in one order wherever it sits in the buffer, the coalesced reduce-scatter's
+(``collectives.reduce_scatter_start``: on gloo the terms of an all-to-all in
+group-rank order, which a per-tensor gloo collective's ring may differ from
+in the last bit; ``collectives.all_reduce_packed_start``). The
 ledger records the one collective with its bytes, which equal the sum of
 the per-tensor ones when no chunk is padded. Anything else is boxed one by
 one. Every rank of the world calls it with the same tensors in the same order.
@@ -17,6 +20,13 @@ one. Every rank of the world calls it with the same tensors in the same order.
 ``box_many_async`` starts the same collectives without waiting (gradient
 buckets overlapping backward, ``sbp_core.grad_buckets``); ``box_many`` is it
 followed by ``wait()``.
+
+Planned: the grouping, piece shapes, chunk sizes and offsets depend only on
+the items' layouts, so they are computed once per tuple of ``(src, dst)``
+layouts (a bucket, a ZeRO unit, a refresh: the same list every step). When
+every tensor splits evenly (no padding), packing is one ``torch.cat`` of
+each tensor seen as ``p`` rows (a view along dim 0) and unpacking one copy
+per tensor; otherwise the general per-piece path below runs.
 """
 from __future__ import annotations
 
@@ -27,6 +37,7 @@ import torch
 from ..layout import Layout, shard_sizes, view_shape
 from ..process_groups import world_rank
 from . import box, collectives
+from .collective_plans import _pieces_back, _pieces_first
 from .nd_plan import step_is_valid
 
 
@@ -129,8 +140,8 @@ class PendingBoxing:
     """``box_many_async``'s boxings in flight: ``advance()`` waits for each first half and starts
     what follows it (an all-reduce's all-gather), ``wait()`` returns the boxed locals in the items' order."""
 
-    def __init__(self, out: list, parts: list):
-        self._out, self._parts = out, parts
+    def __init__(self, out: list, parts: list, into=None):
+        self._out, self._parts, self._into = out, parts, into
 
     def advance(self) -> None:
         for _, pending, _ in self._parts:
@@ -139,29 +150,150 @@ class PendingBoxing:
     def wait(self) -> list:
         for idxs, pending, unpack in self._parts:
             for i, t in zip(idxs, unpack(pending.wait())):
-                self._out[i] = t
+                self._out[i] = t if self._into is None or self._into[i] is None or self._into[i] is t \
+                    else self._into[i].copy_(t)
         self._parts = []
         return self._out
 
 
-def box_many_async(items) -> PendingBoxing:
+class _EvenGroup:
+    """One collective for tensors that all split evenly along their dims: offsets fixed once.
+
+    Chunk ``k`` of the packed buffer is every tensor's piece ``k`` (flattened),
+    in item order, exactly as ``_start`` packs it; only the copies differ.
+    """
+
+    def __init__(self, layouts, axis: int, kind: str, coords, p: int):
+        self.kind, self.p = kind, p
+        self.items = []  # (view shape the group sees, dim cut in p pieces, piece shape, piece numel)
+        for src, dst in layouts:
+            view = view_shape(src.shape, src.placement.shape, src.sbp, coords, axis)
+            if kind == "all_reduce":
+                n = view.numel()
+                self.items.append((view, None, (n // p,), n // p))
+                continue
+            d = (src if kind == "all_gather" else dst).sbp[axis].axis
+            piece = view[:d] + (view[d] // p,) + view[d + 1:]
+            self.items.append((view, d, piece, math.prod(piece)))
+        self.offsets = [0]
+        for *_, n in self.items:
+            self.offsets.append(self.offsets[-1] + n)
+
+    @staticmethod
+    def fits(layouts, axis: int, kind: str, coords, p: int) -> bool:
+        for src, dst in layouts:
+            view = view_shape(src.shape, src.placement.shape, src.sbp, coords, axis)
+            if kind == "all_reduce":
+                if view.numel() % p:
+                    return False
+            elif view[(src if kind == "all_gather" else dst).sbp[axis].axis] % p:
+                return False
+        return True
+
+    def rows(self, local, i: int):
+        """``local`` (the whole tensor the group sees) as ``(p, piece numel)``: row ``k`` is piece ``k``."""
+        view, d, piece, n = self.items[i]
+        if d is None or d == 0:
+            return local.reshape(self.p, n)
+        split_view, order = _pieces_first(view, d, self.p)
+        return local.reshape(split_view).permute(order).reshape(self.p, n)
+
+    def joined(self, rows, i: int, out=None):
+        """Inverse of ``rows``: a ``(p, piece numel)`` view back as the whole tensor (one copy),
+        written into ``out`` when given (a contiguous ``out`` along dim 0: that copy itself)."""
+        view, d, piece, n = self.items[i]
+        if d is None or d == 0:
+            if out is not None and out.is_contiguous():
+                out.view(self.p, n).copy_(rows)
+                return out
+            whole = rows.reshape(view)
+        else:
+            whole = rows.reshape((self.p,) + tuple(piece)).permute(_pieces_back(len(piece), d)).reshape(view)
+        return whole if out is None else out.copy_(whole)
+
+    def start(self, locals_, ranks, into):
+        width = self.offsets[-1]
+        spans = list(enumerate(zip(self.offsets, self.offsets[1:])))
+
+        def unpack_joined(got):
+            return [self.joined(got[:, a:b], i, into[i]) for i, (a, b) in spans]
+
+        if self.kind == "all_gather":
+            send = torch.cat([t.reshape(-1) for t in locals_])  # a copy: the locals may change once started
+            return collectives.all_gather_start(send, ranks), unpack_joined
+        packed = torch.cat([self.rows(t, i) for i, t in enumerate(locals_)], dim=1)
+        if self.kind == "all_reduce":
+
+            return (collectives.all_reduce_packed_start(packed.view(-1), ranks, "sum", [width] * self.p),
+                    unpack_joined)
+
+        def unpack_scattered(got):
+            out = [got[a:b].view(self.items[i][2]) for i, (a, b) in spans]
+            return [o if t is None else t.copy_(o) for o, t in zip(out, into)]
+
+        return collectives.reduce_scatter_start(packed.view(-1), ranks, "sum"), unpack_scattered
+
+
+class _Plan:
+    """How ``box_many_async`` boxes one list of ``(src, dst)`` layouts on this rank:
+    the items boxed one by one, and per coalescable group its items and its collective's plan."""
+
+    def __init__(self, layouts, me: int):
+        self.single = []
+        groups: dict = {}
+        for i, (src, dst) in enumerate(layouts):
+            kind = _kind(src, dst)
+            if kind is None or me not in src.placement:
+                self.single.append(i)
+            else:
+                groups.setdefault((src.placement, kind, src.dtype), []).append(i)
+        self.groups = []  # (item indices, axis, kind, ranks, _EvenGroup or None)
+        for (placement, (axis, kind), _), idxs in groups.items():
+            coords = placement.coords(me)
+            ranks = placement.axis_ranks(axis, me)
+            sub = [layouts[i] for i in idxs]
+            even = _EvenGroup(sub, axis, kind, coords, len(ranks)) \
+                if _EvenGroup.fits(sub, axis, kind, coords, len(ranks)) else None
+            self.groups.append((idxs, axis, kind, ranks, even))
+
+
+_plans: dict = {}  # (rank, tuple of (src, dst) layouts (interned: hashed by identity)) -> _Plan
+_MAX_PLANS = 4096
+
+
+def _plan(layouts: tuple) -> _Plan:
+    key = (world_rank(), layouts)
+    plan = _plans.get(key)
+    if plan is None:
+        if len(_plans) >= _MAX_PLANS:  # layouts of long-gone tensors: start over
+            _plans.clear()
+        plan = _plans[key] = _Plan(layouts, key[0])
+    return plan
+
+
+def box_many_async(items, into=None) -> PendingBoxing:
     """Start boxing each ``(local, src, dst)`` to ``dst``: one asynchronous collective per coalescable
     group; anything else is boxed now, one by one. The locals may change once this returns
-    (the collectives read packed copies)."""
+    (the collectives read packed copies). ``into`` (optional, one per item, ``None`` allowed):
+    tensors of the boxed locals' shapes and dtypes that receive the results (then returned)."""
     out = [None] * len(items)
-    groups: dict = {}
-    for i, (local, src, dst) in enumerate(items):
-        kind = _kind(src, dst)
-        if kind is None or world_rank() not in src.placement:
-            out[i] = box(local, src, dst)
-        else:
-            groups.setdefault((src.placement, kind, src.dtype), []).append(i)
+    plan = _plan(tuple((src, dst) for _, src, dst in items))
+    for i in plan.single:
+        local, src, dst = items[i]
+        out[i] = box(local, src, dst)
+        if into is not None and into[i] is not None:
+            out[i] = into[i].copy_(out[i])
     parts = []
-    for (_, (axis, kind), _), idxs in groups.items():
-        parts.append((idxs, *_start([items[i] for i in idxs], axis, kind)))
-    return PendingBoxing(out, parts)
+    for idxs, axis, kind, ranks, even in plan.groups:
+        if even is not None:
+            sub_into = [None] * len(idxs) if into is None else [into[i] for i in idxs]
+            parts.append((idxs, *even.start([items[i][0] for i in idxs], ranks, sub_into)))
+        else:
+            parts.append((idxs, *_start([items[i] for i in idxs], axis, kind)))
+    return PendingBoxing(out, parts, into)
 
 
-def box_many(items) -> list:
-    """Locals of each ``(local, src, dst)`` boxed to ``dst``; one collective per coalescable group."""
-    return box_many_async(items).wait()
+def box_many(items, into=None) -> list:
+    """Locals of each ``(local, src, dst)`` boxed to ``dst`` (written into ``into``'s tensors when
+    given, see ``box_many_async``); one collective per coalescable group."""
+    return box_many_async(items, into).wait()

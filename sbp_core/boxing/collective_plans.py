@@ -21,7 +21,7 @@ from .. import ledger
 from ..layout import shard_sizes
 from ..process_groups import group_of, world_rank
 from .collectives import (_REDUCE, _all_gather_flat, _failure, _group_order, _reduce_scatter_flat, all_gather,
-                          all_reduce, all_to_all, reduce, reduce_scatter)
+                          all_reduce, all_to_all, reduce, reduce_rows, reduce_scatter, sums_terms)
 
 
 def _in_order(ranks) -> bool:
@@ -118,7 +118,8 @@ def plan_reduce_scatter(ranks, dim: int, full_shape, op: str):
     """``reduce_scatter`` of a ``full_shape`` tensor as a function ``full -> piece``.
 
     Planned path: one send-permute copy (none along dim 0 of a contiguous
-    tensor) and one ``reduce_scatter_single``.
+    tensor) and one ``reduce_scatter_single`` (on gloo an ``all_to_all_single``
+    and the terms reduced in axis order, see ``collectives.sums_terms``).
     """
     p = len(ranks)
     if p == 1 or full_shape[dim] % p or not _in_order(ranks):
@@ -128,16 +129,20 @@ def plan_reduce_scatter(ranks, dim: int, full_shape, op: str):
     piece = _with(full_shape, dim, full_shape[dim] // p)
     sent = (p - 1) * math.prod(piece)
     red = _REDUCE[op]
+    by_terms = sums_terms(group)
 
     def run(full: torch.Tensor) -> torch.Tensor:
         ledger.record("reduce_scatter", p, sent * full.element_size(), ranks)
         inp = full.contiguous() if dim == 0 else full.reshape(view).permute(order).contiguous()
-        out = inp.new_empty(piece)
+        out = inp.new_empty((p,) + piece if by_terms else piece)
         try:
-            _reduce_scatter_flat(out.view(-1), inp.view(-1), op=red, group=group)
+            if by_terms:
+                dist.all_to_all_single(out.view(-1), inp.view(-1), group=group)
+            else:
+                _reduce_scatter_flat(out.view(-1), inp.view(-1), op=red, group=group)
         except RuntimeError as exc:
             raise _failure("reduce_scatter", ranks, exc) from exc
-        return out
+        return reduce_rows(out, op) if by_terms else out
 
     return run
 
