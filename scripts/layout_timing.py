@@ -12,7 +12,8 @@ Before each round ``capacity()`` (``calibrate_machine``) measures how many
 cores our busy threads get right now, ``link()`` the latency and bandwidth
 of a two-rank gloo all-reduce between matmuls (under load mostly the wait
 for a peer that lost its core), ``sync()`` the latency of a message step
-with 2, 4 and 8 of our processes at once (``sync_probe``), and ``contention()`` how much CPU time
+with 2, 4 and 8 of our processes at once and the collectives' wait per second of compute
+before them (``sync_probe``), and ``contention()`` how much CPU time
 a fixed training step takes with 1-8 of our processes stepping at once,
 relative to the calibration's quiet-machine value (other jobs slow the work
 itself, not only our share of the cores).
@@ -151,7 +152,11 @@ class LayoutTimer:
 
     def sync(self) -> tuple:
         """The median over rounds of the message-step latency in microseconds, per processes sharing the cores."""
-        return _median_curve(self.syncs)
+        return _median_curve([[(p, us) for p, us, _ in c] for c in self.syncs])
+
+    def skew(self) -> tuple:
+        """The median over rounds of a collective's wait per second of compute before it, per processes."""
+        return _median_curve([[(p, f) for p, _, f in c] for c in self.syncs])
 
     def contention(self) -> tuple:
         """The median over rounds of the CPU time per unit of work (vs the calibration's), per busy processes."""

@@ -14,8 +14,10 @@
    busy threads get are measured (``capacity``: other jobs share the machine),
    the latency and bandwidth of a two-rank gloo all-reduce (``link``: under
    load a message mostly waits for its receiver to get a core), the latency
-   of a message step with 2, 4 and 8 of our processes at once (``sync``,
-   ``sync_probe.py``: a peer off its core makes every step wait), and the CPU
+   of a message step with 2, 4 and 8 of our processes at once (``sync``: a
+   peer off its core makes every step wait) and what a collective waits on
+   top per second of compute before it (``skew``: ranks drift apart while
+   computing; both ``sync_probe.py``), and the CPU
    time a fixed probe step takes with 1-8 of our processes at once relative
    to the calibration's quiet value (``contention``).
 2. **Predicted**: the simulator (``sbp_core.search``) on this machine's
@@ -139,11 +141,12 @@ def main() -> None:
     calibrated = load_cluster(o.cluster)
     timer = LayoutTimer(overrides, probe_step=calibrated.probe_step)
     measured = timer.measure(strategies, o.rounds, o.steps)
-    cap, slow, sync = timer.capacity(), timer.contention(), timer.sync()
+    cap, slow, sync, skew = timer.capacity(), timer.contention(), timer.sync(), timer.skew()
     link = timer.link()
     intra = Link(link["bandwidth_gbs"] * GB, link["latency_us"] * 1e-6)
     cluster = dataclasses.replace(calibrated, capacity=cap, contention=slow or calibrated.contention, intra=intra,
-                                  inter=intra, sync=tuple((n, us * 1e-6) for n, us in sync) or calibrated.sync)
+                                  inter=intra, sync=tuple((n, us * 1e-6) for n, us in sync) or calibrated.sync,
+                                  skew=skew or calibrated.skew)
     costs = MeasuredOpCosts(op_cost_path(), threads=1)
     gains = MeasuredThreadGain(op_cost_path(2), threads=2)
     ev = Evaluator(model, cluster, costs, gains)
@@ -152,6 +155,8 @@ def main() -> None:
           f"{list(cluster.contention)}")
     print(f"link used (two-rank gloo all-reduce, median of rounds): {link}")
     print(f"sync used (processes -> us per message step, median of rounds): {[list(p) for p in sync]}")
+    print(f"skew used (processes -> a collective's wait per second of compute before it, median of rounds): "
+          f"{[list(p) for p in skew]}")
 
     rows, errs, pred_t, meas_t = [], [], [], []
     for n, s in zip(names, strategies):
