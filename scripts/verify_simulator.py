@@ -5,10 +5,11 @@
 1. **Measured**: each layout of ``gpt2-tiny`` (default config: 16 sequences
    of 256 tokens per step, micro-batches of 4, AdamW, clipping) trains with
    the real trainer on local gloo ranks (``scripts/layout_timing.py``):
-   rounds interleave the layouts, a layout's step time is the median of its
-   ``rounds * steps`` steps (max over ranks), each layout warmed up by a step
-   when its job is built. How repeatable that is: each layout's *spread*
-   (its rounds' medians, ``(max - min) / median``) and the Spearman
+   rounds interleave the layouts, each layout's turn in a round is an untimed
+   step then ``steps`` timed ones (max over ranks), the round's value is the
+   least of them and a layout's step time the median of its rounds' values
+   (``layout_timing``: other load only adds to a step). How repeatable that is: each layout's *spread*
+   (its rounds' values, ``(max - min) / median``) and the Spearman
    correlation between the rounds' rankings of the layouts (the best a
    prediction can hope for; with 3+ rounds, the least over pairs of rounds). Before each round the cores our
    busy threads get are measured (``capacity``: other jobs share the machine),
