@@ -39,7 +39,7 @@ import torch
 BUSY = (160, 448)  # matmul sizes: about 0.3 ms and 6 ms of one core, a tensor-parallel layer's span on gpt2-tiny
 
 
-def _sync_worker(rounds: int, busy: int, blocks: int = 4) -> tuple:
+def _sync_worker(rounds: int, busy: int, blocks: int = 8) -> tuple:
     """On every rank: wall seconds per round of matmuls alone and of matmul + all-reduce, CPU seconds per matmul.
 
     All ranks run both kinds of round at once, in alternating blocks (drifting
@@ -77,7 +77,7 @@ def _sync_worker(rounds: int, busy: int, blocks: int = 4) -> tuple:
     return alone / k, both / k, cpu / k
 
 
-def sync_latency(ns=(2, 4, 8), busy=BUSY, rounds: int = 40) -> list:
+def sync_latency(ns=(2, 4, 8), busy=BUSY, rounds: int = 64) -> list:
     """``[[P, microseconds per message step, skew]]`` with ``P`` of our processes in pairs (see above)."""
     from toolkit.rank_pool import get_pool
 
