@@ -10,24 +10,32 @@ the other does not), so a collective waits for the later one — the longer
 they computed since their last collective, the longer. This probe makes
 both happen as training does: ``P`` ranks of the shared rank pool
 (``toolkit.rank_pool``, one intra-op thread each) in pairs ``(0, 1), (2,
-3), ...``, all at once, in alternating blocks of rounds: a matmul alone
-(``A`` wall seconds a round: the processor sharing of the cores now, ``c``
-CPU seconds of it), or a matmul then a 4-byte all-reduce with the partner
-(``W``; ``sbp_core.boxing.collectives``), for a small and a large matmul.
+3), ...``, all at once, each round a matmul then a 4-byte all-reduce with
+the partner (``sbp_core.boxing.collectives``), for a small and a large
+matmul. Every rank stamps each round on the machine's monotonic clock
+(one clock for all processes): when it started computing, when it reached
+the all-reduce, when it left it. Per pair and round that gives, in the same
+rounds (so drifting load hits all of it alike):
 
-The result is in the simulator's own terms, so that priced with it the
-simulator reproduces the probe's rounds: it runs a round as ``c + 2 *
-latency + skew * c`` seconds of work (2 message steps of a two-rank
-all-reduce) at the speed processor sharing gives the process, which
-already stretches ``c`` to ``A``; so the work the all-reduce adds is
-``(W - A) * c / A``, and a line through the two matmul sizes splits it into
-the part that grows with the compute before the collective (``skew``, per
-second of it) and the part that does not (``2 * latency``). No step time of
-a layout enters it. (The earlier probe timed the lone matmul inside the
-rounds, where a rank often had a core to itself while the other pairs
-waited, and so charged the other pairs' compute to the message steps again
-on top of processor sharing: 4 processes on 2 cores came out at 650 us a
-step, and tp4 over-predicted.)
+- the *lag*: how much later than the pair's mean arrival the later rank
+  reached the all-reduce (half the gap: the simulator's rank is the mean
+  rank, which processor sharing times, and the pair goes on when its later
+  rank has arrived);
+- the *segment*: the wall time the ranks computed since the last one;
+- the *latency*: the later rank's time in the all-reduce (nobody to wait for);
+- the *share* of a core a rank had: the matmul's CPU time over its wall time.
+
+In the simulator's terms (work at the speed processor sharing gives the
+process, which already stretches compute to its wall time): ``skew`` is
+the slope of the mean lag over the mean segment between the two matmul
+sizes (a wall-time ratio, so the same ratio of work), and the latency of a
+message step is the mean latency plus the lag's fixed part, as work
+(times the share), over the 2 message steps of a two-rank all-reduce. No
+step time of a layout enters it. (The probe before this one timed a lone
+matmul inside the rounds, where a rank often had a core to itself while
+the other pairs waited, and so charged the other pairs' compute to the
+message steps on top of processor sharing: 4 processes on 2 cores came out
+at 650 us a step, and tp4 over-predicted; and it had no skew.)
 """
 from __future__ import annotations
 
@@ -39,15 +47,8 @@ import torch
 BUSY = (160, 448)  # matmul sizes: about 0.3 ms and 6 ms of one core, a tensor-parallel layer's span on gpt2-tiny
 
 
-def _sync_worker(rounds: int, busy: int, blocks: int = 8) -> tuple:
-    """On every rank: wall seconds per round of matmuls alone and of matmul + all-reduce, CPU seconds per matmul.
-
-    All ranks run both kinds of round at once, in alternating blocks (drifting
-    load hits both alike): rounds of matmuls alone measure the processor
-    sharing of the cores now, rounds with the all-reduce what it adds.
-    """
-    import torch.distributed as dist
-
+def _sync_worker(rounds: int, busy: int) -> list:
+    """On every rank: ``[(start, reached the all-reduce, left it, CPU seconds of the matmul)]`` per round."""
     import sbp_core as sc
     from sbp_core.boxing.collectives import all_reduce
     from sbp_core.process_groups import world_rank, world_size
@@ -58,23 +59,28 @@ def _sync_worker(rounds: int, busy: int, blocks: int = 8) -> tuple:
     pair = [r - r % 2, r - r % 2 + 1]
     small, a = torch.zeros(1), torch.randn(busy, busy)
     all_reduce(small, pair, "sum")
-    n = max(1, rounds // blocks)
-    alone = both = cpu = 0.0
-    for _ in range(blocks):
-        dist.barrier()
-        t0, c0 = time.perf_counter(), time.thread_time()
-        for _ in range(n):
-            a @ a
-        alone += time.perf_counter() - t0
-        cpu += time.thread_time() - c0
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            a @ a
-            all_reduce(small, pair, "sum")
-        both += time.perf_counter() - t0
-    k = n * blocks
-    return alone / k, both / k, cpu / k
+    out = []
+    for _ in range(rounds):
+        t0, c0 = time.monotonic(), time.thread_time()
+        a @ a
+        t1, c1 = time.monotonic(), time.thread_time()
+        all_reduce(small, pair, "sum")
+        out.append((t0, t1, time.monotonic(), c1 - c0))
+    return out
+
+
+def pair_rounds(stamps: list) -> tuple:
+    """Means over pairs and rounds of ``(lag, segment, latency, share)`` from every rank's stamps (see above)."""
+    lags, segments, latencies, shares = [], [], [], []
+    for i in range(0, len(stamps), 2):
+        for a, b in zip(stamps[i], stamps[i + 1]):
+            early, late = (a, b) if a[1] <= b[1] else (b, a)
+            lags.append((late[1] - early[1]) / 2)
+            segments.append((a[1] - a[0] + b[1] - b[0]) / 2)
+            latencies.append(late[2] - late[1])
+            shares += [min(1.0, x[3] / (x[1] - x[0])) for x in (a, b) if x[1] > x[0]]
+    return (statistics.fmean(lags), statistics.fmean(segments), statistics.fmean(latencies),
+            statistics.fmean(shares))
 
 
 def sync_latency(ns=(2, 4, 8), busy=BUSY, rounds: int = 64) -> list:
@@ -85,15 +91,9 @@ def sync_latency(ns=(2, 4, 8), busy=BUSY, rounds: int = 64) -> list:
     for p in ns:
         if p < 2 or p % 2:
             raise ValueError(f"sync probe with {p} processes: they pair up, so use an even number >= 2")
-        points = []
-        for b in busy:
-            res = get_pool(p, timeout=120).run(_sync_worker, rounds, b)
-            alone = statistics.median(r[0] for r in res)
-            both = max(r[1] for r in res)  # a pair's all-reduce ends when its later rank gets there
-            c = statistics.median(r[2] for r in res)
-            points.append((c, max(0.0, both - alone) * min(1.0, c / alone)))
-        (c1, w1), (c2, w2) = points[0], points[-1]
-        skew = max(0.0, (w2 - w1) / (c2 - c1)) if c2 > c1 else 0.0
-        fixed = max(0.0, w1 - skew * c1)
-        out.append([p, round(fixed / 2 * 1e6, 1), round(skew, 4)])
+        points = [pair_rounds(get_pool(p, timeout=120).run(_sync_worker, rounds, b)) for b in busy]
+        (w1, s1, l1, h1), (w2, s2, l2, h2) = points[0], points[-1]
+        skew = max(0.0, (w2 - w1) / (s2 - s1)) if s2 > s1 else 0.0
+        fixed = max(0.0, w1 - skew * s1) + l1
+        out.append([p, round(fixed * h1 / 2 * 1e6, 1), round(skew, 4)])
     return out
