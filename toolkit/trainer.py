@@ -84,14 +84,16 @@ class Job:
             recipe.checkpoint_layers(self.module)
         plan = plan_for_module(self.module, with_overrides(recipe.mesh_plan(cfg), cfg.parallel.plan), names)
         self.zero = None
+        bucket_bytes = max(1, int(float(cfg.parallel.bucket_mb) * 2**20))
         if lay.zero and zero is None:
             raise ValueError(f"parallel.zero={lay.zero} needs ZeRO's apply function: call "
                              "train(cfg, recipe, recipes.zero.apply_zero) as train.py does")
         if lay.zero:
             # ZeRO rewrites the plan: masters S on the dp axis, a cast to B feeds the compute.
-            self.module, self.zero = zero(self.module, mesh, plan, stage=lay.zero, dp_axis=0)
+            self.module, self.zero = zero(self.module, mesh, plan, stage=lay.zero, dp_axis=0,
+                                          bucket_bytes=bucket_bytes)
         else:
-            sc.distribute_module(self.module, mesh, plan)
+            sc.distribute_module(self.module, mesh, plan, bucket_bytes)
         self.optimizer = recipe.build_optimizer(self.module, cfg)
         if self.zero is not None:
             self.zero.attach(self.optimizer)

@@ -27,10 +27,15 @@ sum, max and min (offered only for inputs that are partial on the axis, see
   dim; runs locally with this rank's output size.
 - ``new_empty``/``new_zeros``/``new_ones``/``new_full``/``new_empty_strided``:
   creation from a global tensor, no communication. A tensor of ``self``'s
-  own shape takes ``self``'s split or broadcast layout (partial becomes
-  ``B``): autograd makes gradient buffers this way (``new_empty_strided``
-  then ``copy_``), and a ``B`` buffer would all-gather a split gradient into
-  it. Any other shape is ``B``, which every layout boxes from for free.
+  own shape takes ``self``'s split or broadcast layout; a partial ``self``
+  stays partial for ``new_empty``/``new_empty_strided`` (no values) and
+  ``new_zeros`` (zeros on every rank are zeros under sum, max and min) and
+  becomes ``B`` for ones and fills. Autograd makes gradient buffers this
+  way (``new_empty_strided`` then ``copy_`` when a gradient's strides differ
+  from its parameter's, e.g. a square ``nn.Linear`` weight's): a ``B``
+  buffer would all-gather a split gradient into it, or all-reduce a partial
+  one at once, outside the gradient buckets. Any other shape is ``B``, which
+  every layout boxes from for free.
 """
 from __future__ import annotations
 
@@ -197,11 +202,16 @@ def _new_local(func, args, kwargs, ctx):
     return func(args[0], list(shape), *args[2:], **kwargs)
 
 
+# Creation ops whose output is a valid partial term of zero under every reduction (no values, or zeros).
+_VALUELESS_UNDER_PARTIAL = (aten.new_empty.default, aten.new_empty_strided.default, aten.new_zeros.default)
+
+
 @register(aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default,
           aten.new_full.default, aten.new_empty_strided.default, local=_new_local)
 def new_tensor(call):
     size = tuple(call.arg(1, "size"))
     here = call.actual(0)
-    if size == tuple(call.metas[0].shape) and here is not None and here.is_split:
+    if size == tuple(call.metas[0].shape) and here is not None and (
+            here.is_split or (here.is_partial and call.func in _VALUELESS_UNDER_PARTIAL)):
         return [Sig((here,), (here,)), Sig((None,), (B,))]
     return [Sig((None,), (B,))]

@@ -23,9 +23,9 @@ S0 = (Split(0),)
 
 def _mlp():
     torch.manual_seed(0)
-    # No square weight: autograd copies a square Linear's transposed gradient into a tensor laid out
-    # like the weight (B), which boxes it at once (an all-reduce outside the buckets).
-    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 12), nn.Tanh(), nn.Linear(12, 10), nn.Tanh(),
+    # The square weight's gradient comes out transposed: autograd copies it into a buffer laid out like
+    # the weight (``new_empty_strided`` + ``copy_``), which must stay partial (no all-reduce outside the buckets).
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 10), nn.Tanh(),
                          nn.Linear(10, 4))
 
 

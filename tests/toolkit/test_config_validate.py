@@ -124,8 +124,9 @@ def test_zero_with_dp1_warns_and_is_ignored():
     assert validate(cfg_of("parallel=dp4_zero2")).zero == 2
 
 
-def test_zero_out_of_range_in_field_form():
+def test_zero_and_bucket_size_out_of_range_in_field_form():
     assert "parallel.zero=5: unknown choice; valid: 0, 1, 2, 3" in problems("parallel.zero=5")
+    assert "parallel.bucket_mb=0.0: gradient MiB per collective, must be > 0" in problems("parallel.bucket_mb=0")
 
 
 def test_seq_len_within_positions():

@@ -77,6 +77,10 @@ class ParallelConfig:
       ``S(<dim>)``) put before the recipe's plan (first match wins; the dp
       axis stays ``B``), e.g. ``{"*.mlp.c_fc.weight": "B"}`` runs that matmul
       replicated; ``parallel=auto`` writes it.
+    - ``bucket_mb``: gradient MiB per collective that starts during backward
+      (data-parallel all-reduce, ZeRO 1-2 reduce-scatter); DDP's
+      ``bucket_cap_mb`` and its default, 25. The first bucket holds at most
+      1 MiB of it so communication starts early.
     - ``auto``: search the layout (``toolkit.autoparallel``, ``search.*``)
       before training, or reuse the cached result for this model and cluster.
 
@@ -93,6 +97,7 @@ class ParallelConfig:
     stage_layers: Optional[List[int]] = None
     sequence_parallel: bool = False
     plan: Dict[str, str] = field(default_factory=dict)
+    bucket_mb: float = 25.0
     auto: bool = False
     search: SearchConfig = field(default_factory=SearchConfig)
 

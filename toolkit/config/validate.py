@@ -17,6 +17,7 @@ value range and cross-field rule, collecting *all* problems into one
   batch shards the recipe's ``data_sbp`` cuts over a stage's mesh: ``dp``
   for ``(S(0), B)``, ``dp * tp`` for ``(S(0), S(0))``); the quotient is the
   gradient accumulation, which must be at least ``pp`` when ``pp > 1``.
+- ``bucket_mb`` (gradient MiB per collective) is positive.
 - ``zero`` in 0..3; ``zero > 0`` with ``dp == 1`` warns (:class:`ConfigWarning`)
   and the layout's effective ``zero`` is 0.
 - Every choice-valued string is one of its choices (schema tuples).
@@ -155,6 +156,8 @@ def validate(cfg: Any, recipe, world_size: Optional[int] = None) -> JobLayout:
     degrees_ok = all([_at_least(p, f"parallel.{k}", par[k], 1) for k in ("dp", "tp", "pp", "pp_virtual")])
     _choice(p, "parallel.zero", par.zero, ZERO_STAGES)
     _choice(p, "parallel.pp_schedule", par.pp_schedule, S.PP_SCHEDULES)
+    if not par.bucket_mb > 0:
+        p.append(f"parallel.bucket_mb={par.bucket_mb!r}: gradient MiB per collective, must be > 0 (DDP's default: 25)")
     for pattern, text in dict(par.plan).items():
         if not re.fullmatch(r"B|S\(\d+\)", str(text).strip()):
             p.append(f"parallel.plan[{pattern!r}]={text!r}: a tp-axis layout; valid: B or S(<dim>)")
