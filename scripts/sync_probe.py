@@ -44,7 +44,8 @@ import time
 
 import torch
 
-BUSY = (160, 448)  # matmul sizes: about 0.3 ms and 6 ms of one core, a tensor-parallel layer's span on gpt2-tiny
+# Matmul sizes: about 0.2 and 20 ms of one core; gpt2-tiny's tensor-parallel collectives are 0.3-35 ms of compute apart.
+BUSY = (160, 896)
 
 
 def _sync_worker(rounds: int, busy: int) -> list:
@@ -83,7 +84,7 @@ def pair_rounds(stamps: list) -> tuple:
             statistics.fmean(shares))
 
 
-def sync_latency(ns=(2, 4, 8), busy=BUSY, rounds: int = 64) -> list:
+def sync_latency(ns=(2, 4, 8), busy=BUSY, rounds: int = 48) -> list:
     """``[[P, microseconds per message step, skew]]`` with ``P`` of our processes in pairs (see above)."""
     from toolkit.rank_pool import get_pool
 
