@@ -155,9 +155,9 @@ def main() -> None:
     print(f"contention used (busy processes -> CPU time per unit of work vs quiet calibration): "
           f"{list(cluster.contention)}")
     print(f"link used (two-rank gloo all-reduce, median of rounds): {link}")
-    print(f"sync used (processes -> us per message step, median of rounds): {[list(p) for p in sync]}")
+    print(f"sync used (processes -> us per message step, median of rounds): {[[n, round(us, 1)] for n, us in sync]}")
     print(f"skew used (processes -> a collective's wait per second of compute before it, median of rounds): "
-          f"{[list(p) for p in skew]}")
+          f"{[[n, round(f, 3)] for n, f in skew]}")
 
     rows, errs, pred_t, meas_t = [], [], [], []
     for n, s in zip(names, strategies):
