@@ -112,7 +112,7 @@ class Cluster:
         return _interpolate(self.sync, processes)
 
     def skew_fraction(self, processes: float) -> float:
-        """Seconds a collective in a node waits per second of compute since the previous one (``skew``; 0: unmeasured)."""
+        """Seconds a collective in a node waits per second of compute since the previous one (``skew``, else 0)."""
         return _interpolate(self.skew, processes) if self.skew else 0.0
 
     def thread_rate(self, threads: float) -> float:
