@@ -71,7 +71,7 @@ def _sync_worker(rounds: int, busy: int) -> list:
 
 
 def pair_rounds(stamps: list) -> tuple:
-    """Means over pairs and rounds of ``(lag, segment, latency, share)`` from every rank's stamps (see above)."""
+    """Means over pairs and rounds (the highest 5% left out) of ``(lag, segment, latency, share)`` (see above)."""
     lags, segments, latencies, shares = [], [], [], []
     for i in range(0, len(stamps), 2):
         for a, b in zip(stamps[i], stamps[i + 1]):
@@ -80,8 +80,14 @@ def pair_rounds(stamps: list) -> tuple:
             segments.append((a[1] - a[0] + b[1] - b[0]) / 2)
             latencies.append(late[2] - late[1])
             shares += [min(1.0, x[3] / (x[1] - x[0])) for x in (a, b) if x[1] > x[0]]
-    return (statistics.fmean(lags), statistics.fmean(segments), statistics.fmean(latencies),
-            statistics.fmean(shares))
+    return tuple(_trimmed_mean(x) for x in (lags, segments, latencies, shares))
+
+
+def _trimmed_mean(xs: list, cut: float = 0.05) -> float:
+    """The mean without the highest ``cut`` of the values: a rank stalled for a second by another job in one
+    round would otherwise set the latency of every message step (a mean, not a median: the waits are what add up)."""
+    xs = sorted(xs)
+    return statistics.fmean(xs[: len(xs) - int(len(xs) * cut)])
 
 
 def sync_latency(ns=(2, 4, 8), busy=BUSY, rounds: int = 48) -> list:
