@@ -19,8 +19,10 @@ A "device" here is one process of ours; the devices share the CPU. Measured:
   core at every kernel's barrier (such a probe said 1.1x where a gpt2-tiny
   step gains 1.6x); the simulator uses it only for cost models without
   per-call gains;
-- ``sync``: the latency of one message step when 2, 4 and 8 of our processes
-  share the cores (``sync_probe.py``: a peer off its core makes the step wait);
+- ``sync`` and ``skew``: the latency of one message step when 2, 4 and 8 of
+  our processes share the cores (a peer off its core makes the step wait),
+  and what a collective waits on top per second of compute since the rank's
+  previous one (ranks drift apart while computing) (``sync_probe.py``);
 - ``device.dispatch_us`` and ``device.kernel_factor``: our cost per op on
   global tensors beyond its kernel, and how much longer kernels take inside
   a step than measured alone (cold caches, fresh memory) — from two real
@@ -333,7 +335,8 @@ def calibrate(out: str, devices: int = 8) -> str:
     disp, factor = statistics.median(f[0] for f in fits), statistics.median(f[1] for f in fits)
     speed = thread_speedup()
     link = gloo_link()
-    sync = sync_latency()
+    probed = sync_latency()
+    sync, skew = [[p, us] for p, us, _ in probed], [[p, f] for p, _, f in probed]
     cores = os.cpu_count() or 1
     text = f"""# This machine, measured by scripts/calibrate_machine.py on {time.strftime('%Y-%m-%d %H:%M')}
 # (load average {load:.1f} when it ran; rerun it on the machine you simulate).
@@ -350,6 +353,8 @@ capacity: {cap}
 contention: {slow}
 # [processes of ours sharing the cores, latency of one message step in us] (scripts/sync_probe.py)
 sync: {sync}
+# [processes of ours, wait of a collective per second of compute since the previous one] (scripts/sync_probe.py)
+skew: {skew}
 device:
   kind: cpu-process
   memory_gib: {memory_gib()}

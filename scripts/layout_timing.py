@@ -8,11 +8,20 @@ world size (``toolkit.rank_pool``; each rank gets the launcher's
 strategy per round, rounds interleaving all strategies so that other load
 on the machine hits them alike. A step's wall time is the max over ranks
 after a barrier; its CPU time the max over ranks of the process CPU time.
+Each strategy's turn in a round starts with an untimed step (the pool's
+ranks ran other strategies' jobs in between: their caches, allocator and
+thread pool are another job's), and a round's value is the least of its
+timed steps: other jobs on the machine only ever add to a step, so the
+least is the step with the least of them, and it is what repeats from
+round to round (a median of 3 steps keeps a step slowed by a burst of
+load as soon as two of them were). A strategy's time is the median of its
+rounds' values.
 Before each round ``capacity()`` (``calibrate_machine``) measures how many
 cores our busy threads get right now, ``link()`` the latency and bandwidth
 of a two-rank gloo all-reduce between matmuls (under load mostly the wait
 for a peer that lost its core), ``sync()`` the latency of a message step
-with 2, 4 and 8 of our processes at once (``sync_probe``), and ``contention()`` how much CPU time
+with 2, 4 and 8 of our processes at once and the collectives' wait per second of compute
+before them (``sync_probe``), and ``contention()`` how much CPU time
 a fixed training step takes with 1-8 of our processes stepping at once,
 relative to the calibration's quiet-machine value (other jobs slow the work
 itself, not only our share of the cores).
@@ -72,15 +81,16 @@ def run_steps(key, overrides, strategy_dict, steps: int, threads: int) -> list:
 class Timing:
     walls: list
     cpus: list
-    round_walls: list = dataclasses.field(default_factory=list)  # the median step of each round
+    round_walls: list = dataclasses.field(default_factory=list)  # the least step of each round
 
     @property
     def wall(self) -> float:
-        return statistics.median(self.walls)
+        """The median of the rounds' values (each the least of the round's steps)."""
+        return statistics.median(self.round_walls)
 
     @property
     def spread(self) -> float:
-        """How far apart the rounds' medians are: ``(max - min) / median`` of them (0 with one round)."""
+        """How far apart the rounds' values are: ``(max - min) / median`` of them (0 with one round)."""
         return (max(self.round_walls) - min(self.round_walls)) / self.wall if self.round_walls else 0.0
 
     @property
@@ -108,7 +118,7 @@ class LayoutTimer:
         return [max(r[i][0] for r in res) for i in range(steps)], [max(r[i][1] for r in res) for i in range(steps)]
 
     def measure(self, strategies, rounds: int = 3, steps: int = 2, warmup: int = 1, log=print) -> dict:
-        """``{strategy: Timing}`` over ``rounds`` interleaved rounds of ``steps`` steps each."""
+        """``{strategy: Timing}`` over ``rounds`` interleaved rounds of ``warmup`` untimed and ``steps`` timed steps."""
         from calibrate_machine import capacity, contention, gloo_link
         from sync_probe import sync_latency
 
@@ -127,9 +137,10 @@ class LayoutTimer:
                 self.contentions.append(contention(steps=3, base=self.probe_step)[0])
             order = strategies[r % len(strategies):] + strategies[: r % len(strategies)]
             for s in order:
-                walls, cpus = self._run(s, steps)
+                walls, cpus = self._run(s, steps + warmup)
+                walls, cpus = walls[warmup:], cpus[warmup:]
                 out[s].walls += walls
-                out[s].round_walls.append(statistics.median(walls))
+                out[s].round_walls.append(min(walls))
                 out[s].cpus += cpus
             log(f"  round {r + 1}/{rounds} done (load {os.getloadavg()[0]:.1f}, capacity {self.capacities[-1]}, "
                 f"link {self.links[-1]}, sync {self.syncs[-1]}"
@@ -151,7 +162,11 @@ class LayoutTimer:
 
     def sync(self) -> tuple:
         """The median over rounds of the message-step latency in microseconds, per processes sharing the cores."""
-        return _median_curve(self.syncs)
+        return _median_curve([[(p, us) for p, us, _ in c] for c in self.syncs])
+
+    def skew(self) -> tuple:
+        """The median over rounds of a collective's wait per second of compute before it, per processes."""
+        return _median_curve([[(p, f) for p, _, f in c] for c in self.syncs])
 
     def contention(self) -> tuple:
         """The median over rounds of the CPU time per unit of work (vs the calibration's), per busy processes."""

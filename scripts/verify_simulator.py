@@ -5,17 +5,20 @@
 1. **Measured**: each layout of ``gpt2-tiny`` (default config: 16 sequences
    of 256 tokens per step, micro-batches of 4, AdamW, clipping) trains with
    the real trainer on local gloo ranks (``scripts/layout_timing.py``):
-   rounds interleave the layouts, a layout's step time is the median of its
-   ``rounds * steps`` steps (max over ranks), each layout warmed up by a step
-   when its job is built. How repeatable that is: each layout's *spread*
-   (its rounds' medians, ``(max - min) / median``) and the Spearman
+   rounds interleave the layouts, each layout's turn in a round is an untimed
+   step then ``steps`` timed ones (max over ranks), the round's value is the
+   least of them and a layout's step time the median of its rounds' values
+   (``layout_timing``: other load only adds to a step). How repeatable that is: each layout's *spread*
+   (its rounds' values, ``(max - min) / median``) and the Spearman
    correlation between the rounds' rankings of the layouts (the best a
    prediction can hope for; with 3+ rounds, the least over pairs of rounds). Before each round the cores our
    busy threads get are measured (``capacity``: other jobs share the machine),
    the latency and bandwidth of a two-rank gloo all-reduce (``link``: under
    load a message mostly waits for its receiver to get a core), the latency
-   of a message step with 2, 4 and 8 of our processes at once (``sync``,
-   ``sync_probe.py``: a peer off its core makes every step wait), and the CPU
+   of a message step with 2, 4 and 8 of our processes at once (``sync``: a
+   peer off its core makes every step wait) and what a collective waits on
+   top per second of compute before it (``skew``: ranks drift apart while
+   computing; both ``sync_probe.py``), and the CPU
    time a fixed probe step takes with 1-8 of our processes at once relative
    to the calibration's quiet value (``contention``).
 2. **Predicted**: the simulator (``sbp_core.search``) on this machine's
@@ -139,11 +142,12 @@ def main() -> None:
     calibrated = load_cluster(o.cluster)
     timer = LayoutTimer(overrides, probe_step=calibrated.probe_step)
     measured = timer.measure(strategies, o.rounds, o.steps)
-    cap, slow, sync = timer.capacity(), timer.contention(), timer.sync()
+    cap, slow, sync, skew = timer.capacity(), timer.contention(), timer.sync(), timer.skew()
     link = timer.link()
     intra = Link(link["bandwidth_gbs"] * GB, link["latency_us"] * 1e-6)
     cluster = dataclasses.replace(calibrated, capacity=cap, contention=slow or calibrated.contention, intra=intra,
-                                  inter=intra, sync=tuple((n, us * 1e-6) for n, us in sync) or calibrated.sync)
+                                  inter=intra, sync=tuple((n, us * 1e-6) for n, us in sync) or calibrated.sync,
+                                  skew=skew or calibrated.skew)
     costs = MeasuredOpCosts(op_cost_path(), threads=1)
     gains = MeasuredThreadGain(op_cost_path(2), threads=2)
     ev = Evaluator(model, cluster, costs, gains)
@@ -151,7 +155,9 @@ def main() -> None:
     print(f"contention used (busy processes -> CPU time per unit of work vs quiet calibration): "
           f"{list(cluster.contention)}")
     print(f"link used (two-rank gloo all-reduce, median of rounds): {link}")
-    print(f"sync used (processes -> us per message step, median of rounds): {[list(p) for p in sync]}")
+    print(f"sync used (processes -> us per message step, median of rounds): {[[n, round(us, 1)] for n, us in sync]}")
+    print(f"skew used (processes -> a collective's wait per second of compute before it, median of rounds): "
+          f"{[[n, round(f, 3)] for n, f in skew]}")
 
     rows, errs, pred_t, meas_t = [], [], [], []
     for n, s in zip(names, strategies):

@@ -30,8 +30,12 @@ measured, ``threadgain``), ``sync``: ``[[processes, latency_us], ...]``
 (the latency of one message step inside the node when that many of our
 processes share the cores: a step waits for a peer that is off its core;
 measured by ``scripts/calibrate_machine.py``, it replaces
-``links.intra_node.latency_us``), and ``memory_shared: true`` (all
-processes share the node's ``memory_gib``).
+``links.intra_node.latency_us``), ``skew``: ``[[processes, fraction], ...]``
+(what a collective inside the node waits beyond its message steps, as a
+fraction of the compute since the rank's previous collective: the ranks
+drift apart while computing — one loses its core, another does not — and
+the collective waits for the latest; ``scripts/sync_probe.py``), and
+``memory_shared: true`` (all processes share the node's ``memory_gib``).
 
 Device ``d`` is on node ``d // devices_per_node``; a job's rank ``r`` is
 device ``r``.
@@ -68,6 +72,7 @@ class Cluster:
     kernel_factor: float = 1.0  # measured kernels take this much longer inside a step than alone
     contention: tuple = ()  # ((busy processes, CPU time per unit of work relative to one), ...)
     sync: tuple = ()  # ((processes sharing the cores, seconds per message step inside the node), ...)
+    skew: tuple = ()  # ((processes sharing the cores, wait per second of compute since the last collective), ...)
     probe_step: float = 0.0  # CPU seconds of the calibration's contention probe step alone (measured machines)
     memory_shared: bool = False
     source: str = ""
@@ -106,6 +111,10 @@ class Cluster:
             return self.intra.latency
         return _interpolate(self.sync, processes)
 
+    def skew_fraction(self, processes: float) -> float:
+        """Seconds a collective in a node waits per second of compute since the previous one (``skew``, else 0)."""
+        return _interpolate(self.skew, processes) if self.skew else 0.0
+
     def thread_rate(self, threads: float) -> float:
         """Speed of each of ``threads`` busy threads: its share of the cores, over the contention slowdown."""
         share = min(1.0, self.cores_for(threads) / threads) if threads > 0 else 1.0
@@ -135,7 +144,8 @@ def _link(d: dict, where: str) -> Link:
 
 
 def cluster_from_dict(d: dict, source: str = "<dict>") -> Cluster:
-    known = {"name", "nodes", "devices_per_node", "device", "links", "cores", "capacity", "contention", "costs", "sync"}
+    known = {"name", "nodes", "devices_per_node", "device", "links", "cores", "capacity", "contention", "costs", "sync",
+             "skew"}
     unknown = sorted(set(d) - known)
     if unknown:
         raise ValueError(f"cluster file {source}: unknown keys {unknown}; valid: {sorted(known)}")
@@ -162,6 +172,7 @@ def cluster_from_dict(d: dict, source: str = "<dict>") -> Cluster:
         capacity=tuple((float(n), float(c)) for n, c in (d.get("capacity") or ())),
         contention=tuple((float(n), float(c)) for n, c in (d.get("contention") or ())),
         sync=tuple((float(n), float(us) * 1e-6) for n, us in (d.get("sync") or ())),
+        skew=tuple((float(n), float(f)) for n, f in (d.get("skew") or ())),
         probe_step=float(dev.get("probe_step_s", 0.0)),
         thread_speedup=float(dev.get("thread_speedup", 1.0)), kernel_factor=float(dev.get("kernel_factor", 1.0)),
         memory_shared=bool(dev.get("memory_shared", False)),

@@ -38,20 +38,25 @@ def link_for(cluster: Cluster, devices, stage_devices) -> tuple:
     return cluster.inter, max(1, sum(1 for d in stage_devices if cluster.node_of(d) == node))
 
 
-def collective_seconds(c: Collective, cluster: Cluster, devices, stage_devices, processes: int = 0) -> float:
+def collective_seconds(c: Collective, cluster: Cluster, devices, stage_devices, processes: int = 0,
+                       segment: float = 0.0) -> float:
     """Seconds of collective ``c`` over ``devices``; ``processes``: how many of the job's processes share the cores.
 
     Inside a node whose devices share cores, a message step's latency is the
     cluster's ``sync`` curve at ``processes`` when measured
     (``Cluster.step_latency``): with more processes than cores a step waits
-    for a peer that is off its core.
+    for a peer that is off its core. On top, the collective waits for the
+    group's latest rank: ``skew_fraction(processes)`` of the ``segment``
+    seconds of compute since this rank's previous collective (ranks that
+    computed longer drifted further apart).
     """
     p = max(2, len(devices))
     steps = _STEPS.get(c.op, lambda p: p - 1)(p)
     link, sharers = link_for(cluster, devices, stage_devices)
     one_node = len({cluster.node_of(d) for d in devices}) == 1
     latency = cluster.step_latency(processes) if one_node and cluster.sync else link.latency
-    return steps * latency + c.bytes * sharers / link.bandwidth
+    drift = cluster.skew_fraction(processes) * segment if one_node and len(devices) > 1 else 0.0
+    return steps * latency + drift + c.bytes * sharers / link.bandwidth
 
 
 @dataclass(frozen=True)
@@ -77,9 +82,11 @@ def phase_cost(trace: PhaseTrace, op_costs, cluster: Cluster, offset: int, stage
     With ``threads`` > 1 a kernel runs ``gain`` times faster: ``gains.gain(call)``
     when a per-call measurement is given (``threadgain.MeasuredThreadGain``),
     else the cluster's ``thread_speedup`` for kernels torch splits over threads
-    (``threadgain.threadable``). ``processes``: see ``collective_seconds``.
+    (``threadgain.threadable``). ``processes``, and the compute since the
+    previous collective of the phase (or its start) a collective waits on: see
+    ``collective_seconds``.
     """
-    compute = comm = work = 0.0
+    compute = comm = work = segment = 0.0
     for e in trace.events:
         if isinstance(e, OpCall):
             s = op_costs.seconds(e) * cluster.kernel_factor
@@ -87,9 +94,12 @@ def phase_cost(trace: PhaseTrace, op_costs, cluster: Cluster, offset: int, stage
             if threads > 1:
                 gain = gains.gain(e) if gains is not None else (cluster.thread_speedup if threadable(e) else 1.0)
             compute += s / gain
+            segment += s / gain
             work += s
         else:
-            comm += collective_seconds(e, cluster, tuple(offset + r for r in e.ranks), stage_devices, processes)
+            comm += collective_seconds(e, cluster, tuple(offset + r for r in e.ranks), stage_devices, processes,
+                                       segment)
+            segment = 0.0
     host = len(trace.global_ops) * cluster.host_overhead
     busy = compute + host if cluster.costs == "measured" else max(compute, host)
     return PhaseCost(busy + comm, compute, host, comm, work + host + comm)

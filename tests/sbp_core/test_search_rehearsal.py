@@ -185,6 +185,28 @@ def test_sync_latency_grows_with_processes():
     assert collective_seconds(ar, plain, (0, 1), (0, 1), processes=8) == pytest.approx(2e-6 + 1e-4)
 
 
+def test_collective_waits_skew_of_the_compute_before_it():
+    """A collective inside a node waits ``skew`` per second of compute since the phase's previous collective."""
+    from sbp_core.search.costmodel import phase_cost
+    from sbp_core.search.rehearsal import OpCall, PhaseTrace, TensorSpec
+
+    c = cluster_from_dict({**CLUSTER, "cores": 2, "costs": "measured", "sync": [[2, 100], [4, 300]],
+                           "skew": [[2, 0.1], [4, 0.3]]})
+    assert (c.skew_fraction(2), c.skew_fraction(3), c.skew_fraction(8)) == pytest.approx((0.1, 0.2, 0.3))
+    ar = Collective("all_reduce", (0, 1), 0)
+    assert collective_seconds(ar, c, (0, 1), (0, 1), processes=2, segment=0.01) == pytest.approx(2e-4 + 1e-3)
+    # across nodes no skew: the network's latency only
+    assert collective_seconds(ar, c, (0, 2), (0, 1, 2, 3), processes=2, segment=0.01) == pytest.approx(2e-5)
+    mm = OpCall("aten.mm.default", ((TensorSpec((8, 8), (8, 1), "float32"),) * 2, ()), "")
+    # mm mm AR mm AR AR: the collectives wait 0.1 of 2 ms, of 1 ms and of nothing
+    trace = PhaseTrace("F", [mm, mm, ar, mm, ar, ar], [])
+    got = phase_cost(trace, _Fixed(), c, 0, (0, 1), processes=2)
+    assert got.compute == pytest.approx(3e-3)
+    assert got.comm == pytest.approx(3 * 2e-4 + 0.1 * 2e-3 + 0.1 * 1e-3)
+    # no skew curve (roofline clusters, older cluster files): no wait
+    assert cluster_from_dict(CLUSTER).skew_fraction(2) == 0.0
+
+
 def test_thread_gain_measures_only_threadable_calls(tmp_path):
     from sbp_core.search.rehearsal import OpCall, TensorSpec
     from sbp_core.search.threadgain import MeasuredThreadGain
