@@ -10,7 +10,7 @@
   layers and the op choices that touch its parameters). A stage with more
   than ``direct_blocks`` repeated layers and layer-uniform choices is priced
   from rehearsals with 2 and 3 layers: every further layer adds what the
-  third added (``extrapolate``);
+  third added (``toolkit.autoparallel.extrapolate``);
 - ``choices``: the per-op choice points — each module the recipe's
   tensor-parallel plan names (per layer when ``per_layer``), with the
   tp-axis SBPs its parameters may take (``B`` or a split of a dim that
@@ -21,18 +21,18 @@ from __future__ import annotations
 import fnmatch
 import random
 import re
-from collections import Counter
 from dataclasses import dataclass, replace
 
 import torch
 
-from sbp_core.search.rehearsal import GlobalOp, PhaseTrace, fake_tensors
+from sbp_core.search.rehearsal import GlobalOp, fake_tensors
 from sbp_core.search.stage_trace import StageTrace, trace_stage
 from sbp_core.search.strategy import Strategy, parse_sbp
 from toolkit.config import ConfigError, typed, validate
 from toolkit.recipe import data_shard
 from toolkit.stages import stage_ranges
 
+from .extrapolate import extrapolate
 from .stage_spec import mesh_plan, stage_layers, stage_spec, strategy_cfg
 
 _INDEX = re.compile(r"\.(\d+)\.")
@@ -49,28 +49,6 @@ class OpChoice:
 
 def _layer_uniform(pattern: str) -> bool:
     return _INDEX.search(pattern) is None
-
-
-def _extrapolate(t2: StageTrace, t3: StageTrace, blocks: int) -> StageTrace | None:
-    """``t3`` plus ``blocks - 3`` times what the third layer added over ``t2`` (None if not a pure addition)."""
-    extra = blocks - 3
-    out = StageTrace(t3.dp, t3.tp)
-    for name, p3 in t3.phases.items():
-        p2 = t2.phases[name]
-        c3, c2 = Counter(p3.events), Counter(p2.events)
-        if c2 - c3:  # the shallower stage did something the deeper did not: layers are not uniform
-            return None
-        added = list((c3 - c2).elements())
-        g_added = p3.global_ops[len(p2.global_ops):]
-        out.phases[name] = PhaseTrace(
-            name, list(p3.events) + added * extra, list(p3.global_ops) + list(g_added) * extra,
-            p3.peak_bytes + extra * max(0, p3.peak_bytes - p2.peak_bytes),
-            p3.end_bytes + extra * max(0, p3.end_bytes - p2.end_bytes))
-    for k in ("param_bytes", "grad_bytes", "optimizer_bytes", "stash_bytes"):
-        a, b = getattr(t2, k), getattr(t3, k)
-        setattr(out, k, b + extra * (b - a))
-    out.act_bytes = t3.act_bytes
-    return out
 
 
 class RecipeSearchModel:
@@ -242,7 +220,7 @@ class RecipeSearchModel:
             key = common + (len(layers),)
             if key not in self._traces:
                 shallow = [self._rehearse(strategy, stage, layers[:b], ops, common + (("layers", b),)) for b in (2, 3)]
-                out = _extrapolate(shallow[0], shallow[1], len(layers))
+                out = extrapolate(shallow[0], shallow[1], len(layers))
                 self._traces[key] = out if out is not None else self._rehearse(strategy, stage, layers, ops, key)
             return self._traces[key]
         key = common + ((len(layers),) if uniform else (layers.start, layers.stop))
