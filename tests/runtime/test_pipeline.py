@@ -64,7 +64,10 @@ def test_held_micro_batches_follow_the_stash_quota(schedule):
         # Stage s holds at most pp - s micro-batches, and the quota is reached: that is 1F1B's warm-up.
         assert held == {0: 4, 1: 3, 2: 2, 3: 1}, held
     else:
-        assert held[0] == MICRO and all(h <= MICRO for h in held.values()), held
+        # GPipe's quota is every micro-batch: stage 0 holds more than 1F1B's quota (pp) lets it. Not
+        # necessarily all MICRO: backward outranks forward, so a gradient back from stage 1 before
+        # the last forward's data (a loaded machine) is taken first (7 of 8 seen under suite + CI).
+        assert 4 < held[0] <= MICRO and all(h <= MICRO for h in held.values()), held
     assert set(bub) == {0, 1, 2, 3} and all(0.0 <= b < 1.0 for b in bub.values())
 
 
