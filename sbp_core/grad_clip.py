@@ -97,10 +97,10 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, stages=
     home = grads[0].placement
     total = None
     me = world_rank()
-    dense = [g for g in grads if _dense_here(g, me)]
-    terms = _local_terms(dense, norm_type)
-    for g in grads:
-        if _dense_here(g, me):
+    dense = [_dense_here(g, me) for g in grads]
+    terms = _local_terms([g for g, d in zip(grads, dense) if d], norm_type)
+    for g, d in zip(grads, dense):
+        if d:
             continue
         if g.is_sparse:  # a row gradient: its coalesced values hold its norm
             g = g.coalesce().values_global()
@@ -120,8 +120,8 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, stages=
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
     by_dtype: dict = {}  # dense gradients on home: one foreach multiply per dtype by coef's local (B: the value)
     local_coef = all(s.is_broadcast for s in coef.sbp)
-    for g in grads:
-        if local_coef and _dense_here(g, me) and g.placement == home:
+    for g, d in zip(grads, dense):
+        if local_coef and d and g.placement == home:
             by_dtype.setdefault(g.dtype, []).append(g._local)
             continue
         c = coef if g.placement == home else coef.to_global(placement=g.placement, sbp=_broadcast(g.placement))

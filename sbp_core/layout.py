@@ -101,14 +101,18 @@ def take_local(full: torch.Tensor, mesh_shape, sbp, coords) -> torch.Tensor:
     return local
 
 
+def reduce_rows(rows: torch.Tensor, op: str) -> torch.Tensor:
+    """Reduce a ``(p, ...)`` tensor of partial terms over dim 0 with ``op``, in row order."""
+    if op == "sum":
+        return rows.sum(0)
+    return rows.amax(0) if op == "max" else rows.amin(0)
+
+
 def reduce_terms(terms, op: str) -> torch.Tensor:
     """Element-wise reduction of same-shape partial terms held on this rank."""
     if len(terms) == 1:
         return terms[0]
-    stacked = torch.stack(list(terms))
-    if op == "sum":
-        return stacked.sum(0)
-    return stacked.amax(0) if op == "max" else stacked.amin(0)
+    return reduce_rows(torch.stack(list(terms)), op)
 
 
 _intern_lock = threading.Lock()

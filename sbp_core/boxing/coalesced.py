@@ -223,7 +223,6 @@ class _EvenGroup:
             return collectives.all_gather_start(send, ranks), unpack_joined
         packed = torch.cat([self.rows(t, i) for i, t in enumerate(locals_)], dim=1)
         if self.kind == "all_reduce":
-
             return (collectives.all_reduce_packed_start(packed.view(-1), ranks, "sum", [width] * self.p),
                     unpack_joined)
 

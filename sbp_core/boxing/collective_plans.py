@@ -18,10 +18,10 @@ import torch
 import torch.distributed as dist
 
 from .. import ledger
-from ..layout import shard_sizes
+from ..layout import reduce_rows, shard_sizes
 from ..process_groups import group_of, world_rank
 from .collectives import (_REDUCE, _all_gather_flat, _failure, _group_order, _reduce_scatter_flat, all_gather,
-                          all_reduce, all_to_all, reduce, reduce_rows, reduce_scatter, sums_terms)
+                          all_reduce, all_to_all, reduce, reduce_scatter, sums_terms)
 
 
 def _in_order(ranks) -> bool:

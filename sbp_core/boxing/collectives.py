@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from .. import ledger
-from ..layout import reduce_terms, shard_sizes
+from ..layout import reduce_rows, reduce_terms, shard_sizes
 from ..process_groups import get_timeout, group_of, world_rank
 
 # torch 2.13 renamed the flat collectives; older releases only have the old names.
@@ -80,11 +80,6 @@ def sums_terms(group) -> bool:
     coalesced) decides alike, so they all sum an element's terms in one order.
     """
     return dist.get_backend(group) == "gloo"
-
-
-def reduce_rows(rows: torch.Tensor, op: str) -> torch.Tensor:
-    """Reduce a ``(p, ...)`` tensor of terms over dim 0 (row ``k``: the term from axis position ``k``)."""
-    return rows.sum(0) if op == "sum" else rows.amax(0) if op == "max" else rows.amin(0)
 
 
 def _group_order(ranks):

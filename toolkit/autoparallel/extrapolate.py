@@ -18,16 +18,13 @@ from __future__ import annotations
 
 from collections import Counter
 
+from sbp_core.layout import strides_in_order
 from sbp_core.search.rehearsal import OpCall, PhaseTrace, TensorSpec
 from sbp_core.search.stage_trace import StageTrace
 
 
 def _contiguous(shape: tuple) -> tuple:
-    strides, step = [], 1
-    for n in reversed(shape):
-        strides.append(step)
-        step *= max(n, 1)
-    return tuple(reversed(strides))
+    return strides_in_order(shape, range(len(shape)))
 
 
 def _grown(a2, a3, extra: int):
