@@ -5,8 +5,8 @@ does): per micro-batch a forward (``F``) and a backward (``B``; gradients
 accumulate in the layout they arrive in), then once per step the gradient
 reduction (``reduce``: each gradient boxed to its parameter's layout, or
 ZeRO's own sync) and the update (``update``: global-norm clipping over the
-stage, the optimizer step). ``trace_stage`` runs exactly that on fake
-tensors (``rehearsal.Rehearsal``) for two micro-batches — the second
+stage, the optimizer step by ``sc.step_on_locals``). ``trace_stage`` runs
+exactly that on fake tensors (``rehearsal.Rehearsal``) for two micro-batches — the second
 backward also adds into existing gradients — and returns a
 ``StageTrace``: the events of ``F``, ``B0`` (first backward), ``B`` (later
 ones), ``reduce`` and ``update``, the bytes the stage holds for good
@@ -27,6 +27,7 @@ import torch
 from ..global_tensor import GlobalTensor
 from ..layout import Layout
 from ..module import box_grads, defer_grad_boxing
+from ..local_step import step_on_locals
 from ..placement import placement as make_placement
 from .rehearsal import PhaseTrace, Rehearsal
 
@@ -140,7 +141,7 @@ def trace_stage(spec: StageSpec) -> StageTrace:
                 from ..grad_clip import clip_grad_norm_
 
                 clip_grad_norm_([p for p in module.parameters() if p.grad is not None], spec.grad_clip)
-            optimizer.step()
+            step_on_locals(optimizer)  # as runtime.pipeline.step: locals for an element-wise optimizer
         out.phases["update"] = up
         params = list(module.parameters())
         out.param_bytes = _local_bytes(params)
