@@ -10,10 +10,14 @@ The run directory (``hydra.run.dir``) gets ``config.yaml`` and
 """
 from __future__ import annotations
 
-import hydra
+from runtime.host_memory import keep_freed_host_memory
 
-from toolkit.config import CONFIG_DIR, save_resolved_config, validate  # registers the schema and layouts
-from toolkit.launcher import launch
+keep_freed_host_memory()  # before torch starts threads: torchrun's or a one-process run's ranks get one arena too
+
+import hydra  # noqa: E402
+
+from toolkit.config import CONFIG_DIR, save_resolved_config, validate  # noqa: E402  registers the schema and layouts
+from toolkit.launcher import launch  # noqa: E402
 
 
 def run(cfg):

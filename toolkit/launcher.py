@@ -51,6 +51,7 @@ from datetime import timedelta
 from multiprocessing import connection, get_context
 from typing import Any, Callable, Optional
 
+from runtime.host_memory import keep_freed_host_memory
 from toolkit.config.environment import ClusterEnv, cluster_env, resolve_device
 from toolkit.config.errors import ConfigError
 
@@ -260,6 +261,7 @@ def _child(rank: int, nprocs: int, port: int, kind: str, timeout: float, parent_
            main, packed) -> None:
     """Body of one spawned rank: join the group, run ``main``, report over ``conn``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops us
+    keep_freed_host_memory()  # before any other thread: one malloc arena for all of them
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     os.environ.update(_rank_env(rank, nprocs, rank, nprocs, "127.0.0.1", port, timeout))
     try:

@@ -42,6 +42,8 @@ from datetime import timedelta
 from multiprocessing import connection, get_context
 from typing import Any, Callable
 
+from runtime.host_memory import keep_freed_host_memory
+
 #: Errors raised uniformly by all ranks before any collective diverged (bad
 #: arguments, unsupported op). They leave the process group usable.
 CLEAN_ERRORS = (ValueError, TypeError, IndexError, KeyError, NotImplementedError)
@@ -111,6 +113,7 @@ def _worker(rank: int, world_size: int, port: int, timeout: float, parent_pid: i
     # Ctrl-C reaches the whole terminal process group; let the parent handle it
     # and kill us, instead of every worker printing a KeyboardInterrupt.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    keep_freed_host_memory()  # before any other thread: one malloc arena for all of them
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),

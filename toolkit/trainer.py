@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 import sbp_core as sc
+from runtime.host_memory import keep_freed_host_memory
 from runtime.pipeline import PipelineConfig, PipelineStep
 from toolkit import flops, run_state
 from toolkit.config import typed, validate
@@ -60,6 +61,7 @@ class Job:
         self.layout = lay = validate(cfg, recipe, world_size=dist.get_world_size())
         self.cfg = cfg = typed(cfg, recipe)
         self.rank = rank = dist.get_rank()
+        keep_freed_host_memory()  # every step reuses the last one's host memory instead of faulting in fresh pages
         tr = cfg.trainer
         device_type = "cuda" if lay.device == "cuda" else "cpu"
         self.placements = stage_placements(lay.dp, lay.tp, lay.pp, device_type)
