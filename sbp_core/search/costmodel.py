@@ -100,6 +100,7 @@ def phase_cost(trace: PhaseTrace, op_costs, cluster: Cluster, offset: int, stage
             comm += collective_seconds(e, cluster, tuple(offset + r for r in e.ranks), stage_devices, processes,
                                        segment)
             segment = 0.0
-    host = len(trace.global_ops) * cluster.host_overhead
+    # A one-device stage runs on plain tensors (``runtime.pipeline``, ``sc.runs_local``): no dispatch to pay.
+    host = 0.0 if len(stage_devices) == 1 else len(trace.global_ops) * cluster.host_overhead
     busy = compute + host if cluster.costs == "measured" else max(compute, host)
     return PhaseCost(busy + comm, compute, host, comm, work + host + comm)

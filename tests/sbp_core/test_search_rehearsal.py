@@ -141,13 +141,16 @@ def test_phase_cost_threaded_part():
     trace = _two_mm_trace()
     c = cluster_from_dict({**CLUSTER, "cores": 2, "costs": "measured",
                            "device": {**CLUSTER["device"], "thread_speedup": 2.0, "dispatch_us": 10}})
-    two = phase_cost(trace, _Fixed(), c, 0, (0,), threads=2)
+    two = phase_cost(trace, _Fixed(), c, 0, (0, 1), threads=2)  # rank 0 of a two-device stage
     assert (two.compute, two.host) == pytest.approx((1.5e-3, 3e-5))
     assert two.seconds == pytest.approx(1.5e-3 + 3e-5)
     # busy-thread seconds: both kernels' one-thread work (2 ms) and the dispatch
     assert two.thread_seconds == pytest.approx(2e-3 + 3e-5)
-    one = phase_cost(trace, _Fixed(), c, 0, (0,), threads=1)
+    one = phase_cost(trace, _Fixed(), c, 0, (0, 1), threads=1)
     assert (one.compute, one.thread_seconds) == pytest.approx((2e-3, 2e-3 + 3e-5))
+    # a one-device stage runs on plain tensors (sc.runs_local): the same kernels, no dispatch
+    alone = phase_cost(trace, _Fixed(), c, 0, (0,), threads=1)
+    assert (alone.compute, alone.host, alone.thread_seconds) == pytest.approx((2e-3, 0.0, 2e-3))
 
 
 def test_phase_cost_per_call_gains():
