@@ -54,6 +54,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
+from runtime.host_memory import keep_freed_host_memory  # noqa: E402
 from sync_probe import sync_latency  # noqa: E402
 
 
@@ -211,6 +212,7 @@ def _probe_step():
 
 def _contended_steps(barrier, q, steps: int) -> None:
     """One process of ``contention``: CPU seconds of each of ``steps`` training steps run alongside the others."""
+    keep_freed_host_memory()  # as a training rank's host memory
     torch.set_num_threads(1)
     step = _probe_step()
     barrier.wait()
@@ -379,6 +381,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "configs" / "cluster" / "this_machine.yaml"))
     ap.add_argument("--devices", type=int, default=8, help="processes the search may use")
     o = ap.parse_args()
+    keep_freed_host_memory()  # the one-process steps run with a training rank's host memory
     print(calibrate(o.out, o.devices))
 
 

@@ -110,6 +110,9 @@ def main() -> None:
     ap.add_argument("--changes", type=int, default=20, help="per-op changes timed for delta vs full")
     ap.add_argument("--cluster", default=None, help="a measured cluster file (default: calibrate this machine now)")
     o = ap.parse_args()
+    from runtime.host_memory import keep_freed_host_memory
+
+    keep_freed_host_memory()  # per-op costs measured with a training rank's host memory
     t_start = time.time()
     print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())} ({os.cpu_count()} cores)")
 
