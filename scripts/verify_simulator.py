@@ -25,7 +25,8 @@
    cluster file, calibrated first by ``scripts/calibrate_machine.py`` (into a
    scratch file; ``--cluster`` gives one instead)
    with the capacity, link, sync and contention measured in step 1 (medians) —
-   rehearsed stages, per-op CPU seconds measured here (and per-op gains of 2
+   rehearsed stages, per-op CPU seconds measured here before the rounds, on
+   the quiet machine (and per-op gains of 2
    intra-op threads for one process, ``threadgain``), the task graph of the runtime's
    actors, processor sharing of the cores. No step time of step 1 enters a
    prediction. Also printed: the predicted and measured CPU seconds per rank.
@@ -141,8 +142,22 @@ def main() -> None:
     names = o.layouts.split(",")
     strategies = [_strategy(n, o.micro) for n in names]
 
-    print(f"measuring {len(names)} layouts ({o.rounds} rounds x {o.steps} steps, interleaved)")
     calibrated = load_cluster(o.cluster)
+    costs = MeasuredOpCosts(op_cost_path(), threads=1)
+    gains = MeasuredThreadGain(op_cost_path(2), threads=2)
+    # Price every layout once now, on the quiet machine: the per-op seconds and thread gains a prediction
+    # needs are measured here (or found in the caches) rather than after the rounds, whose processes keep
+    # the load up for minutes (gains measured then came out low: single's 1.27 busy threads against the
+    # 1.68 its steps used). The predictions below reuse them with the probes of the rounds.
+    t0 = time.time()
+    warm = Evaluator(model, calibrated, costs, gains)
+    for s in strategies:
+        warm.predict(s)
+    costs.save()
+    gains.save()
+    print(f"priced {len(names)} layouts before the rounds ({time.time() - t0:.0f} s; per-op costs and thread gains "
+          f"measured or cached, load {os.getloadavg()[0]:.2f})")
+    print(f"measuring {len(names)} layouts ({o.rounds} rounds x {o.steps} steps, interleaved)")
     timer = LayoutTimer(overrides, probe_step=calibrated.probe_step)
     measured = timer.measure(strategies, o.rounds, o.steps)
     cap, slow, sync, skew = timer.capacity(), timer.contention(), timer.sync(), timer.skew()
@@ -151,8 +166,6 @@ def main() -> None:
     cluster = dataclasses.replace(calibrated, capacity=cap, contention=slow or calibrated.contention, intra=intra,
                                   inter=intra, sync=tuple((n, us * 1e-6) for n, us in sync) or calibrated.sync,
                                   skew=skew or calibrated.skew)
-    costs = MeasuredOpCosts(op_cost_path(), threads=1)
-    gains = MeasuredThreadGain(op_cost_path(2), threads=2)
     ev = Evaluator(model, cluster, costs, gains)
     print(f"capacity used for predictions (busy threads -> cores, median of rounds): {list(cap)}")
     print(f"contention used (busy processes -> CPU time per unit of work vs quiet calibration): "
