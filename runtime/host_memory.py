@@ -7,9 +7,10 @@ kernel at once, and a heap whose free top passes the trim threshold is
 shrunk; the next step's allocation of the same size then takes fresh pages,
 and every first touch of a page is a page fault the kernel serves by
 zeroing it. Measured on this project's dp2 GPT-2 step (``bench_gpt.py``'s
-pair, 2 ranks, gloo): 12-28 thousand minor faults per step on each rank,
-the kernels that write big fresh outputs (``mm``, ``_log_softmax`` and its
-backward, ``copy_``) 13-77% slower (self CPU under torch.profiler, main-thread steps) than in a step without faults.
+pair, 2 ranks, gloo): 8-28 thousand minor faults per step on each rank,
+and the kernels that write big fresh outputs (``mm``, ``_log_softmax`` and
+its backward, ``copy_``) 13-77% slower than in a step without faults (self
+CPU under ``torch.profiler``, steps on the main thread).
 
 ``keep_freed_host_memory()`` makes glibc keep what it frees, as a caching
 allocator does for device memory: blocks up to 32 MiB (glibc's largest
@@ -27,8 +28,8 @@ first thing; later calls still set the thresholds.
 
 The process's resident memory then stays at its peak instead of following
 every step's rise and fall (what the heap holds in use, ``mallinfo2``, is
-unchanged). Process-wide, once; nothing happens
-where the C library is not glibc (``mallopt`` absent). Not an allocator of
+unchanged). Process-wide, once; nothing happens where the C library is
+not glibc (``mallopt`` absent). Not an allocator of
 our own, nor jemalloc/tcmalloc: those need ``LD_PRELOAD`` before the
 process starts, which a rank spawned by torchrun or our launcher does not
 get from the training code.
