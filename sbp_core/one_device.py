@@ -38,7 +38,10 @@ from torch import nn
 
 from .dispatch import explaining
 from .global_tensor import GlobalTensor
+from .sbp import Partial
 from .sparse import SparseGlobalTensor, sparse_sbp_for
+
+_PSUM = Partial("sum")
 
 
 def runs_local(placement) -> bool:
@@ -46,11 +49,35 @@ def runs_local(placement) -> bool:
     return placement.size == 1 and not explaining()
 
 
-class LocalParameters:
-    """Swaps ``module``'s global parameters and buffers for plain tensors and back (see the module docstring)."""
+def replicated(module: nn.Module) -> bool:
+    """Is every parameter and buffer of ``module`` a global tensor ``B`` on every mesh axis, with no sparse
+    gradients (``nn.Embedding(sparse=True)``)? Then each device may run its own rows on ``LocalParameters(
+    module, partial=True)`` — where the loss and the forward allow (``runtime.pipeline.plain_stage``)."""
+    for t in (*module.parameters(), *module.buffers()):
+        if not isinstance(t, GlobalTensor) or not all(s.is_broadcast for s in t.sbp):
+            return False
+    return not any(getattr(m, "sparse", False) is True for m in module.modules())
 
-    def __init__(self, module: nn.Module):
+
+def _partial_layout(layout):
+    """``P(sum)`` on every mesh axis of more than one device (an axis of one keeps its SBP: one collective kind)."""
+    return layout.with_sbp(tuple(_PSUM if n > 1 else s for n, s in zip(layout.placement.shape, layout.sbp)))
+
+
+class LocalParameters:
+    """Swaps ``module``'s global parameters and buffers for plain tensors and back (see the module docstring).
+
+    ``partial=True`` (a stage whose parameters are all ``B`` over several
+    devices, each running its own rows of the batch on the leaves,
+    ``runtime.pipeline.plain_stage``): ``restore`` hands each gradient over
+    as ``P(sum)`` on every mesh axis of more than one device, each replica's share, which the
+    caller's ``box_grads`` all-reduces to the parameter's ``B`` as it does
+    the dispatched path's partial gradients. Dense gradients only.
+    """
+
+    def __init__(self, module: nn.Module, partial: bool = False):
         self.module = module
+        self.partial = partial
         self._swapped = None  # [(module's _parameters or _buffers dict, name, global tensor)] while swapped
         self._leaves = []  # [(global parameter, its leaf)] while swapped
 
@@ -89,8 +116,11 @@ class LocalParameters:
             if grad is None:
                 continue
             if grad.is_sparse:
+                if self.partial:
+                    raise NotImplementedError("a sparse gradient has no partial layout here: "
+                                              "a stage with sparse embeddings stays on the dispatched path")
                 grad = SparseGlobalTensor(grad, p.layout.with_sbp(sparse_sbp_for(p.sbp)))
             else:
-                grad = GlobalTensor(grad, p.layout)
+                grad = GlobalTensor(grad, _partial_layout(p.layout) if self.partial else p.layout)
             p.grad = grad if p.grad is None else p.grad + grad
         self._swapped, self._leaves = None, []

@@ -46,8 +46,12 @@ def global_batch(step: int) -> torch.Tensor:
 
 
 def build(dp: int, tp: int, pp: int, micro: int = MICRO, schedule: str = "1f1b", traced: bool = False,
-          cfg: GPT2Config = CFG, batch_of=global_batch, seq: int = SEQ, batch: int = BATCH, max_grad_norm=None):
-    """This rank's pipelined GPT-2: ``(PipelineStep, stage module or None)``; every rank calls it."""
+          cfg: GPT2Config = CFG, batch_of=global_batch, seq: int = SEQ, batch: int = BATCH, max_grad_norm=None,
+          rows_weigh_equally: bool = True):
+    """This rank's pipelined GPT-2: ``(PipelineStep, stage module or None)``; every rank calls it.
+
+    ``rows_weigh_equally``: GPT-2's loss is (``Recipe.rows_weigh_equally``), so dp stages (dp2_pp2) run plain
+    after their audit."""
     me = torch.distributed.get_rank()
     placements = stage_placements(dp, tp, pp)
     stage = me // (dp * tp) if me < dp * tp * pp else None
@@ -66,7 +70,8 @@ def build(dp: int, tp: int, pp: int, micro: int = MICRO, schedule: str = "1f1b",
 
     pcfg = PipelineConfig(placements, micro, {"input_ids": ((batch // micro, seq), torch.int64)},
                           (batch // micro, seq, cfg.n_embd), DATA_SBP, ACT_SBP, ("input_ids",), ("input_ids",),
-                          schedule=schedule, tied=TIED, max_grad_norm=max_grad_norm, timeout=20)
+                          schedule=schedule, tied=TIED, max_grad_norm=max_grad_norm, timeout=20,
+                          rows_weigh_equally=rows_weigh_equally)
     trace = (lambda: Trace(rank=me)) if traced else None
     return PipelineStep(pcfg, module, opt, stage_forward, batches, trace_factory=trace), module
 

@@ -52,7 +52,13 @@ class Recipe(ABC):
     (field names); ``pipeline`` (dict or ``None``); ``act_sbp`` (stage
     boundary activations); ``tied`` (parameter-name pairs shared by the first
     and last stage); ``throughput_unit`` ("tokens", "images", "samples": the
-    metrics key is ``<unit>_per_s``).
+    metrics key is ``<unit>_per_s``); ``rows_weigh_equally``: the loss is a
+    mean over the batch's rows (samples, or tokens of equal count per row)
+    in which every row weighs the same, whatever the data — no ignored
+    targets, no per-sample weights — so a pure data-parallel stage may run on
+    plain tensors, each replica's loss scaled by 1/replicas
+    (``runtime.pipeline.plain_stage``; an audit of the first micro-batch
+    still checks the forward for anything else coupling rows).
     """
 
     name: str = ""
@@ -65,6 +71,7 @@ class Recipe(ABC):
     act_sbp: tuple = (Split(0), Broadcast())
     tied: tuple = ()
     throughput_unit: str = "samples"
+    rows_weigh_equally: bool = False
 
     # -- configuration -------------------------------------------------------------------------
 

@@ -105,7 +105,8 @@ class Job:
         self.pipe_cfg = PipelineConfig(
             self.placements, lay.accumulation, batch, recipe.act_shape(cfg, rows) if lay.pp > 1 else None,
             recipe.data_sbp, recipe.act_sbp, recipe.inputs, recipe.labels, schedule=str(cfg.parallel.pp_schedule),
-            max_grad_norm=float(tr.grad_clip) if tr.grad_clip else None, tied=list(recipe.tied))
+            max_grad_norm=float(tr.grad_clip) if tr.grad_clip else None, tied=list(recipe.tied),
+            rows_weigh_equally=recipe.rows_weigh_equally)
         forward = recipe.stage_forward
         if tr.precision == "bf16":
             forward = autocast_forward(forward, device_type)

@@ -31,6 +31,7 @@ class GPT2Recipe(Recipe):
     pipeline = PIPELINE
     tied = tuple(TIED)
     throughput_unit = "tokens"
+    rows_weigh_equally = True  # next-token cross-entropy over every position of fixed-length rows: no ignored targets
 
     def check(self, cfg, layout) -> list:
         return config.problems(cfg, layout)

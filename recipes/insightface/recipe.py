@@ -56,6 +56,7 @@ class InsightFaceRecipe(Recipe):
     labels = ("label",)
     pipeline = None
     throughput_unit = "images"
+    rows_weigh_equally = True  # margin softmax loss, the mean over images
 
     def check(self, cfg, layout) -> list:
         return super().check(cfg, layout) + config.problems(cfg, layout)

@@ -35,6 +35,7 @@ class WideDeepRecipe(Recipe):
     labels = ("label",)
     pipeline = None
     throughput_unit = "samples"
+    rows_weigh_equally = True  # binary cross-entropy, the mean over samples
 
     def check(self, cfg, layout) -> list:
         out = super().check(cfg, layout) + config.problems(cfg.model, cfg.data)

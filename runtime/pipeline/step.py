@@ -36,15 +36,18 @@ form a lockstep gang (their actions call collectives with each other), so
 they act in the order their first rank picks — unless that order is forced
 (a stash of one register, evaluation), when they need no gang.
 
-A stage whose placement holds one device (``sc.runs_local``) runs its
-forwards and backwards on plain tensors: for the step, its module's global
-parameters are swapped for leaves sharing their storage
-(``sc.LocalParameters``), micro-batch fields and boundary activations enter
-as their locals, and ``reduce`` first hands the leaves' gradients back to
-the parameters in their layouts, so gradient reduction, tied gradients,
-clipping and the optimizer see global tensors as on any other stage. On one
-device every op's signature is the plain one, so values are the dispatched
-path's bit for bit, without its per-op host cost.
+A stage whose placement holds one device (``sc.runs_local``), or a pure
+data-parallel stage once its first micro-batch passed the audit
+(``runtime.pipeline.plain_stage``), runs its forwards and backwards on
+plain tensors: for the step, its module's global parameters are swapped
+for leaves sharing their storage (``sc.LocalParameters``), micro-batch
+fields and boundary activations enter as their locals, and ``reduce``
+first hands the leaves' gradients back to the parameters (in their
+layouts on one device; as ``P`` partial sums under data parallel, which
+``box_grads`` then all-reduces), so gradient reduction, tied gradients,
+clipping and the optimizer see global tensors as on any other stage. The
+last stage of a data-parallel one divides its loss by its replicas and
+gets the step's loss back by one scalar all-reduce.
 """
 from __future__ import annotations
 
@@ -56,10 +59,12 @@ import torch
 
 import sbp_core as sc
 from sbp_core import GlobalTensor, Layout
+from sbp_core.dispatch import explaining
 from sbp_core.process_groups import world_rank
 
 from ..executor import run
 from ..plan import ActorSpec, Plan
+from . import plain_stage
 from .boundary import boundary_actors
 from .tied import TiedGrads
 
@@ -96,6 +101,7 @@ class PipelineConfig:
     max_grad_norm: float | None = None
     tied: list = field(default_factory=list)  # [(first-stage name, last-stage name)]
     timeout: float = 120.0
+    rows_weigh_equally: bool = False  # the loss is a mean over rows of equal weight (``Recipe``, plain_stage)
 
     def check(self) -> None:
         pp, m = len(self.placements), self.micro_batches
@@ -156,7 +162,12 @@ class PipelineStep:
         self.tied = TiedGrads(cfg.tied, module, cfg.placements, self.stage)
         # ZeRO's cast module keeps masters and compute copies apart: it stays on the dispatched path.
         one = self.stage is not None and cfg.placements[self.stage].size == 1 and getattr(module, "_zero", None) is None
-        self._shards = sc.LocalParameters(module) if one else None
+        self._replicas = plain_stage.replicas(cfg, self.stage, module) if self.stage is not None and not one else 0
+        self._shards = sc.LocalParameters(module) if one else \
+            sc.LocalParameters(module, partial=True) if self._replicas else None
+        self._audit = bool(self._replicas)  # the next training step's first micro-batch audits the plain path
+        self._audited = False  # passed: the data-parallel stage runs plain from now on
+        self._auditing = False  # this step's first forward is the audit
         self._local = False  # this step runs the stage on plain tensors (decided per run, see _run)
         self.step_index = 0
         self._losses = []
@@ -196,6 +207,11 @@ class PipelineStep:
         return out
 
     def _forward(self, k, x, labels=None):
+        if self._auditing and k == 0:
+            self._auditing = self._audit = False
+            st, self._audited = plain_stage.audit(lambda: self._forward(k, x, labels), lambda: self._plain_forward(k, x, labels),
+                                                  self.cfg.placements[self.stage], self._replicas, self.stage == self.pp - 1)
+            return st
         s, last = self.stage, self.stage == self.pp - 1
         if s == 0:
             x = self._global_fields(x, self.cfg.inputs)
@@ -206,7 +222,19 @@ class PipelineStep:
         out = self.forward(self.module, x, labels)
         if not last and not self._local:  # one device: any act_sbp's local is the whole tensor
             out = out.to_global(sbp=self.cfg.act_sbp)
+        if last and self._local and self._replicas:  # this replica's share of the mean: the dispatched loss's partial
+            out = out / self._replicas
         return Stash(x if s > 0 else None, out)
+
+    def _plain_forward(self, k, x, labels):
+        """``_forward`` on plain tensors, this once (the audit's other side)."""
+        self._shards.swap()
+        self._local = True
+        try:
+            return self._forward(k, x, labels)
+        finally:
+            self._local = False
+            self._shards.restore()
 
     def _eval_forward(self, k, x, labels=None):
         with torch.no_grad():
@@ -222,7 +250,7 @@ class PipelineStep:
         total = losses[0]
         for x in losses[1:]:
             total = total + x
-        self.last_loss = float(_value(total / len(losses)))
+        self.last_loss = float(self._value(total / len(losses)))
         return self.last_loss
 
     def _backward(self, k, stash: Stash, grad=None):
@@ -256,7 +284,15 @@ class PipelineStep:
         total = losses[0]
         for x in losses[1:]:
             total = total + x
-        return float(_value(total / len(losses)))
+        return float(self._value(total / len(losses)))
+
+    def _value(self, loss):
+        """A loss's whole value: a global tensor's full value; a replica's partial all-reduced; else as it is."""
+        if isinstance(loss, GlobalTensor):
+            return loss.full_tensor()
+        if self._replicas:
+            return plain_stage.loss_value(loss, self.cfg.placements[self.stage])
+        return loss
 
     def _update(self, k, loss):
         norm = None
@@ -343,12 +379,13 @@ class PipelineStep:
         """
         return train and self.cfg.stash_quota(s) > 1
 
-    def _run(self, plan, pieces: int, batches):
+    def _run(self, plan, pieces: int, batches, train: bool):
         if hasattr(batches, "stages"):
             batches.step = self.step_index
         trace = self.trace_factory() if self.trace_factory else None
         self.last_loss = None
-        self._local = self._shards is not None and sc.runs_local(self.cfg.placements[self.stage])
+        self._local = self._shards is not None and plain_stage.plain(self.cfg.placements[self.stage], self._audited)
+        self._auditing = self._audit and train and not explaining()
         if self._local:
             self._shards.swap()
         try:
@@ -368,7 +405,7 @@ class PipelineStep:
             self._eval_plans[key] = self._plan(batches, micro_batches, train=False)
         saved, self.step_index = self.step_index, index
         try:
-            return self._run(self._eval_plans[key], micro_batches, batches)
+            return self._run(self._eval_plans[key], micro_batches, batches, train=False)
         finally:
             self.step_index = saved
 
@@ -376,11 +413,7 @@ class PipelineStep:
         """One optimizer step over ``micro_batches`` micro-batches; the mean loss where known, else ``None``."""
         if index is not None:
             self.step_index = index
-        loss = self._run(self.plan, self.cfg.micro_batches, self.batches)
+        loss = self._run(self.plan, self.cfg.micro_batches, self.batches, train=True)
         self.step_index += 1
         return loss
 
-
-def _value(t):
-    """A loss's whole value: ``full_tensor`` of a global tensor, a plain tensor as it is."""
-    return t.full_tensor() if isinstance(t, GlobalTensor) else t

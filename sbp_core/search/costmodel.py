@@ -76,7 +76,7 @@ class PhaseCost:
 
 
 def phase_cost(trace: PhaseTrace, op_costs, cluster: Cluster, offset: int, stage_devices, threads: int = 1,
-               gains=None, processes: int = 0) -> PhaseCost:
+               gains=None, processes: int = 0, plain: bool = False) -> PhaseCost:
     """Price ``trace`` for a stage whose rank ``r`` is device ``offset + r`` (``stage_devices``: all of its devices).
 
     With ``threads`` > 1 a kernel runs ``gain`` times faster: ``gains.gain(call)``
@@ -100,7 +100,7 @@ def phase_cost(trace: PhaseTrace, op_costs, cluster: Cluster, offset: int, stage
             comm += collective_seconds(e, cluster, tuple(offset + r for r in e.ranks), stage_devices, processes,
                                        segment)
             segment = 0.0
-    # A one-device stage runs on plain tensors (``runtime.pipeline``, ``sc.runs_local``): no dispatch to pay.
-    host = 0.0 if len(stage_devices) == 1 else len(trace.global_ops) * cluster.host_overhead
+    # A stage that runs on plain tensors (``StageTrace.plain``: one device, or pure data parallel) pays no dispatch.
+    host = 0.0 if plain or len(stage_devices) == 1 else len(trace.global_ops) * cluster.host_overhead
     busy = compute + host if cluster.costs == "measured" else max(compute, host)
     return PhaseCost(busy + comm, compute, host, comm, work + host + comm)

@@ -66,7 +66,8 @@ class Evaluator:
         devices = self.stage_devices(strategy, stage)
         threads, world = c.threads_per_device(strategy.world), strategy.world
         gains = self.thread_gains if threads > 1 else None
-        priced = {name: phase_cost(trace.phases[name], self.op_costs, c, devices[0], devices, threads, gains, world)
+        priced = {name: phase_cost(trace.phases[name], self.op_costs, c, devices[0], devices, threads, gains, world,
+                                 trace.plain)
                   for name in ("F", "B0", "B", "reduce", "update")}
         costs = {name: p.seconds for name, p in priced.items()}
         send = copy = 0.0

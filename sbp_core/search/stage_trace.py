@@ -28,6 +28,7 @@ from ..global_tensor import GlobalTensor
 from ..layout import Layout
 from ..module import box_grads, defer_grad_boxing
 from ..local_step import step_on_locals
+from ..one_device import replicated
 from ..placement import placement as make_placement
 from .rehearsal import PhaseTrace, Rehearsal
 
@@ -58,6 +59,7 @@ class StageSpec:
     act_sbp: tuple
     micro_batches: int = 1
     grad_clip: float | None = None
+    rows_weigh_equally: bool = False  # the recipe's (``toolkit.recipe.Recipe``): see ``StageTrace.plain``
     device_type: str = "cpu"
 
 
@@ -73,6 +75,10 @@ class StageTrace:
     optimizer_bytes: int = 0  # optimizer state (e.g. AdamW's two moments)
     stash_bytes: int = 0  # what one micro-batch's forward leaves alive for its backward
     act_bytes: int = 0  # the boundary activation one micro-batch sends to the next stage (this rank's part)
+    # The runtime runs the stage on plain tensors (no per-op dispatch): one device, or pure data parallel
+    # (``sc.replicated``, not ZeRO, the recipe's rows weigh equally) assuming its first-step audit passes
+    # (``runtime.pipeline.plain_stage``: BatchNorm or dropout would keep it dispatched).
+    plain: bool = False
 
 
 def global_input(shape, dtype, placement, sbp, requires_grad: bool = False) -> GlobalTensor:
@@ -112,6 +118,8 @@ def trace_stage(spec: StageSpec) -> StageTrace:
         placement = make_placement(spec.device_type, mesh)
         module, optimizer = spec.build(placement)
         r.name_modules(module)
+        out.plain = world == 1 or (spec.rows_weigh_equally and getattr(module, "_zero", None) is None
+                                   and replicated(module))
         for k in range(2):
             x, labels = spec.inputs(placement)
             with r.phase("F") as f:

@@ -56,6 +56,33 @@ def test_one_device_stages_run_on_plain_tensors_unless_explained():
     assert res[0][1] is not None and res[1][1] is not None
 
 
+def _data_parallel_plain(dropout: float, rows_weigh_equally: bool):
+    """dp2_pp2 for two steps: per rank ``(stage, replicas, audited, ran the second step plain, losses)``."""
+    from dataclasses import replace
+
+    from scripts.verify_pipeline import CFG, build
+
+    cfg = replace(CFG, embd_pdrop=dropout, resid_pdrop=dropout)
+    step, _ = build(2, 1, 2, cfg=cfg, rows_weigh_equally=rows_weigh_equally)
+    losses = [step.step(i) for i in range(2)]
+    return step.stage, step._replicas, step._audited, step._local, losses
+
+
+@pytest.mark.parametrize("dropout,rows_weigh_equally,plain", [
+    (0.0, True, True),  # parity of this path: test_layout_matches_one_device[dp2_pp2]
+    (0.1, True, False),  # the dispatched mask is drawn for the global shape: the audit sees it
+    (0.0, False, False),  # a loss whose rows may weigh unequally: never plain
+])
+def test_data_parallel_stages_run_plain_only_when_the_audit_passes(dropout, rows_weigh_equally, plain):
+    res = get_pool(8).run(_data_parallel_plain, dropout, rows_weigh_equally)
+    for stage, replicas, audited, ran_plain, losses in res:
+        if stage is None:
+            continue
+        assert replicas == (2 if rows_weigh_equally else 0)
+        assert audited == plain and ran_plain == plain, (stage, audited, ran_plain)
+    assert all(x is not None for x in res[-1][4] if res[-1][0] == 1)
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_held_micro_batches_follow_the_stash_quota(schedule):
     res = get_pool(8).run(run_pipeline, "pp4", 1, schedule)

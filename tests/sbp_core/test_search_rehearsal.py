@@ -151,6 +151,18 @@ def test_phase_cost_threaded_part():
     # a one-device stage runs on plain tensors (sc.runs_local): the same kernels, no dispatch
     alone = phase_cost(trace, _Fixed(), c, 0, (0,), threads=1)
     assert (alone.compute, alone.host, alone.thread_seconds) == pytest.approx((2e-3, 0.0, 2e-3))
+    # so does a pure data-parallel stage (StageTrace.plain)
+    dp = phase_cost(trace, _Fixed(), c, 0, (0, 1), threads=1, plain=True)
+    assert (dp.compute, dp.host) == pytest.approx((2e-3, 0.0))
+
+
+@pytest.mark.parametrize("plan,rows_weigh_equally,plain", [("replicated", True, True), ("replicated", False, False),
+                                                           ("megatron", True, False)])
+def test_a_stage_is_priced_plain_when_the_runtime_would_run_it_plain(plan, rows_weigh_equally, plain):
+    from dataclasses import replace
+
+    spec = replace(_spec(PLANS[plan]), rows_weigh_equally=rows_weigh_equally)
+    assert trace_stage(spec).plain == plain
 
 
 def test_phase_cost_per_call_gains():

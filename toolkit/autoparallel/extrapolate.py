@@ -88,5 +88,5 @@ def extrapolate(t2: StageTrace, t3: StageTrace, blocks: int) -> StageTrace | Non
     for k in ("param_bytes", "grad_bytes", "optimizer_bytes", "stash_bytes"):
         a, b = getattr(t2, k), getattr(t3, k)
         setattr(out, k, b + extra * (b - a))
-    out.act_bytes = t3.act_bytes
+    out.act_bytes, out.plain = t3.act_bytes, t3.plain
     return out

@@ -89,7 +89,7 @@ def stage_spec(recipe, cfg, strategy: Strategy, stage: int, layers=None, zero=No
         forward = autocast_forward(forward, "cpu")  # the rehearsal's tensors are (fake) CPU tensors
     return StageSpec(dp=strategy.dp, tp=strategy.tp, first=first, last=last, build=build, inputs=inputs,
                      forward=forward, act_sbp=tuple(recipe.act_sbp), micro_batches=m,
-                     grad_clip=float(cfg.trainer.grad_clip) or None)
+                     grad_clip=float(cfg.trainer.grad_clip) or None, rows_weigh_equally=recipe.rows_weigh_equally)
 
 
 def mesh_plan(recipe, cfg, strategy: Strategy) -> dict:
