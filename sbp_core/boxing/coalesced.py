@@ -77,6 +77,21 @@ def _start(items, axis: int, kind: str):
     ranks = placement.axis_ranks(axis, me)
     p, idx = len(ranks), coords[axis]
     dtype, device = items[0][0].dtype, items[0][0].device
+    if kind == "all_reduce" and p == 2:
+        # Two ranks: every element is a + b whichever algorithm runs (collectives.all_reduce_packed_start),
+        # so the tensors go whole, one after another, and come back as views of the reduced buffer.
+        sizes = [loc.numel() for loc, _, _ in items]
+        shapes = [loc.shape for loc, _, _ in items]
+        n = sum(sizes)
+        half = (n + 1) // 2
+        packed = torch.empty(2 * half, dtype=dtype, device=device)
+        torch.cat([loc.reshape(-1) for loc, _, _ in items], out=packed[:n])
+        packed[n:].zero_()
+
+        def unpack_whole(got):
+            return [t.view(shape) for t, shape in zip(got.view(-1)[:n].split(sizes), shapes)]
+
+        return collectives.all_reduce_packed_start(packed, ranks, "sum", [half, n - half], owned=True), unpack_whole
     if kind == "all_reduce":
         # Piece k of every (flattened) tensor into chunk k: see collectives.all_reduce_packed_start.
         pieces = [loc.reshape(-1).tensor_split(p) for loc, _, _ in items]
@@ -284,7 +299,7 @@ def box_many_async(items, into=None) -> PendingBoxing:
             out[i] = into[i].copy_(out[i])
     parts = []
     for idxs, axis, kind, ranks, even in plan.groups:
-        if even is not None:
+        if even is not None and not (kind == "all_reduce" and len(ranks) == 2):  # two: _start packs whole
             sub_into = [None] * len(idxs) if into is None else [into[i] for i in idxs]
             parts.append((idxs, *even.start([items[i][0] for i in idxs], ranks, sub_into)))
         else:
