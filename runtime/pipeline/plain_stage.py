@@ -83,10 +83,16 @@ def _set_rng_state(state: tuple) -> None:
 
 
 def audit(dispatched, plain_forward, placement, n: int, last: bool):
-    """``(dispatched's result, passed)``: runs ``dispatched()`` (a stage forward on global tensors, returning its
-    ``Stash``) and ``plain_forward()`` (the same on plain tensors, no grad; on the ``last`` stage its loss already
-    divided by the ``n`` replicas) from one RNG state and compares their outputs on every rank of ``placement`` (one scalar ``P(max) -> B`` box: an all-reduce over the stage).
-    The RNG state afterwards is the dispatched run's."""
+    """``(dispatched's result, passed)``: the audit of a data-parallel stage's first micro-batch.
+
+    Runs ``dispatched()`` (a stage forward on global tensors, returning its
+    ``Stash``) and ``plain_forward()`` (the same on plain tensors, no grad;
+    on the ``last`` stage its loss already divided by the ``n`` replicas)
+    from one RNG state, compares their outputs on every rank of
+    ``placement`` within ``AUDIT_RTOL`` and agrees on the verdict (one
+    scalar ``P(max) -> B`` box: an all-reduce over the stage). The RNG state
+    afterwards is the dispatched run's.
+    """
     before = _rng_state(placement.device_type)
     st = dispatched()
     after = _rng_state(placement.device_type)

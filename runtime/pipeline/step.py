@@ -209,8 +209,9 @@ class PipelineStep:
     def _forward(self, k, x, labels=None):
         if self._auditing and k == 0:
             self._auditing = self._audit = False
-            st, self._audited = plain_stage.audit(lambda: self._forward(k, x, labels), lambda: self._plain_forward(k, x, labels),
-                                                  self.cfg.placements[self.stage], self._replicas, self.stage == self.pp - 1)
+            st, self._audited = plain_stage.audit(
+                lambda: self._forward(k, x, labels), lambda: self._plain_forward(k, x, labels),
+                self.cfg.placements[self.stage], self._replicas, self.stage == self.pp - 1)
             return st
         s, last = self.stage, self.stage == self.pp - 1
         if s == 0:
