@@ -2,7 +2,7 @@
 
     python scripts/verify_parity.py
 
-Each layout trains 3 AdamW steps (fp32, dropout 0) from the same seed and the
+Each layout trains 3 AdamW steps (fp32, dropout 0 but in one layout) from the same seed and the
 same batches as a single-device run in the same process; for every step it
 compares the loss, every parameter's gradient, and after the optimizer step
 every parameter (max relative difference, ``max|a-b| / max|b|`` per tensor).
@@ -14,12 +14,14 @@ optimizers the same gradients keeps the parameters equal, so each step's
 loss and gradients measure the layout alone, and the parameter check
 measures our optimizer path (local shards, boxed gradients) alone. Layouts: data parallel on 2 and 4 ranks,
 Megatron tensor parallel on 2 and 4 ranks, data x tensor on a 2x2 mesh, the
-same with sequence-parallel LayerNorm regions (GPT-2), and a layout where the
-cost model chose every activation layout from the weights' SBP alone. Last
+same with sequence-parallel LayerNorm regions (GPT-2), a layout where the
+cost model chose every activation layout from the weights' SBP alone, and
+data x tensor with dropout 0.1 (both runs draw from one RNG state). Last
 line: ``parity: K/K layouts within 1e-5``.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
@@ -88,6 +90,9 @@ def layouts():
     out["gpt2 tp2 sequence-parallel"] = ("gpt2", [0, 1], {**GPT_TP, **GPT_SP_PINS}, (B,))
     out["gpt2 dp2 x tp2 sequence-parallel"] = ("gpt2", [[0, 1], [2, 3]], _on_axis({**GPT_TP, **GPT_SP_PINS}, B, 1, 2), (S0, B))
     out["gpt2 dp2 x tp2 cost-chosen"] = ("gpt2", [[0, 1], [2, 3]], _on_axis(GPT_TP, B, 1, 2), (S0, B))
+    # Dropout 0.1 everywhere: masks drawn for the global shape equal one device's draws from the same RNG state.
+    out["gpt2 dp2 x tp2 dropout"] = ("gpt2-dropout", [[0, 1], [2, 3]], _on_axis({**GPT_TP, **GPT_TP_PINS}, B, 1, 2),
+                                     (S0, B))
     return out
 
 
@@ -97,7 +102,8 @@ def _model_and_batches(kind):
         model = MLP()
         batches = [(torch.randn(16, 32), torch.randint(0, 8, (16,))) for _ in range(STEPS)]
     else:
-        model = GPT2LMHeadModel(GPT_CFG)
+        p = 0.1 if kind == "gpt2-dropout" else 0.0
+        model = GPT2LMHeadModel(dataclasses.replace(GPT_CFG, embd_pdrop=p, resid_pdrop=p, attn_pdrop=p))
         batches = [(ids, ids) for ids in (torch.randint(0, GPT_CFG.vocab_size, (4, 16)) for _ in range(STEPS))]
     return model, batches
 
@@ -122,8 +128,10 @@ def run_layout(name):
     me = torch.distributed.get_rank()
     worst_loss = worst_grad = worst_param = 0.0
     for x, y in batches:
+        rng = torch.get_rng_state()  # both runs draw their dropout masks from one state
         ref_loss = _loss(kind, ref, x, y)
         ref_loss.backward()
+        torch.set_rng_state(rng)
         gx = sc.distribute(x, p, in_sbp)
         gy = sc.distribute(y, p, in_sbp)
         loss = _loss(kind, model, gx, gy)

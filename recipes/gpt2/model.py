@@ -60,13 +60,23 @@ class Attention(nn.Module):
         self.c_proj = Conv1D(cfg.n_embd, cfg.n_embd)
         self.attn_pdrop = cfg.attn_pdrop
         self.resid_dropout = nn.Dropout(cfg.resid_pdrop)
+        if cfg.attn_pdrop > 0:
+            # With dropout torch's attention takes its math path, whose ``is_causal`` mask is a new plain
+            # tensor made inside the op, which a global tensor's op cannot mix with; a buffer is laid out
+            # by the plan like any other (B). Hugging Face's GPT-2 keeps such a buffer too (not saved).
+            self.register_buffer("causal", torch.ones(cfg.n_positions, cfg.n_positions, dtype=torch.bool).tril(),
+                                 persistent=False)
 
     def forward(self, x):
         b, t, c = x.shape
         hs = c // self.n_head
         qkv = self.c_attn(x).view(b, t, self.n_head, 3 * hs)
         q, k, v = (z.transpose(1, 2) for z in qkv.split(hs, dim=3))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.attn_pdrop if self.training else 0.0)
+        p = self.attn_pdrop if self.training else 0.0
+        if p:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=self.causal[:t, :t], dropout_p=p)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         y = y.transpose(1, 2).reshape(b, t, c)
         return self.resid_dropout(self.c_proj(y))
 
