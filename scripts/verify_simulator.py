@@ -128,6 +128,7 @@ def main() -> None:
     from sbp_core.search.space import SearchSpace
     from sbp_core.search.threadgain import MeasuredThreadGain
     from toolkit.autoparallel.cluster_file import load_cluster
+    from toolkit.autoparallel.kernel_factor import model_kernel_factor
     from toolkit.autoparallel.search_model import RecipeSearchModel
     from toolkit.config import compose
 
@@ -145,6 +146,12 @@ def main() -> None:
     calibrated = load_cluster(o.cluster)
     costs = MeasuredOpCosts(op_cost_path(), threads=1)
     gains = MeasuredThreadGain(op_cost_path(2), threads=2)
+    # This model's kernels inside its own plain step against measured alone (toolkit.autoparallel.kernel_factor),
+    # in place of the calibration GPT-2s' factor: gpt2-tiny's calls summed alone to 1.25-4x their in-step time.
+    factor = model_kernel_factor(model, costs, o.micro)
+    print(f"kernel factor of {cfg.model.name} (its plain step over its calls measured alone): {factor:.3f} "
+          f"(cluster file: {calibrated.kernel_factor:.3f})")
+    calibrated = dataclasses.replace(calibrated, kernel_factor=factor)
     # Price every layout once now, on the quiet machine: the per-op seconds and thread gains a prediction
     # needs are measured here (or found in the caches) rather than after the rounds, whose processes keep
     # the load up for minutes (gains measured then came out low: single's 1.27 busy threads against the

@@ -19,6 +19,8 @@ the same plan: the search is deterministic, or the cached file is there).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import hashlib
 import json
 import os
@@ -77,6 +79,7 @@ def search_plan(cfg, recipe, zero=None, progress: bool = True, log=print):
     from sbp_core.search.threadgain import MeasuredThreadGain
     from sbp_core.search.space import SearchSpace
 
+    from .kernel_factor import model_kernel_factor
     from .search_model import RecipeSearchModel
 
     cfg = typed(cfg, recipe)
@@ -90,6 +93,9 @@ def search_plan(cfg, recipe, zero=None, progress: bool = True, log=print):
     else:
         costs = RooflineOpCosts(cluster.peak_flops, cluster.mem_bandwidth, cluster.kernel_overhead)
     model = RecipeSearchModel(recipe, cfg, zero)
+    if cluster.costs == "measured":  # this model's kernels in its own step, not the calibration GPT-2s'
+        cluster = dataclasses.replace(
+            cluster, kernel_factor=model_kernel_factor(model, costs, int(cfg.trainer.micro_batch_size)))
     space = SearchSpace(model, devices, all_devices=all_devices)
     log(f"searching plans for {recipe.name} on {cluster.name} ({devices} devices{'' if all_devices else ' at most'}; "
         f"budget {s.budget}, beta {s.beta})")
