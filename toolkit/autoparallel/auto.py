@@ -20,7 +20,6 @@ the same plan: the search is deterministic, or the cached file is there).
 from __future__ import annotations
 
 import dataclasses
-
 import hashlib
 import json
 import os
