@@ -27,8 +27,11 @@
    with the capacity, link, sync and contention measured in step 1 (medians) —
    rehearsed stages, per-op CPU seconds measured here before the rounds, on
    the quiet machine (and per-op gains of 2
-   intra-op threads for one process, ``threadgain``), the task graph of the runtime's
-   actors, processor sharing of the cores. No step time of step 1 enters a
+   intra-op threads for one process, ``threadgain``), scaled by the model's own
+   kernel factor (its plain one-device step over those per-op seconds,
+   ``toolkit.autoparallel.kernel_factor``, in place of the cluster file's), the
+   task graph of the runtime's actors, processor sharing of the cores. No
+   layout's step time from step 1 enters a
    prediction. Also printed: the predicted and measured CPU seconds per rank.
 3. **Delta vs full**: random per-op (per layer) layout changes of a tp2_pp2
    strategy, each predicted with full simulation and with delta simulation
