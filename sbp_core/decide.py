@@ -57,8 +57,8 @@ class Decision:
     - ``direct_local``: the same but with a custom local: run ``entry.local(func, locals, kwargs, ctx)``;
     - ``call``: what runs the op on locals (``local_call.local_callable``: its Python binding or ``func._op``);
     - ``wrap``: ``WRAP_ONE`` (a tensor), ``WRAP_SEQ`` (a flat tuple/list, type ``seq_type``) or ``WRAP_TREE``;
-    - ``fast``: ``one`` when the op is ``plain``, not in place and has one tensor output (the hot path's
-      single test), else ``None``;
+    - ``fast``: ``one`` plus the output local's device when the op is ``plain``, not in place, has one
+      tensor output and names no device (the hot path's single test), else ``None``;
     - ``func`` is kept so the op object (whose ``id`` keys the cache) outlives the entry.
     """
 
@@ -204,8 +204,13 @@ def _choose(func, flat, spec, gpos, placement) -> Decision:
     return d
 
 
-def _wrap_kind(d: Decision) -> None:
-    """How the hot path rebuilds the output: one tensor, a flat tuple/list, or the pytree."""
+def _wrap_kind(d: Decision, device) -> None:
+    """How the hot path rebuilds the output: one tensor, a flat tuple/list, or the pytree.
+
+    ``device`` is where the output's local lives (the inputs' locals' device, on the placement's
+    device type) when the call names no device, else None: only then does ``fast`` carry it,
+    so the hot path reads no ``out.device`` (a device object built per op, ~70 ns).
+    """
     spec = d.out_spec
     # What the hot path wraps each output with: (shape, strides, dtype, layout), None for a non-tensor.
     # Dense row-major strides go as None: the wrapper constructor then derives them itself, which
@@ -213,7 +218,9 @@ def _wrap_kind(d: Decision) -> None:
     d.many = [None if o is None else (o[0].shape, None if o[1] == o[0].strides else o[1], o[0].dtype, o[0])
               for o in d.out_layouts]
     d.one = d.many[0] if spec.is_leaf() else None
-    d.fast = d.one if d.plain and not d.inplace else None
+    d.fast = None
+    if d.plain and not d.inplace and d.one is not None and device is not None:
+        d.fast = d.one + (device,)
     d.seq_type = None
     if d.one is not None:
         d.wrap = WRAP_ONE
@@ -250,5 +257,8 @@ def decide(func, args, kwargs) -> Decision:
         margs, mkwargs = _meta_args(flat, spec, gpos)
         d.call = local_callable(func, margs, mkwargs, d.meta_out)
     d.meta_out = None
-    _wrap_kind(d)
+    device = flat[gpos[0]]._local.device
+    if device.type != placement.device_type or any(isinstance(a, torch.device) for a in flat):
+        device = None  # a call naming a device, or locals off the placement's device: read out.device
+    _wrap_kind(d, device)
     return d

@@ -144,13 +144,14 @@ def dispatch(func, types, args=(), kwargs=None):
         d = _miss(func, args, kwargs or {}, key)
     if _explain:
         _record_explain(func, args, kwargs, d)
-    one = d.fast
-    if one is not None:  # plain, not in place, one tensor out: the common case, tested once
+    fast = d.fast
+    if fast is not None:  # plain, not in place, one tensor out: the common case, tested once
         out = d.call(*loc, **kwargs) if kwargs else d.call(*loc)
-        # wrap(out, ...) inlined: one frame less per op.
-        g = _make_wrapper(GlobalTensor, one[0], one[1], None, None, one[2], _strided, out.device)
+        # wrap(out, ...) inlined: one frame less per op; the device comes with the decision.
+        shape, strides, dtype, layout, device = fast
+        g = _make_wrapper(GlobalTensor, shape, strides, None, None, dtype, _strided, device)
         g._local = out
-        g._layout = one[3]
+        g._layout = layout
         return g
     if d.plain:
         out = d.call(*loc, **kwargs) if kwargs else d.call(*loc)

@@ -100,14 +100,18 @@ def _hot_path_counts():
     slow = [str(d.func) for d in _cache.values()
             if d.func in (aten.add.Tensor, aten.mm.default, aten.relu.default) and d.fast is None]
     dense = [d.fast[1] for d in _cache.values() if d.func is aten.add.Tensor and d.fast is not None]
-    return out, misses, sig, slow, dense
+    # The fast path takes the output's device from the decision: the wrapper's must be its local's.
+    z = x + y
+    devices = (z.device, z.to_local().device, [d.fast[4] for d in _cache.values() if d.fast is not None])
+    return out, misses, sig, slow, dense, devices
 
 
 def test_hot_path_call_counts_do_not_grow():
     res = get_pool(WORLD).run(_hot_path_counts)
     for rank in (0, 1):
-        counts, misses, sig, slow, dense = res[rank]
+        counts, misses, sig, slow, dense, (wrapper, local, cached) = res[rank]
         assert sig == (sbp.split(1),), sig  # the tp signature B, S(1) -> S(1), no boxing
+        assert wrapper == local == torch.device("cpu") and cached and set(cached) == {local}, (wrapper, local, cached)
         assert not slow, f"plain one-output decisions off the fast path: {slow}"
         assert dense and all(s is None for s in dense), dense
         assert not any(misses.values()), misses
