@@ -2,7 +2,9 @@
 
 Each call builds a cache key from the op and its arguments, each global
 tensor contributing its (interned) ``Layout`` object, so the key is a tuple
-hashed in C. A miss goes to ``decide`` (the rule, the costed choice of
+hashed in C; a call on one or two global tensors and nothing else (most of a
+model's ops) builds that tuple directly, the others through a list (0.2 us
+less for ``add``/``relu``, 0.05 us more for the rest). A miss goes to ``decide`` (the rule, the costed choice of
 signature, the meta run for output shapes), which validates the call; a hit
 re-validates nothing, because the same layouts passed validation when the
 entry was made. A hit on a ``plain`` decision (member rank, no boxing, no
@@ -101,41 +103,51 @@ def dispatch(func, types, args=(), kwargs=None):
     """``GlobalTensor.__torch_dispatch__`` (a staticmethod: torch then calls this function as it is,
     with no bound method made per op). Kept flat on purpose: every Python frame and bytecode here
     is paid per op (see the README's performance notes)."""
-    key = [id(func)]
-    loc = []  # the arguments with each global tensor replaced by its local
-    try:
-        for a in args:  # branches ordered by how often aten arguments take them
-            t = type(a)
-            if t is GlobalTensor:
-                key.append(a._layout)
-                loc.append(a._local)
-                continue
-            if t is int or t is bool or a is None:
-                key.append(a)
-            elif t is list or t is tuple:
-                # aten lists are homogeneous: a tensor list starts with a tensor or (Tensor?[]) None.
-                if a and (a[0] is None or isinstance(a[0], _Tensor)):
-                    raise _Nested
-                key.append(tuple(a))
-            elif t is float:
-                key.append(_FLOAT_ZERO if a == 0.0 else _FLOAT)
-            elif isinstance(a, _Tensor):
-                if isinstance(a, GlobalTensor):  # a subclass
+    n = len(args)
+    if n == 1 and not kwargs and type(args[0]) is GlobalTensor:  # unary ops: the key without a list
+        a = args[0]
+        key = (id(func), a._layout)
+        loc = [a._local]
+    elif n == 2 and not kwargs and type(args[0]) is GlobalTensor and type(args[1]) is GlobalTensor:  # binary
+        a, b = args
+        key = (id(func), a._layout, b._layout)
+        loc = [a._local, b._local]
+    else:
+        key = [id(func)]
+        loc = []  # the arguments with each global tensor replaced by its local
+        try:
+            for a in args:  # branches ordered by how often aten arguments take them
+                t = type(a)
+                if t is GlobalTensor:
                     key.append(a._layout)
                     loc.append(a._local)
                     continue
-                if a.dim() != 0:
-                    mixed_local(func, a)
-                key.append(_LOCAL_0D)
-                key.append(a.dtype)
-            else:
-                key.append(a)
-            loc.append(a)
-        if kwargs:
-            _key_kwargs(func, kwargs, key)
-    except _Nested:
-        return _dispatch_nested(func, args, kwargs or {})
-    key = tuple(key)
+                if t is int or t is bool or a is None:
+                    key.append(a)
+                elif t is list or t is tuple:
+                    # aten lists are homogeneous: a tensor list starts with a tensor or (Tensor?[]) None.
+                    if a and (a[0] is None or isinstance(a[0], _Tensor)):
+                        raise _Nested
+                    key.append(tuple(a))
+                elif t is float:
+                    key.append(_FLOAT_ZERO if a == 0.0 else _FLOAT)
+                elif isinstance(a, _Tensor):
+                    if isinstance(a, GlobalTensor):  # a subclass
+                        key.append(a._layout)
+                        loc.append(a._local)
+                        continue
+                    if a.dim() != 0:
+                        mixed_local(func, a)
+                    key.append(_LOCAL_0D)
+                    key.append(a.dtype)
+                else:
+                    key.append(a)
+                loc.append(a)
+            if kwargs:
+                _key_kwargs(func, kwargs, key)
+        except _Nested:
+            return _dispatch_nested(func, args, kwargs or {})
+        key = tuple(key)
     try:
         d = _cache[key]
     except (KeyError, TypeError):
