@@ -10,9 +10,9 @@ the other does not), so a collective waits for the later one — the longer
 they computed since their last collective, the longer. This probe makes
 both happen as training does: ``P`` ranks of the shared rank pool
 (``toolkit.rank_pool``, one intra-op thread each) in pairs ``(0, 1), (2,
-3), ...``, all at once, each round a matmul then a 4-byte all-reduce with
-the partner (``sbp_core.boxing.collectives``), for a small and a large
-matmul. Every rank stamps each round on the machine's monotonic clock
+3), ...``, all at once, each round a matmul then a 4 KiB all-reduce with
+the partner (``MESSAGE``; ``sbp_core.boxing.collectives``), for a small
+and a large matmul. Every rank stamps each round on the machine's monotonic clock
 (one clock for all processes): when it started computing, when it reached
 the all-reduce, when it left it. Per pair and round that gives, in the same
 rounds (so drifting load hits all of it alike):
@@ -46,9 +46,14 @@ import torch
 
 # Matmul sizes: about 0.2 and 20 ms of one core; gpt2-tiny's tensor-parallel collectives are 0.3-35 ms of compute apart.
 BUSY = (160, 896)
+# Elements of the probe's all-reduce (fp32): 4 KiB, the size class of a training step's collectives. On this
+# 2-core VM a 4-byte all-reduce is the fast case: with 2 processes 0.2-0.5 ms, while one of 4 KiB or more takes
+# 1.8-3.9 ms once both ranks arrived, in tp2 steps of gpt2-tiny (72 activation all-reduces of 512 KiB: 1.8-2.4 ms)
+# and in this probe alike; a 4-byte probe put the message step at 190 us, a 4 KiB one at 710 us.
+MESSAGE = 1024
 
 
-def _sync_worker(rounds: int, busy: int) -> list:
+def _sync_worker(rounds: int, busy: int, numel: int = MESSAGE) -> list:
     """On every rank: ``[(start, reached the all-reduce, left it, CPU seconds of the matmul)]`` per round."""
     import sbp_core as sc
     from sbp_core.boxing.collectives import all_reduce
@@ -58,7 +63,7 @@ def _sync_worker(rounds: int, busy: int) -> list:
     p, r = world_size(), world_rank()
     sc.placement("cpu", [[2 * i, 2 * i + 1] for i in range(p // 2)])  # builds the pairs' groups on every rank
     pair = [r - r % 2, r - r % 2 + 1]
-    small, a = torch.zeros(1), torch.randn(busy, busy)
+    small, a = torch.zeros(numel), torch.randn(busy, busy)
     all_reduce(small, pair, "sum")
     out = []
     for _ in range(rounds):
@@ -90,7 +95,7 @@ def _trimmed_mean(xs: list, cut: float = 0.05) -> float:
     return statistics.fmean(xs[: len(xs) - int(len(xs) * cut)])
 
 
-def sync_latency(ns=(2, 4, 8), busy=BUSY, rounds: int = 48) -> list:
+def sync_latency(ns=(2, 4, 8), busy=BUSY, rounds: int = 48, numel: int = MESSAGE) -> list:
     """``[[P, microseconds per message step, skew]]`` with ``P`` of our processes in pairs (see above)."""
     from toolkit.rank_pool import get_pool
 
@@ -98,7 +103,7 @@ def sync_latency(ns=(2, 4, 8), busy=BUSY, rounds: int = 48) -> list:
     for p in ns:
         if p < 2 or p % 2:
             raise ValueError(f"sync probe with {p} processes: they pair up, so use an even number >= 2")
-        points = [pair_rounds(get_pool(p, timeout=120).run(_sync_worker, rounds, b)) for b in busy]
+        points = [pair_rounds(get_pool(p, timeout=120).run(_sync_worker, rounds, b, numel)) for b in busy]
         (w1, s1, l1, h1), (w2, s2, l2, h2) = points[0], points[-1]
         skew = max(0.0, (w2 - w1) / (s2 - s1)) if s2 > s1 else 0.0
         fixed = max(0.0, w1 - skew * s1) + l1

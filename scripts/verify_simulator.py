@@ -20,13 +20,13 @@
    top per second of compute before it (``skew``: ranks drift apart while
    computing; both ``sync_probe.py``), and the CPU
    time a fixed probe step takes with 1-8 of our processes at once relative
-   to the calibration's quiet value (``contention``).
+   to its value alone at the start, measured with the per-op table (``contention``).
 2. **Predicted**: the simulator (``sbp_core.search``) on this machine's
    cluster file, calibrated first by ``scripts/calibrate_machine.py`` (into a
    scratch file; ``--cluster`` gives one instead)
    with the capacity, link, sync and contention measured in step 1 (medians) —
    rehearsed stages, per-op CPU seconds measured here before the rounds, on
-   the quiet machine (and per-op gains of 2
+   the quiet machine, into a fresh table (and per-op gains of 2
    intra-op threads for one process, ``threadgain``), scaled by the model's own
    kernel factor (its plain one-device step over those per-op seconds,
    ``toolkit.autoparallel.kernel_factor``, in place of the cluster file's), the
@@ -120,7 +120,7 @@ def main() -> None:
     t_start = time.time()
     print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())} ({os.cpu_count()} cores)")
 
-    from calibrate_machine import calibrate, op_cost_path
+    from calibrate_machine import calibrate, contention, op_cost_path
     from layout_timing import LayoutTimer
     from recipes.registry import get
     from recipes.zero import apply_zero
@@ -147,7 +147,10 @@ def main() -> None:
     strategies = [_strategy(n, o.micro) for n in names]
 
     calibrated = load_cluster(o.cluster)
-    costs = MeasuredOpCosts(op_cost_path(), threads=1)
+    # A fresh per-op table, measured now on the quiet machine like the kernel factor below: entries of the
+    # shared cache were each measured under whatever load there was then (gpt2-tiny's calls summed to 1.2-1.4x
+    # their quiet values there), and one factor cannot undo a bias that differs from call to call.
+    costs = MeasuredOpCosts(Path(tempfile.mkdtemp()) / "op-costs.json", threads=1)
     gains = MeasuredThreadGain(op_cost_path(2), threads=2)
     # This model's kernels inside its own plain step against measured alone (toolkit.autoparallel.kernel_factor),
     # in place of the calibration GPT-2s' factor: gpt2-tiny's calls summed alone to 1.25-4x their in-step time.
@@ -165,10 +168,16 @@ def main() -> None:
         warm.predict(s)
     costs.save()
     gains.save()
-    print(f"priced {len(names)} layouts before the rounds ({time.time() - t0:.0f} s; per-op costs and thread gains "
-          f"measured or cached, load {os.getloadavg()[0]:.2f})")
+    print(f"priced {len(names)} layouts before the rounds ({time.time() - t0:.0f} s; per-op costs measured, thread "
+          f"gains measured or cached, load {os.getloadavg()[0]:.2f})")
     print(f"measuring {len(names)} layouts ({o.rounds} rounds x {o.steps} steps, interleaved)")
-    timer = LayoutTimer(overrides, probe_step=calibrated.probe_step)
+    # The rounds' contention is relative to the probe step alone on the quiet machine: measured now, with the
+    # per-op table and the kernel factor, not the cluster file's (a base measured slower than today's
+    # clamps every contention to 1.0). The least of three: other load only adds to it.
+    probe_step = min(contention(ns=(1,), steps=6)[1] for _ in range(3))
+    print(f"contention probe step alone: {probe_step * 1e3:.1f} ms of CPU (cluster file: "
+          f"{calibrated.probe_step * 1e3:.1f} ms)")
+    timer = LayoutTimer(overrides, probe_step=probe_step)
     measured = timer.measure(strategies, o.rounds, o.steps)
     cap, slow, sync, skew = timer.capacity(), timer.contention(), timer.sync(), timer.skew()
     link = timer.link()
@@ -178,7 +187,7 @@ def main() -> None:
                                   skew=skew or calibrated.skew)
     ev = Evaluator(model, cluster, costs, gains)
     print(f"capacity used for predictions (busy threads -> cores, median of rounds): {list(cap)}")
-    print(f"contention used (busy processes -> CPU time per unit of work vs quiet calibration): "
+    print(f"contention used (busy processes -> CPU time per unit of work vs the probe step alone): "
           f"{list(cluster.contention)}")
     print(f"link used (two-rank gloo all-reduce, median of rounds): {link}")
     print(f"sync used (processes -> us per message step, median of rounds): {[[n, round(us, 1)] for n, us in sync]}")
