@@ -23,8 +23,10 @@ Before timing, every implementation's output is checked against the bare one
 (same local shard on every rank), so the timings compare equal work.
 
 Timing: per pair, ``--warmup`` untimed calls of each implementation, then
-``--reps`` repetitions; in each repetition every implementation runs once
-(the order rotates each repetition), each call preceded by a barrier and
+``--reps`` repetitions; in each repetition every implementation runs once,
+in a fresh random order (the same on every rank; a rotation kept each
+implementation after the same other one, e.g. ours always right after
+DTensor's call), each call preceded by a barrier and
 timed alone with ``time.perf_counter``. Each rank takes the **median** of its
 repetitions; the reported time is the **max over ranks of those medians**
 (the slowest rank bounds a collective step). The ``90% CI`` column is a
@@ -262,8 +264,9 @@ def worker(shapes: list, reps: int, warmup: int, seed: int) -> dict:
                         raise ValueError(f"{name} {src}->{dst} {shape}: rank {me}'s local differs from bare")
             active = [name for name in IMPLS if fns[name] is not None]
             times = {name: [] for name in active}
+            rng = random.Random(seed + k)  # the same orders on every rank
             for r in range(warmup + reps):
-                order = active[r % len(active):] + active[:r % len(active)]
+                order = rng.sample(active, len(active))
                 for name in order:
                     with torch.set_grad_enabled(name == "grad"):
                         t, _ = _timed(fns[name])
