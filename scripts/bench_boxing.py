@@ -25,8 +25,8 @@ Before timing, every implementation's output is checked against the bare one
 Timing: per pair, ``--warmup`` untimed calls of each implementation, then
 ``--reps`` repetitions; in each repetition every implementation runs once,
 in a fresh random order (the same on every rank; a rotation kept each
-implementation after the same other one, e.g. ours always right after
-DTensor's call), each call preceded by a barrier and
+implementation after the same other one in three repetitions of four,
+ours right after DTensor's call), each call preceded by a barrier and
 timed alone with ``time.perf_counter``. Each rank takes the **median** of its
 repetitions; the reported time is the **max over ranks of those medians**
 (the slowest rank bounds a collective step). The ``90% CI`` column is a
