@@ -26,8 +26,9 @@
    scratch file; ``--cluster`` gives one instead)
    with the capacity, link, sync and contention measured in step 1 (medians) —
    rehearsed stages, per-op CPU seconds measured here before the rounds, on
-   the quiet machine, into a fresh table (and per-op gains of 2
-   intra-op threads for one process, ``threadgain``), scaled by the model's own
+   the quiet machine, each call again (``MeasuredOpCosts.refresh``; and
+   per-op gains of 2 intra-op threads for one process, ``threadgain``),
+   scaled by the model's own
    kernel factor (its plain one-device step over those per-op seconds,
    ``toolkit.autoparallel.kernel_factor``, in place of the cluster file's), the
    task graph of the runtime's actors, processor sharing of the cores. No
@@ -147,10 +148,10 @@ def main() -> None:
     strategies = [_strategy(n, o.micro) for n in names]
 
     calibrated = load_cluster(o.cluster)
-    # A fresh per-op table, measured now on the quiet machine like the kernel factor below: entries of the
-    # shared cache were each measured under whatever load there was then (gpt2-tiny's calls summed to 1.2-1.4x
-    # their quiet values there), and one factor cannot undo a bias that differs from call to call.
-    costs = MeasuredOpCosts(Path(tempfile.mkdtemp()) / "op-costs.json", threads=1)
+    # Per-op costs measured now on the quiet machine, like the kernel factor below (MeasuredOpCosts.refresh):
+    # entries of the shared cache were each measured under whatever load there was then, and one factor
+    # cannot undo a bias that differs from call to call.
+    costs = MeasuredOpCosts(op_cost_path(), threads=1, refresh=True)
     gains = MeasuredThreadGain(op_cost_path(2), threads=2)
     # This model's kernels inside its own plain step against measured alone (toolkit.autoparallel.kernel_factor),
     # in place of the calibration GPT-2s' factor: gpt2-tiny's calls summed alone to 1.25-4x their in-step time.

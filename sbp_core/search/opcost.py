@@ -10,7 +10,7 @@ seconds:
   work the call needs, which other jobs on a shared machine do not inflate
   the way they inflate wall time (the simulator turns work into time with
   the machine's measured capacity). Results are cached in a JSON file, so
-  each distinct call is measured once.
+  each distinct call is measured once (or once per process, ``refresh``).
 - ``RooflineOpCosts``: ``max(FLOPs / peak FLOP/s of the dtype, bytes /
   memory bandwidth) + kernel launch overhead``. FLOPs come from torch's own
   formulas (``torch.utils.flop_counter``, run on meta tensors) plus the CPU
@@ -98,10 +98,18 @@ def is_view(func) -> bool:
 class MeasuredOpCosts:
     """CPU seconds of each local call on this machine with ``threads`` intra-op threads (use 1), cached in ``path``."""
 
-    def __init__(self, path: str | os.PathLike, threads: int = 1, repeats: int = 5, budget_s: float = 0.05):
+    def __init__(self, path: str | os.PathLike, threads: int = 1, repeats: int = 5, budget_s: float = 0.05,
+                 refresh: bool = False):
+        """``refresh``: measure each call again on its first use here, replacing the file's value.
+
+        The file's entries were each measured under whatever load the machine had then (gpt2-tiny's
+        calls summed to 1.2-1.4x their quiet values there); a caller that scales them by a factor
+        measured now (``toolkit.autoparallel.kernel_factor``) needs them measured now too.
+        """
         self.path = Path(path)
         self.threads = threads
         self.repeats, self.budget_s = repeats, budget_s
+        self.refresh = refresh
         self._table: dict = {}  # repr(call key) -> seconds, as stored on disk
         self._hot: dict = {}  # call key -> seconds, for lookups without repr
         if self.path.exists():
@@ -112,7 +120,7 @@ class MeasuredOpCosts:
         got = self._hot.get(call.key)
         if got is None:
             key = repr(call.key)
-            got = self._table.get(key)
+            got = None if self.refresh else self._table.get(key)
             if got is None:
                 got = self._table[key] = self.measure(call)
                 self._dirty = True

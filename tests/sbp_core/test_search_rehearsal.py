@@ -249,3 +249,19 @@ def test_thread_gain_measures_only_threadable_calls(tmp_path):
     assert json.loads(path.read_text())[key][1] < 1e9
     with pytest.raises(ValueError, match="threads=1"):
         MeasuredThreadGain(path, threads=1)
+
+
+def test_op_costs_refresh_measures_the_files_calls_again(tmp_path):
+    from sbp_core.search.opcost import MeasuredOpCosts
+    from sbp_core.search.rehearsal import OpCall, TensorSpec
+
+    path = tmp_path / "costs.json"
+    spec = TensorSpec((8, 8), (8, 1), "float32")
+    mm = OpCall("aten.mm.default", ((spec, spec), ()), "")
+    path.write_text(json.dumps({repr(mm.key): 123.0}))  # measured under some load long ago
+    assert MeasuredOpCosts(path).seconds(mm) == 123.0
+    fresh = MeasuredOpCosts(path, repeats=2, budget_s=0.0, refresh=True)
+    got = fresh.seconds(mm)
+    assert 0.0 < got < 1.0 and fresh.seconds(mm) == got  # measured once, then kept for the process
+    fresh.save()
+    assert json.loads(path.read_text())[repr(mm.key)] == got

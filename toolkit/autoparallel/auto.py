@@ -86,8 +86,8 @@ def search_plan(cfg, recipe, zero=None, progress: bool = True, log=print):
     cluster = load_cluster(s.cluster)
     devices, all_devices = _devices(cfg, cluster)
     gains = None
-    if cluster.costs == "measured":
-        costs = MeasuredOpCosts(measurement_cache(1), threads=1)
+    if cluster.costs == "measured":  # measured now, as the kernel factor below is (MeasuredOpCosts.refresh)
+        costs = MeasuredOpCosts(measurement_cache(1), threads=1, refresh=True)
         gains = MeasuredThreadGain(measurement_cache(2), threads=2)
     else:
         costs = RooflineOpCosts(cluster.peak_flops, cluster.mem_bandwidth, cluster.kernel_overhead)
