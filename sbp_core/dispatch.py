@@ -4,13 +4,14 @@ Each call builds a cache key from the op and its arguments, each global
 tensor contributing its (interned) ``Layout`` object, so the key is a tuple
 hashed in C; a call on one or two global tensors and nothing else (most of a
 model's ops) builds that tuple directly, the others through a list (0.2 us
-less for ``add``/``relu``, 0.05 us more for the rest). A miss goes to ``decide`` (the rule, the costed choice of
-signature, the meta run for output shapes), which validates the call; a hit
-re-validates nothing, because the same layouts passed validation when the
-entry was made. A hit on a ``plain`` decision (member rank, no boxing, no
-custom local) runs ``func(*locals)`` and wraps the result with the
-decision's precomputed output layouts. A rank outside the placement
-computes nothing and holds empty locals.
+less for ``add``/``relu``, 0.05 us more for the rest). A miss goes to
+``decide`` (the rule, the costed choice of signature, the meta run for
+output shapes), which validates the call; a hit re-validates nothing,
+because the same layouts passed validation when the entry was made. A hit
+on a ``plain`` decision (member rank, no boxing, no custom local) runs
+``func(*locals)`` and wraps the result with the decision's precomputed
+output layout and device. A rank outside the placement computes nothing and
+holds empty locals.
 
 What the key holds of non-tensor arguments: the values themselves, lists as
 tuples, floats only as zero or not (see ``_float_part``), 0-d local tensors
