@@ -30,7 +30,10 @@
    per-op gains of 2 intra-op threads for one process, ``threadgain``),
    scaled by the model's own
    kernel factor (its plain one-device step over those per-op seconds,
-   ``toolkit.autoparallel.kernel_factor``, in place of the cluster file's), the
+   ``toolkit.autoparallel.kernel_factor``, in place of the cluster file's),
+   its own cost per op on global tensors (its tp2 forward and backward on
+   rank 0 of a fake world, less its kernels, per op,
+   ``toolkit.autoparallel.dispatch_cost``, in place of ``dispatch_us``), the
    task graph of the runtime's actors, processor sharing of the cores. No
    layout's step time from step 1 enters a
    prediction. Also printed: the predicted and measured CPU seconds per rank.
@@ -132,7 +135,7 @@ def main() -> None:
     from sbp_core.search.space import SearchSpace
     from sbp_core.search.threadgain import MeasuredThreadGain
     from toolkit.autoparallel.cluster_file import load_cluster
-    from toolkit.autoparallel.kernel_factor import model_kernel_factor
+    from toolkit.autoparallel.dispatch_cost import model_host_costs
     from toolkit.autoparallel.search_model import RecipeSearchModel
     from toolkit.config import compose
 
@@ -153,12 +156,15 @@ def main() -> None:
     # cannot undo a bias that differs from call to call.
     costs = MeasuredOpCosts(op_cost_path(), threads=1, refresh=True)
     gains = MeasuredThreadGain(op_cost_path(2), threads=2)
-    # This model's kernels inside its own plain step against measured alone (toolkit.autoparallel.kernel_factor),
-    # in place of the calibration GPT-2s' factor: gpt2-tiny's calls summed alone to 1.25-4x their in-step time.
-    factor = model_kernel_factor(model, costs, o.micro)
+    # This model's kernels inside its own plain step against measured alone, and its cost per op on global
+    # tensors in its own tensor-parallel forward and backward (toolkit.autoparallel.dispatch_cost), in place of
+    # the calibration GPT-2s' fit: gpt2-tiny's calls summed alone to 1.25-4x their in-step time, and its tp
+    # stages took 30-70% more CPU than kernels plus 13.9 us an op.
+    factor, dispatch = model_host_costs(model, costs, o.micro)
     print(f"kernel factor of {cfg.model.name} (its plain step over its calls measured alone): {factor:.3f} "
-          f"(cluster file: {calibrated.kernel_factor:.3f})")
-    calibrated = dataclasses.replace(calibrated, kernel_factor=factor)
+          f"(cluster file: {calibrated.kernel_factor:.3f}); dispatch per global op in its tp2 forward and "
+          f"backward: {dispatch * 1e6:.1f} us (cluster file: {calibrated.host_overhead * 1e6:.1f} us)")
+    calibrated = dataclasses.replace(calibrated, kernel_factor=factor, host_overhead=dispatch)
     # Price every layout once now, on the quiet machine: the per-op seconds and thread gains a prediction
     # needs are measured here (or found in the caches) rather than after the rounds, whose processes keep
     # the load up for minutes (gains measured then came out low: single's 1.27 busy threads against the

@@ -184,6 +184,31 @@ def fake_tensors() -> FakeTensorMode:
     return _Recorder(None)
 
 
+@contextlib.contextmanager
+def fake_world(world_size: int):
+    """This process as rank 0 of a pretend world of ``world_size`` ranks, for as long as the block runs.
+
+    The default process group is torch's ``fake`` backend: every collective
+    returns at once, sends nothing and leaves its output as it was. Signature
+    decisions go to the fake worlds' own cache (never seen by real runs). On
+    exit the group is destroyed and sbp_core's cached groups dropped, so a
+    real world can start afterwards. Tensors stay real unless a
+    ``Rehearsal``'s mode makes them fake.
+    """
+    if dist.is_available() and dist.is_initialized():
+        raise RuntimeError("a fake world needs a process without torch.distributed initialised (call it before "
+                           "launching ranks, or in a subprocess)")
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
+
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=dist.HashStore())
+    try:
+        with decisions(_FAKE_DECISIONS):
+            yield
+    finally:
+        forget_groups()
+        dist.destroy_process_group()
+
+
 class Rehearsal:
     """``with Rehearsal(world_size) as r:`` — a fake world of ``world_size`` ranks (this one is rank 0).
 
@@ -211,14 +236,8 @@ class Rehearsal:
     # -- world and mode ---------------------------------------------------------------------
 
     def __enter__(self):
-        if dist.is_available() and dist.is_initialized():
-            raise RuntimeError("a rehearsal needs a process without torch.distributed initialised: it runs "
-                               "its own fake world (call it before launching ranks, or in a subprocess)")
-        import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
-
-        dist.init_process_group("fake", rank=0, world_size=self.world_size, store=dist.HashStore())
+        self._exit.enter_context(fake_world(self.world_size))
         try:
-            self._exit.enter_context(decisions(_FAKE_DECISIONS))
             quiet = logging.getLogger("torch._subclasses.fake_tensor")  # a refused layout is reported by raising
             level, quiet.level = quiet.level, logging.CRITICAL
             self._exit.callback(setattr, quiet, "level", level)
@@ -230,19 +249,12 @@ class Rehearsal:
             self._exit.callback(pre.remove)
             self._exit.callback(post.remove)
         except BaseException:
-            self._close()
+            self._exit.close()
             raise
         return self
 
     def __exit__(self, *exc):
-        try:
-            self._exit.close()
-        finally:
-            self._close()
-
-    def _close(self):
-        forget_groups()
-        dist.destroy_process_group()
+        self._exit.close()
 
     # -- modules ----------------------------------------------------------------------------
 

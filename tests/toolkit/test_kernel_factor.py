@@ -1,5 +1,6 @@
-"""``model_kernel_factor``'s two halves: a real plain step of each recipe's model on synthetic fields, and the
-summed costs of the same step's rehearsed calls (a measured figure, so only its parts are checked here)."""
+"""The searched model's host costs: a real plain step of each recipe's model on synthetic fields, the summed
+costs of the same step's rehearsed calls, and the two-device forward and backward in a fake world (measured
+figures, so only their parts are checked here)."""
 from __future__ import annotations
 
 import math
@@ -46,3 +47,27 @@ def test_rehearsed_kernels_sum_the_step_phases_calls(tmp_path):
     calls = sum(isinstance(e, OpCall) for name in ("F", "B0", "update") for e in trace.phases[name].events)
     assert calls > 0
     assert rehearsed_kernel_seconds(model, Strategy(micro_batch_size=2), Fixed()) == pytest.approx(calls * 1e-3)
+
+
+# Wide&Deep is left out: its sparse embeddings' lookups are data-dependent (aten.nonzero), so its stages are not
+# rehearsed at all (the search covers GPT-2 and InsightFace).
+@pytest.mark.parametrize("overrides", [GPT2, INSIGHTFACE], ids=["gpt2", "insightface"])
+def test_host_costs_run_the_two_device_stage_in_a_fake_world(overrides, tmp_path):
+    """``model_host_costs``: the plain step and the two-device forward and backward both run for every recipe, the
+    dispatch residual is per rehearsed global op, and the fake world is gone afterwards (a real one can start)."""
+    import torch.distributed as dist
+
+    from recipes.zero import apply_zero
+    from toolkit.autoparallel.dispatch_cost import model_host_costs
+    from toolkit.autoparallel.search_model import RecipeSearchModel
+
+    class Fixed:  # no kernel costs anything: the residual is the whole forward and backward
+        def seconds(self, call):
+            return 0.0 if call.op != "aten.mm.default" else 1e-9
+
+    recipe, cfg = _cfg(overrides, tmp_path)
+    model = RecipeSearchModel(recipe, cfg, apply_zero)
+    factor, dispatch = model_host_costs(model, Fixed(), rows=2, repeats=1)
+    assert math.isfinite(factor) and factor > 0
+    assert 0 < dispatch < 0.1  # seconds per op: the step's CPU spread over its hundreds of global ops
+    assert not dist.is_initialized()

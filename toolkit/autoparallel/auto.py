@@ -78,7 +78,7 @@ def search_plan(cfg, recipe, zero=None, progress: bool = True, log=print):
     from sbp_core.search.threadgain import MeasuredThreadGain
     from sbp_core.search.space import SearchSpace
 
-    from .kernel_factor import model_kernel_factor
+    from .dispatch_cost import model_host_costs
     from .search_model import RecipeSearchModel
 
     cfg = typed(cfg, recipe)
@@ -92,9 +92,9 @@ def search_plan(cfg, recipe, zero=None, progress: bool = True, log=print):
     else:
         costs = RooflineOpCosts(cluster.peak_flops, cluster.mem_bandwidth, cluster.kernel_overhead)
     model = RecipeSearchModel(recipe, cfg, zero)
-    if cluster.costs == "measured":  # this model's kernels in its own step, not the calibration GPT-2s'
-        cluster = dataclasses.replace(
-            cluster, kernel_factor=model_kernel_factor(model, costs, int(cfg.trainer.micro_batch_size)))
+    if cluster.costs == "measured":  # this model's kernels and dispatch in its own steps, not the calibration GPT-2s'
+        factor, dispatch = model_host_costs(model, costs, int(cfg.trainer.micro_batch_size))
+        cluster = dataclasses.replace(cluster, kernel_factor=factor, host_overhead=dispatch)
     space = SearchSpace(model, devices, all_devices=all_devices)
     log(f"searching plans for {recipe.name} on {cluster.name} ({devices} devices{'' if all_devices else ' at most'}; "
         f"budget {s.budget}, beta {s.beta})")

@@ -6,13 +6,15 @@ tensors, and the cost model multiplies those seconds by the cluster's
 on two small calibration GPT-2s; on gpt2-tiny the calls timed alone summed
 to 1.25-4x what the same phases took inside a real step (README, the
 simulator's round 5), so every layout whose stages run on plain tensors was
-over-predicted by 27-55%. ``model_kernel_factor`` measures the factor on
-the model being searched instead: one plain one-device training step of a
+over-predicted by 27-55%. This module measures the factor on the model
+being searched instead: one plain one-device training step of a
 micro-batch (forward, backward, the recipe's optimizer step; one intra-op
-thread, best of ``repeats`` by process CPU time — what the runtime's
-one-device and audited data-parallel stages run) over the summed measured
-seconds of the same step's rehearsed calls (``F``, ``B0`` and ``update`` of
-the one-device strategy). No layout's step time enters it.
+thread, best of several by process CPU time — what the runtime's one-device
+and audited data-parallel stages run; ``plain_step``) over the summed
+measured seconds of the same step's rehearsed calls (``F``, ``B0`` and
+``update`` of the one-device strategy; ``rehearsed_kernel_seconds``).
+``dispatch_cost.model_host_costs`` takes both timings, alternating with
+the model's dispatch cost. No layout's step time enters it.
 
 Batch fields are synthetic: floats random, integers zero (a valid index for
 every embedding and class), as ``MeasuredOpCosts`` makes its inputs.
@@ -25,11 +27,52 @@ import torch
 
 
 def _batch(recipe, cfg, rows: int) -> dict:
-    out = {}
-    for name, (shape, dtype) in recipe.batch_fields(cfg).items():
-        full = (rows, *shape)
-        out[name] = torch.randn(full).to(dtype) if dtype.is_floating_point else torch.zeros(full, dtype=dtype)
+    out = {name: torch.empty((rows, *shape), dtype=dtype) for name, (shape, dtype) in recipe.batch_fields(cfg).items()}
+    fill_synthetic(out)
     return out
+
+
+def fill_synthetic(fields) -> None:
+    """Fill a dict of tensors (plain, or global: their locals) in place: floats random, integers zero."""
+    from sbp_core.global_tensor import GlobalTensor
+
+    with torch.no_grad():
+        for t in (fields or {}).values():
+            local = t._local if isinstance(t, GlobalTensor) else t
+            local.normal_() if local.is_floating_point() else local.zero_()
+
+
+def plain_step(recipe, cfg, rows: int):
+    """A closure running one plain one-device training step of ``rows`` rows (forward, backward, the recipe's
+    optimizer step), run once already so that the optimizer's state exists, as in the rehearsal's priced step."""
+    torch.manual_seed(0)
+    module = recipe.build_model(cfg.model)
+    if any(p.is_meta for p in module.parameters()):
+        # Built on the meta device for distribute_module to fill shard by shard (Wide&Deep's tables):
+        # the timing needs values, not the recipe's initialisation.
+        module.to_empty(device="cpu")
+        with torch.no_grad():
+            for p in module.parameters():
+                p.normal_(0.0, 0.02)
+    opt = recipe.build_optimizer(module, cfg)
+    batch = _batch(recipe, cfg, rows)
+    x = {k: batch[k] for k in recipe.inputs}
+    labels = {k: batch[k] for k in recipe.labels}
+
+    def step():
+        recipe.stage_forward(module, x, labels).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    return step
+
+
+def cpu_seconds(fn) -> float:
+    """Process CPU seconds of one call of ``fn``."""
+    c0 = time.process_time()
+    fn()
+    return time.process_time() - c0
 
 
 def measured_step_seconds(recipe, cfg, rows: int, repeats: int = 10) -> float:
@@ -37,32 +80,8 @@ def measured_step_seconds(recipe, cfg, rows: int, repeats: int = 10) -> float:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        torch.manual_seed(0)
-        module = recipe.build_model(cfg.model)
-        if any(p.is_meta for p in module.parameters()):
-            # Built on the meta device for distribute_module to fill shard by shard (Wide&Deep's tables):
-            # the timing needs values, not the recipe's initialisation.
-            module.to_empty(device="cpu")
-            with torch.no_grad():
-                for p in module.parameters():
-                    p.normal_(0.0, 0.02)
-        opt = recipe.build_optimizer(module, cfg)
-        batch = _batch(recipe, cfg, rows)
-        x = {k: batch[k] for k in recipe.inputs}
-        labels = {k: batch[k] for k in recipe.labels}
-
-        def step():
-            recipe.stage_forward(module, x, labels).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        step()  # the optimizer's state exists from here on, as in the rehearsal's priced step
-        best = float("inf")
-        for _ in range(repeats):
-            c0 = time.process_time()
-            step()
-            best = min(best, time.process_time() - c0)
-        return best
+        step = plain_step(recipe, cfg, rows)
+        return min(cpu_seconds(step) for _ in range(repeats))
     finally:
         torch.set_num_threads(threads)
 
@@ -74,11 +93,3 @@ def rehearsed_kernel_seconds(model, strategy, costs) -> float:
     trace = model.trace(strategy, 0)
     return sum(costs.seconds(e) for name in ("F", "B0", "update") for e in trace.phases[name].events
                if isinstance(e, OpCall))
-
-
-def model_kernel_factor(model, costs, rows: int, repeats: int = 10) -> float:
-    """In-step over alone for ``model`` (a ``RecipeSearchModel``): see the module docstring."""
-    from sbp_core.search.strategy import Strategy
-
-    kernels = rehearsed_kernel_seconds(model, Strategy(micro_batch_size=rows), costs)
-    return measured_step_seconds(model.recipe, model.cfg, rows, repeats) / kernels
