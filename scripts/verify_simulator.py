@@ -159,7 +159,7 @@ def main() -> None:
     # This model's kernels inside its own plain step against measured alone, and its cost per op on global
     # tensors in its own tensor-parallel forward and backward (toolkit.autoparallel.dispatch_cost), in place of
     # the calibration GPT-2s' fit: gpt2-tiny's calls summed alone to 1.25-4x their in-step time, and its tp
-    # stages took 30-70% more CPU than kernels plus 13.9 us an op.
+    # stages took 25-70% more CPU than kernels plus 13.9 us an op.
     factor, dispatch = model_host_costs(model, costs, o.micro)
     print(f"kernel factor of {cfg.model.name} (its plain step over its calls measured alone): {factor:.3f} "
           f"(cluster file: {calibrated.kernel_factor:.3f}); dispatch per global op in its tp2 forward and "

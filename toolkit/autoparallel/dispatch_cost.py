@@ -7,7 +7,7 @@ factor on two small calibration GPT-2s (13.9 us in this machine's cluster
 file). What an op costs beyond its kernel inside a training step — the
 dispatcher, the global tensor's autograd node, the boxing's Python around
 a collective, the local views and copies a decomposition adds — depends on
-the model's ops: gpt2-tiny's tensor-parallel stages took 30-70% more CPU
+the model's ops: gpt2-tiny's tensor-parallel stages took 25-70% more CPU
 than their priced kernels and dispatch (README, the simulator's round 7).
 
 ``model_host_costs`` measures it on the model being searched, together

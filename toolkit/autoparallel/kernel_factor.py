@@ -75,17 +75,6 @@ def cpu_seconds(fn) -> float:
     return time.process_time() - c0
 
 
-def measured_step_seconds(recipe, cfg, rows: int, repeats: int = 10) -> float:
-    """CPU seconds of one plain one-device training step of ``rows`` rows (best of ``repeats``, one thread)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        step = plain_step(recipe, cfg, rows)
-        return min(cpu_seconds(step) for _ in range(repeats))
-    finally:
-        torch.set_num_threads(threads)
-
-
 def rehearsed_kernel_seconds(model, strategy, costs) -> float:
     """Summed measured seconds of the calls a one-device step of one micro-batch makes (``F + B0 + update``)."""
     from sbp_core.search.rehearsal import OpCall
