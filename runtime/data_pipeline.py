@@ -120,24 +120,27 @@ class TokenFile:
             self._file, self._pid = open(self.path, "rb", buffering=0), os.getpid()
         return self._file
 
-    def read(self, piece: int) -> bytes:
-        """The raw bytes of batch ``piece``'s sequences (they are contiguous: one seek and one read)."""
+    def read(self, piece: int) -> bytearray:
+        """The raw bytes of batch ``piece``'s sequences (they are contiguous: one seek and one read
+        into a fresh writable buffer, which ``decode`` views without copying)."""
         f, first = self._handle(), (piece % self.n_batches) * self.batch_size
         size = self.batch_size * self.seq_bytes
         f.seek(first * self.seq_bytes)
-        raw = f.read(size)
-        if len(raw) != size:
-            raise IOError(f"{self.path}: short read of batch {piece}: {len(raw)} of {size} bytes")
+        raw = bytearray(size)
+        got = f.readinto(raw)
+        if got != size:
+            raise IOError(f"{self.path}: short read of batch {piece}: {got} of {size} bytes")
         return raw
 
-    def decode(self, piece: int, raw: bytes) -> list:
-        """Each sequence of ``raw`` as an int64 tensor of ``seq_len`` token ids."""
-        ids = torch.frombuffer(bytearray(raw), dtype=self.dtype).to(torch.int64)
-        return list(ids.view(self.batch_size, self.seq_len).unbind(0))
+    def decode(self, piece: int, raw: bytearray) -> torch.Tensor:
+        """The sequences of ``raw`` as int64 token ids, ``[batch_size, seq_len]`` (its rows are the
+        samples, already laid out as the batch: ``collate`` copies nothing)."""
+        ids = torch.frombuffer(raw, dtype=self.dtype).to(torch.int64)
+        return ids.view(self.batch_size, self.seq_len)
 
-    def collate(self, piece: int, samples: list) -> dict:
-        """``{"input_ids": [batch_size, seq_len]}`` int64."""
-        return {"input_ids": torch.stack(samples)}
+    def collate(self, piece: int, samples: torch.Tensor) -> dict:
+        """``{"input_ids": [batch_size, seq_len]}`` int64: ``decode``'s tensor itself."""
+        return {"input_ids": samples}
 
     def __getitem__(self, piece: int) -> dict:
         return self.collate(piece, self.decode(piece, self.read(piece)))

@@ -13,13 +13,21 @@ seed and over the same batches:
 - DataLoader with 1 and with 2 worker processes over the same ``TokenFile``
   as a map-style dataset (``batch_size=None``: each item is one batch made by
   the same read, decode and collate calls);
-- synthetic: the same batches built in memory beforehand, a plain step loop.
+- synthetic: the same batches built in memory beforehand, a plain step loop;
+- synthetic again (``synthetic'``), timed as a way of its own: the ratio
+  ``synthetic'/synthetic`` is what two identical loops read here, the bench's
+  noise floor.
 
 The training step runs with ``torch.set_num_threads(1)`` (DataLoader workers
 use one thread each too) so that on a 2-core machine data loading has a core
 to overlap with instead of competing with intra-op threads. Each time is the
 whole loop, start-up included (executor threads; DataLoader worker
-processes), median of ``REPEATS`` runs interleaved across the four ways.
+processes), median of ``REPEATS`` runs interleaved across the five ways in a
+fresh random order each repeat (seeded): a fixed order put the synthetic loop
+right after the 2-worker DataLoader, whose worker processes were still
+exiting. On this 2-core host one loop of ~1 s varies by 5-10% from run to run
+(the step alone on the executor's compute thread read 0.91x and then 1.02x
+the same loop on the main thread), hence 15 repeats.
 
 ``--steps`` and ``--repeats`` override ``STEPS`` and ``REPEATS``;
 ``--json PATH`` also writes the printed rows as JSON.
@@ -29,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -45,7 +54,7 @@ from runtime.executor import run  # noqa: E402
 from runtime.plan import ActorSpec, Plan  # noqa: E402
 from scripts.verify_parity import GPT_CFG  # noqa: E402
 
-STEPS, BATCH, SEQ, REPEATS = 60, 16, 32, 5
+STEPS, BATCH, SEQ, REPEATS = 60, 16, 32, 15
 
 
 def _trainer():
@@ -108,12 +117,15 @@ def main(argv=None) -> None:
             "DataLoader (1 worker)": lambda: dataloader(data, 1),
             "DataLoader (2 workers)": lambda: dataloader(data, 2),
             "synthetic (in memory)": lambda: synthetic(batches),
+            "synthetic' (again)": lambda: synthetic(batches),
         }
         synthetic(batches[:10])  # warm up allocator and kernels before any timing
         times = {name: [] for name in ways}
         losses = {}
+        rng = random.Random(0)
         for _ in range(REPEATS):
-            for name, fn in ways.items():
+            for name in rng.sample(list(ways), len(ways)):
+                fn = ways[name]
                 t = time.perf_counter()
                 losses[name] = fn()
                 times[name].append(time.perf_counter() - t)
@@ -131,7 +143,18 @@ def main(argv=None) -> None:
     best_dl = max(rate["DataLoader (1 worker)"], rate["DataLoader (2 workers)"])
     if args.json:
         _write_json(args.json, times, losses, ref)
-    print(f"actor pipeline / synthetic: {actor / rate['synthetic (in memory)']:.2f}; vs best DataLoader: {actor / best_dl:.2f}x")
+    again = "synthetic' (again)"
+    floor = rate[again] / rate["synthetic (in memory)"]
+    print(f"paired, the median over repeats of each repeat's own ratio (drift between repeats cancels): "
+          f"actor pipeline / synthetic {_paired(times, 'actor pipeline'):.2f}, "
+          f"synthetic'/synthetic {_paired(times, again):.2f}")
+    print(f"actor pipeline / synthetic: {actor / rate['synthetic (in memory)']:.2f}; vs best DataLoader: "
+          f"{actor / best_dl:.2f}x; noise floor (synthetic'/synthetic): {floor:.2f}")
+
+
+def _paired(times: dict, name: str) -> float:
+    """Throughput of ``name`` over the synthetic loop's, per repeat (both ran within seconds), median."""
+    return statistics.median(s / t for s, t in zip(times["synthetic (in memory)"], times[name]))
 
 
 def _write_json(path: str, times: dict, losses: dict, ref: list) -> None:

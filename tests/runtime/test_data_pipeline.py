@@ -44,6 +44,13 @@ def test_the_step_sees_the_plain_loops_batches_in_order(token_file, quota):
     assert res.stats["data.read"].max_live == quota
 
 
+def test_collate_takes_the_decoded_batch_without_a_copy(token_file):
+    data, tokens = token_file
+    samples = data.decode(3, data.read(3))
+    batch = data.collate(3, samples)["input_ids"]
+    assert batch.data_ptr() == samples.data_ptr() and torch.equal(batch, tokens[12:16])
+
+
 def test_stage_names_queues_and_quotas():
     stages = data_stages(lambda k: k, lambda k, r: r, lambda k, s: s, quota=3, prefix="train")
     assert [(s.name, s.queue, s.quota) for s in stages] == [

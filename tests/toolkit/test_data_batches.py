@@ -83,6 +83,14 @@ def test_the_actor_pipeline_reads_what_load_reads(tokens):
     assert all(s.dtype == torch.int64 and s.shape == (2, SEQ) for s in seen)
 
 
+def test_collate_takes_the_decoded_rows_without_a_copy(tokens):
+    batches = MicroBatches(tokens, GlobalBatchSampler(len(tokens), 4, seed=3), accum=1)
+    samples = batches.decode(0, batches.read(0))
+    batch = batches.collate(0, samples)["input_ids"]
+    assert batch.data_ptr() == samples.data_ptr() and torch.equal(batch, batches.load(0, 0)["input_ids"])
+    assert torch.equal(tokens.collate(list(samples))["input_ids"], batch)  # a list of sequences is stacked
+
+
 def test_for_step_is_unaffected_by_a_later_step_change(tokens):
     batches = MicroBatches(tokens, GlobalBatchSampler(len(tokens), 6, seed=2), accum=3)
     bound = batches.for_step(7)

@@ -9,8 +9,9 @@ batch into, e.g. the dp degree for GPT-2's ``(S(0), B)``).
 
 ``source`` is any indexable dataset with the sample-source protocol:
 ``len(source)`` samples; ``source.read(rows: LongTensor) -> raw`` (the file
-I/O); ``source.decode(raw) -> list`` of samples; ``source.collate(samples)
--> {field: tensor}`` with ``len(samples)`` rows (also for no samples).
+I/O); ``source.decode(raw) -> samples`` (a list, or a tensor whose rows are
+the samples, already laid out as a batch); ``source.collate(samples) ->
+{field: tensor}`` with ``len(samples)`` rows (also for no samples).
 ``toolkit.data.TokenSequences`` is one (``{"input_ids": ...}``).
 
 Actor use (``runtime.data_pipeline.data_stages``): piece ``k`` is micro-batch

@@ -84,12 +84,17 @@ class TokenSequences:
         """Sequences ``rows`` as int64 token ids, ``[len(rows), seq_len]``."""
         return self.read(rows).to(torch.int64)
 
-    def decode(self, raw: torch.Tensor) -> list:
-        """Each row of ``read``'s result as an int64 sequence of ``seq_len`` token ids."""
-        return list(raw.to(torch.int64).unbind(0))
+    def decode(self, raw: torch.Tensor) -> torch.Tensor:
+        """``read``'s rows as int64 token ids, ``[rows, seq_len]``: the samples are its rows, already
+        laid out as the batch, so ``collate`` copies nothing (one conversion, none for int64 files)."""
+        return raw.to(torch.int64)
 
-    def collate(self, samples: list) -> dict:
-        """``{"input_ids": LongTensor[len(samples), seq_len]}`` (``[0, seq_len]`` for no samples)."""
+    def collate(self, samples) -> dict:
+        """``{"input_ids": LongTensor[len(samples), seq_len]}`` (``[0, seq_len]`` for no samples).
+
+        ``samples``: ``decode``'s tensor (taken as it is, no copy) or a list of sequences (stacked)."""
+        if isinstance(samples, torch.Tensor):
+            return {"input_ids": samples}
         if not samples:
             return {"input_ids": torch.empty(0, self.seq_len, dtype=torch.int64)}
         return {"input_ids": torch.stack(samples)}
