@@ -51,11 +51,12 @@ def test_collate_takes_the_decoded_batch_without_a_copy(token_file):
     assert batch.data_ptr() == samples.data_ptr() and torch.equal(batch, tokens[12:16])
 
 
-def test_stage_names_queues_and_quotas():
-    stages = data_stages(lambda k: k, lambda k, r: r, lambda k, s: s, quota=3, prefix="train")
+@pytest.mark.parametrize("device, copy_queue", [(None, "data"), ("cpu", "data"), ("cuda", "copy")])
+def test_stage_names_queues_and_quotas(device, copy_queue):
+    stages = data_stages(lambda k: k, lambda k, r: r, lambda k, s: s, device=device, quota=3, prefix="train")
     assert [(s.name, s.queue, s.quota) for s in stages] == [
         ("train.read", "data", 3), ("train.decode", "data", 3),
-        ("train.collate", "data", 3), ("train.to_device", "copy", 3),
+        ("train.collate", "data", 3), ("train.to_device", copy_queue, 3),
     ]
 
 
