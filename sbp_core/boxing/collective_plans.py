@@ -92,8 +92,11 @@ def plan_all_to_all(ranks, split_dim: int, cat_dim: int, local_shape, cat_length
 def plan_all_gather(ranks, dim: int, local_shape, length: int):
     """``all_gather`` for this rank's ``local_shape`` input as a function ``local -> local``.
 
-    Planned path: one ``all_gather_single`` into a ``(p, *local)`` buffer,
-    which is the result along dim 0 (a view) and one joining copy otherwise.
+    Planned path: one ``all_gather_single`` into a buffer of the pieces
+    stacked along dim 0, which is the result along dim 0 and is joined by one
+    copy (``torch.cat`` of its ``p`` blocks) otherwise. The buffer and the
+    local go to the backend in their own shapes: handed flat views instead,
+    gloo took 55-75 us more CPU per 4 MB call here (290-320 against 230-245).
     """
     p = len(ranks)
     if p == 1 or length % p or not _in_order(ranks):
@@ -101,17 +104,17 @@ def plan_all_gather(ranks, dim: int, local_shape, length: int):
     group = group_of(ranks)
     local_shape = tuple(local_shape)
     sent = (p - 1) * math.prod(local_shape)
-    recv_shape = (p,) + local_shape
+    stacked = _with(local_shape, 0, p * local_shape[0])
     result = _with(local_shape, dim, length)
 
     def run(local: torch.Tensor) -> torch.Tensor:
         ledger.record("all_gather", p, sent * local.element_size(), ranks)
-        buf = local.new_empty(recv_shape)
+        buf = local.new_empty(stacked)
         try:
-            _all_gather_flat(buf.view(-1), local.contiguous().view(-1), group=group)
+            _all_gather_flat(buf, local.contiguous(), group=group)
         except RuntimeError as exc:
             raise _failure("all_gather", ranks, exc) from exc
-        return _joined(buf, dim, result)
+        return buf if dim == 0 else torch.cat(buf.chunk(p), dim)
 
     return run
 
@@ -138,8 +141,8 @@ def plan_reduce_scatter(ranks, dim: int, full_shape, op: str):
         inp = full.contiguous() if dim == 0 else full.reshape(view).permute(order).contiguous()
         out = inp.new_empty((p,) + piece if by_terms else piece)
         try:
-            if by_terms:
-                dist.all_to_all_single(out.view(-1), inp.view(-1), group=group)
+            if by_terms:  # in their own shapes, as plan_all_gather's (flat views: ~25 us more CPU on gloo)
+                dist.all_to_all_single(out, inp, group=group)
             else:
                 _reduce_scatter_flat(out.view(-1), inp.view(-1), op=red, group=group)
         except RuntimeError as exc:
