@@ -3,9 +3,9 @@
 Boxing plans a step when this rank's local shape is known, so split sizes,
 permutations, the group and the ledger bytes are computed then, not per
 call. Even pieces on a group that orders its members as the mesh axis does
-(the common case) take a path with no per-call lists: each buffer is the
-tensor seen with the split dim cut in ``p`` pieces and the piece axis moved
-first, one ``permute().contiguous()`` (no copy when the dim is 0). Anything
+(the common case) take a path with no per-call lists: each buffer holds the
+``p`` pieces of the split dim stacked along dim 0 (one copy; none when the
+split dim is 0), handed to the backend in that shape. Anything
 else runs the general functions of ``collectives.py``, whose ledger
 conventions and failure reporting these follow.
 """
@@ -45,46 +45,45 @@ def _with(shape, dim: int, size: int) -> tuple:
     return tuple(out)
 
 
-def _joined(buf: torch.Tensor, dim: int, result: tuple) -> torch.Tensor:
-    """A received ``(p, *piece)`` buffer as the pieces joined along ``dim``: a view for dim 0, else one copy.
+def _joined(buf: torch.Tensor, dim: int, p: int) -> torch.Tensor:
+    """A received buffer of ``p`` pieces stacked along dim 0 as the pieces joined along ``dim``: the
+    buffer itself for dim 0, else one copy.
 
     The copy is ``torch.cat`` of the pieces (contiguous blocks): 15-20% faster than the equal
     permute-and-reshape of the buffer on a 4 MB join here (200 against 240 us).
     """
-    if dim == 0:
-        return buf.view(result)
-    return torch.cat(buf.unbind(0), dim)
+    return buf if dim == 0 else torch.cat(buf.chunk(p), dim)
 
 
 def plan_all_to_all(ranks, split_dim: int, cat_dim: int, local_shape, cat_length: int):
     """``all_to_all`` for this rank's ``local_shape`` input as a function ``local -> local``.
 
-    Planned path: one send-permute copy (none for ``split_dim`` 0 of a
-    contiguous local), one ``all_to_all_single`` without split sizes, one
-    receive joining copy (none for ``cat_dim`` 0).
+    Planned path: one send copy stacking the pieces along dim 0 (``torch.cat``
+    of the local's ``p`` blocks along ``split_dim``; none for ``split_dim`` 0
+    of a contiguous local), one ``all_to_all_single`` without split sizes
+    whose input and output have that one stacked shape, one receive joining
+    copy (none for ``cat_dim`` 0).
     """
     p = len(ranks)
     if p == 1 or local_shape[split_dim] % p or cat_length % p or not _in_order(ranks):
         return lambda local: all_to_all(local, ranks, split_dim, cat_dim, cat_length)
     group = group_of(ranks)
-    split_view, send_order = _pieces_first(local_shape, split_dim, p)
     piece = _with(local_shape, split_dim, local_shape[split_dim] // p)
     sent = (p - 1) * math.prod(piece)  # elements
-    recv_shape = (p,) + piece
-    result = _with(piece, cat_dim, cat_length)
+    stacked = _with(piece, 0, p * piece[0])  # sent and received alike, in their own shape (see plan_all_gather)
 
     def run(local: torch.Tensor) -> torch.Tensor:
         ledger.record("all_to_all", p, sent * local.element_size(), ranks)
         if split_dim == 0:
             inp = local.contiguous()  # already the send buffer: piece k is row block k
         else:
-            inp = local.reshape(split_view).permute(send_order).contiguous()
-        out = inp.new_empty(recv_shape)
+            inp = torch.cat(local.chunk(p, split_dim))
+        out = inp.new_empty(stacked)
         try:
             dist.all_to_all_single(out, inp, group=group)
         except RuntimeError as exc:
             raise _failure("all_to_all", ranks, exc) from exc
-        return _joined(out, cat_dim, result)
+        return _joined(out, cat_dim, p)
 
     return run
 
@@ -105,7 +104,6 @@ def plan_all_gather(ranks, dim: int, local_shape, length: int):
     local_shape = tuple(local_shape)
     sent = (p - 1) * math.prod(local_shape)
     stacked = _with(local_shape, 0, p * local_shape[0])
-    result = _with(local_shape, dim, length)
 
     def run(local: torch.Tensor) -> torch.Tensor:
         ledger.record("all_gather", p, sent * local.element_size(), ranks)
@@ -114,7 +112,7 @@ def plan_all_gather(ranks, dim: int, local_shape, length: int):
             _all_gather_flat(buf, local.contiguous(), group=group)
         except RuntimeError as exc:
             raise _failure("all_gather", ranks, exc) from exc
-        return buf if dim == 0 else torch.cat(buf.chunk(p), dim)
+        return _joined(buf, dim, p)
 
     return run
 
