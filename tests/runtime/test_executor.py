@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import time
+from unittest import mock
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime.executor import RuntimeFailure, run
+from runtime.executor import RuntimeFailure, run, thread_homes
 from runtime.ids import actor_id, index_of, rank_of, thread_of
 from runtime.plan import QUEUES, ActorSpec, Plan, PlanError
 from runtime.trace import Trace
@@ -39,10 +40,12 @@ def dag_plans(draw):
 
 
 @settings(max_examples=60, deadline=None)
-@given(dag_plans())
-def test_random_dags_complete_within_quota_in_order(case):
+@given(dag_plans(), st.booleans())
+def test_random_dags_complete_within_quota_in_order(case, host_only):
+    """On a host-only process (data and copy actors on the compute thread) and with a thread per queue."""
     plan, pieces = case
-    res = run(plan, pieces, timeout=20)
+    with mock.patch("runtime.executor.host_only", return_value=host_only):
+        res = run(plan, pieces, timeout=20)
     for spec in plan.actors:
         s = res.stats[spec.name]
         assert s.actions == pieces
@@ -130,13 +133,42 @@ def test_actor_ids_encode_rank_thread_index():
     assert aid < 1 << 64
 
 
-def test_trace_has_one_event_per_action_and_named_threads():
+@pytest.mark.parametrize("host_only, threads", [(True, {"compute+data"}), (False, {"compute", "data"})])
+def test_trace_has_one_event_per_action_and_named_threads(host_only, threads):
+    """A host-only process runs the data actor on the compute thread, and the trace names that thread so."""
+    import threading
+
+    ran_on = {}
+
+    def on(name):
+        return lambda k, *x: ran_on.setdefault(name, threading.current_thread())
+
     trace = Trace(rank=0)
-    plan = Plan([ActorSpec("load", lambda k: k, queue="data"), ActorSpec("step", lambda k, x: x, inputs=("load",))])
-    run(plan, 4, trace=trace)
+    plan = Plan([ActorSpec("load", on("load"), queue="data"), ActorSpec("step", on("step"), inputs=("load",))])
+    with mock.patch("runtime.executor.host_only", return_value=host_only):
+        run(plan, 4, trace=trace)
     events = trace.chrome_events()
     assert sum(e["ph"] == "X" for e in events) == 8
-    assert {e["args"]["name"] for e in events if e["name"] == "thread_name"} == {"compute", "data"}
+    assert {e["args"]["name"] for e in events if e["name"] == "thread_name"} == threads
+    assert (ran_on["load"] is ran_on["step"]) == host_only
+
+
+def test_host_only_moves_data_and_copy_actors_that_touch_no_other_rank_onto_compute():
+    """``thread_homes``: a chain that reaches a network actor keeps its thread (a compute action may block
+    in a collective that the other rank reaches only through that transfer); a gang keeps every thread."""
+    specs = [
+        ActorSpec("read", None, queue="data"), ActorSpec("decode", None, inputs=("read",), queue="data"),
+        ActorSpec("step", None, inputs=("decode", "relay2")),
+        ActorSpec("cut", None, inputs=("step",), queue="copy"), ActorSpec("send", None, inputs=("cut",), queue="network:0"),
+        ActorSpec("recv", None, queue="network:1"), ActorSpec("relay", None, inputs=("recv",), queue="data"),
+        ActorSpec("relay2", None, inputs=("relay",), queue="data"),
+    ]
+    own = {s.name: s.queue for s in specs}
+    with mock.patch("runtime.executor.host_only", return_value=True):
+        assert thread_homes(specs, ganged=False) == {**own, "read": "compute", "decode": "compute"}
+        assert thread_homes(specs, ganged=True) == own
+    with mock.patch("runtime.executor.host_only", return_value=False):
+        assert thread_homes(specs, ganged=False) == own
 
 
 def test_queue_threads_outlive_a_run_and_start_each_run_with_autograd_on():
