@@ -16,8 +16,11 @@ Each stage owns ``quota`` out registers, so at most ``quota`` raw reads,
 decoded sample lists, batches and device batches are alive per stage, and a
 slow step stops the reader (back pressure) instead of prefetching without
 bound. There is no separate prefetch thread: the data and copy queue threads
-of the executor run these actors alongside the compute thread. An exception in
-a stage stops the run and names the stage's actor and the piece (batch index).
+of the executor run these actors alongside the compute thread, and on a host
+without an accelerator the compute thread runs them itself between its own
+actions (``runtime.executor.thread_homes``: there a data thread would only
+take the GIL from the step). An exception in a stage stops the run and names
+the stage's actor and the piece (batch index).
 
 ``TokenFile`` is a small file-backed dataset for it: fixed-length sequences of
 token ids stored as raw int32/uint16 bytes, read with ``seek``/``read`` and

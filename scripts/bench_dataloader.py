@@ -7,9 +7,10 @@ batch 16 x 32 tokens, AdamW) for ``STEPS`` steps four ways, each from the same
 seed and over the same batches:
 
 - actor pipeline: ``runtime.data_pipeline`` stages (read -> decode -> collate
-  on the data queue, to_device on the copy queue, 2 registers each) reading a
-  raw token file on disk, and the training step as an actor on the compute
-  queue consuming the last stage (``run(plan, STEPS)``);
+  -> to_device, 2 registers each, on the data queue, which on a CPU-only host
+  the compute thread runs: ``runtime.executor.thread_homes``) reading a raw
+  token file on disk, and the training step as an actor on the compute queue
+  consuming the last stage (``run(plan, STEPS)``);
 - DataLoader with 1 and with 2 worker processes over the same ``TokenFile``
   as a map-style dataset (``batch_size=None``: each item is one batch made by
   the same read, decode and collate calls);
@@ -27,7 +28,9 @@ fresh random order each repeat (seeded): a fixed order put the synthetic loop
 right after the 2-worker DataLoader, whose worker processes were still
 exiting. On this 2-core host one loop of ~1 s varies by 5-10% from run to run
 (the step alone on the executor's compute thread read 0.91x and then 1.02x
-the same loop on the main thread), hence 15 repeats.
+the same loop on the main thread), hence 15 repeats, and the paired ratio
+comes with a 90% bootstrap interval (repeats resampled): a bar inside it is
+not resolved by that run.
 
 ``--steps`` and ``--repeats`` override ``STEPS`` and ``REPEATS``;
 ``--json PATH`` also writes the printed rows as JSON.
@@ -145,8 +148,9 @@ def main(argv=None) -> None:
         _write_json(args.json, times, losses, ref)
     again = "synthetic' (again)"
     floor = rate[again] / rate["synthetic (in memory)"]
+    lo, hi = _interval(times, "actor pipeline")
     print(f"paired, the median over repeats of each repeat's own ratio (drift between repeats cancels): "
-          f"actor pipeline / synthetic {_paired(times, 'actor pipeline'):.2f}, "
+          f"actor pipeline / synthetic {_paired(times, 'actor pipeline'):.2f} (90% interval {lo:.2f}-{hi:.2f}), "
           f"synthetic'/synthetic {_paired(times, again):.2f}")
     print(f"actor pipeline / synthetic: {actor / rate['synthetic (in memory)']:.2f}; vs best DataLoader: "
           f"{actor / best_dl:.2f}x; noise floor (synthetic'/synthetic): {floor:.2f}")
@@ -155,6 +159,14 @@ def main(argv=None) -> None:
 def _paired(times: dict, name: str) -> float:
     """Throughput of ``name`` over the synthetic loop's, per repeat (both ran within seconds), median."""
     return statistics.median(s / t for s, t in zip(times["synthetic (in memory)"], times[name]))
+
+
+def _interval(times: dict, name: str, resamples: int = 2000) -> tuple:
+    """90% bootstrap interval of ``_paired(times, name)``: repeats resampled with replacement."""
+    ratios = [s / t for s, t in zip(times["synthetic (in memory)"], times[name])]
+    rng = random.Random(0)
+    meds = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
+    return meds[int(0.05 * resamples)], meds[int(0.95 * resamples) - 1]
 
 
 def _write_json(path: str, times: dict, losses: dict, ref: list) -> None:
