@@ -30,13 +30,22 @@ def _cut(slices, select):
 
 
 def _assemble(layout: Layout, rank: int, pieces, requires_grad: bool, device):
-    """Build ``rank``'s local shard from the received cuts; a ``GlobalTensor`` (a leaf when ``requires_grad``)."""
+    """Build ``rank``'s local shard from the received cuts; a ``GlobalTensor`` (a leaf when ``requires_grad``).
+
+    One cut that is the whole shard (e.g. stage to stage on one device each) becomes the shard itself,
+    uncopied: stages are disjoint (``PipelineStep`` refuses shared ranks), so every cut arrives through a
+    receive actor in a buffer of its own.
+    """
     shape = layout.local_shape(rank)
+    whole = len(pieces) == 1 and torch.empty(shape, device="meta")[pieces[0]].shape == torch.Size(shape)
 
     def assemble(piece, *cuts):
-        out = torch.empty(shape, dtype=layout.dtype, device=device)
-        for slices, cut in zip(pieces, cuts):
-            out[slices] = cut
+        if whole and cuts[0].dtype == layout.dtype and cuts[0].is_contiguous():
+            out = cuts[0] if device is None else cuts[0].to(device)  # received on the device already
+        else:
+            out = torch.empty(shape, dtype=layout.dtype, device=device)
+            for slices, cut in zip(pieces, cuts):
+                out[slices] = cut
         return GlobalTensor(out, layout, requires_grad=requires_grad)
 
     return assemble

@@ -1,0 +1,40 @@
+"""Stage-boundary actors on one process: the assemble side, from cuts as receive actors hand them over."""
+from __future__ import annotations
+
+import torch
+
+import sbp_core as sc
+from runtime.pipeline.boundary import _assemble, _cut
+from sbp_core import Layout
+from sbp_core.boxing.cross_placement import transfer_slices
+from sbp_core.search.rehearsal import fake_world
+
+S0, B = sc.sbp.split(0), sc.sbp.broadcast
+
+
+def _boxed(src: Layout, dst: Layout, full: torch.Tensor, j: int):
+    """Rank ``j``'s assembled shard of ``full`` boxed ``src -> dst``, with the cuts copied as a receive would."""
+    plan = transfer_slices(src, dst)
+    mine = [(i, ss, ds) for i, jj, ss, ds in plan if jj == j]
+    cuts = [_cut(ss, lambda v: v)(0, full.chunk(len(src.placement.ranks))[src.placement.ranks.index(i)]).clone()
+            for i, ss, _ in mine]
+    return _assemble(dst, j, [ds for *_, ds in mine], True, None)(0, *cuts), cuts
+
+
+def test_a_whole_shard_cut_is_the_shard_uncopied_and_pieces_are_joined():
+    with fake_world(6):  # placements over 6 ranks; nothing is communicated
+        _check_assemble()
+
+
+def _check_assemble():
+    full = torch.arange(24.0).reshape(6, 4)
+    one, two, three = sc.placement("cpu", [0]), sc.placement("cpu", [1, 2]), sc.placement("cpu", [3, 4, 5])
+    # One device to one device: the received buffer becomes the leaf shard itself.
+    out, cuts = _boxed(Layout(one, (B,), (6, 4), torch.float32), Layout(sc.placement("cpu", [1]), (B,), (6, 4),
+                       torch.float32), full, 1)
+    assert out.to_local().data_ptr() == cuts[0].data_ptr() and out.requires_grad and out.is_leaf
+    assert torch.equal(out.to_local(), full)
+    # S(0) on two devices to S(0) on three: rank 4's rows 2..3 come from two sources, written into a new buffer.
+    out, cuts = _boxed(Layout(two, (S0,), (6, 4), torch.float32), Layout(three, (S0,), (6, 4), torch.float32), full, 4)
+    assert len(cuts) == 2 and all(out.to_local().data_ptr() != c.data_ptr() for c in cuts)
+    assert torch.equal(out.to_local(), full[2:4])
