@@ -33,7 +33,10 @@ class ActorSpec:
     list of values when that is more than one): gradient reduction and the
     optimizer update act once per step over ``m`` micro-batch pieces.
     ``role``: the actor's name within a lockstep gang (see ``Plan``);
-    defaults to ``name``.
+    defaults to ``name``. ``out``: ``(shape, dtype)`` when every output is a
+    contiguous tensor of that shape and dtype; an edge from it to another
+    rank then sends the data alone (no header per value), and a value of
+    another shape or dtype fails the run.
     """
 
     name: str
@@ -46,6 +49,7 @@ class ActorSpec:
     rank: int = 0
     every: int = 1
     role: str = ""
+    out: tuple | None = None
 
     @property
     def key(self) -> str:

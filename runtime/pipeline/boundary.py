@@ -68,7 +68,9 @@ def boundary_actors(name: str, producer: dict, src: Layout, dst: Layout, require
         cuts = []
         for k, i, ss, _ in mine:
             cut = f"{name}.cut{k}@{i}"
-            actors.append(ActorSpec(cut, _cut(ss, select), inputs=(producer[i],), queue="copy", quota=1, rank=i))
+            out = (torch.empty(src.local_shape(i), device="meta")[ss].shape, src.dtype)
+            actors.append(ActorSpec(cut, _cut(ss, select), inputs=(producer[i],), queue="copy", quota=1, rank=i,
+                                    out=out))
             cuts.append(cut)
         asm = f"{name}.assemble@{j}"
         actors.append(ActorSpec(asm, _assemble(dst, j, [ds for *_, ds in mine], requires_grad, device),

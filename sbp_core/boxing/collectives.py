@@ -408,7 +408,6 @@ _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.in
 _HEADER = 16  # kind, dtype code, ndim, shape...
 
 
-@_collective(lambda obj, dst, group: {dst})
 @_collective(lambda values, src, group: {src})
 def broadcast_ints(values, src: int, group) -> list:
     """``src``'s list of ints, on every rank of ``group`` (the others pass a list of the same length)."""
@@ -419,6 +418,7 @@ def broadcast_ints(values, src: int, group) -> list:
     return t.tolist()
 
 
+@_collective(lambda obj, dst, group: {dst})
 def send_object(obj, dst: int, group) -> None:
     """Send a tensor (header, then its data) or any picklable object to ``dst`` on ``group``.
 
@@ -450,3 +450,24 @@ def recv_object(src: int, group, device=None):
     if buf.numel():
         dist.recv(buf, src=src, group=group)
     return buf if kind == 0 else pickle.loads(buf.numpy().tobytes())
+
+
+@_collective(lambda t, dst, group: {dst})
+def send_tensor(t: torch.Tensor, dst: int, group) -> None:
+    """Send a contiguous tensor's data alone to ``dst`` on ``group``; blocking.
+
+    For a channel whose every value has one shape and dtype that both ends
+    know (``recv_tensor``): one transfer per value, where ``send_object``
+    sends a header first and the receiver waits for it before it can post
+    the data's receive.
+    """
+    ledger.record("send", 2, _nbytes(t), (world_rank(), dst))
+    dist.send(t, dst=dst, group=group)
+
+
+@_collective(lambda shape, dtype, src, group, device=None: {src})
+def recv_tensor(shape, dtype, src: int, group, device=None) -> torch.Tensor:
+    """Receive what ``send_tensor`` sent from ``src`` on ``group``, into a new tensor of ``shape`` and ``dtype``."""
+    buf = torch.empty(shape, dtype=dtype, device=device)
+    dist.recv(buf, src=src, group=group)
+    return buf

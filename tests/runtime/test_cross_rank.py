@@ -17,7 +17,7 @@ def _square(k, x):
 
 def _plan():
     return Plan([
-        ActorSpec("load", lambda k: torch.full((3,), float(k)), queue="data", rank=0),
+        ActorSpec("load", lambda k: torch.full((3,), float(k)), queue="data", rank=0, out=((3,), torch.float32)),
         ActorSpec("square", _square, inputs=("load",), rank=1),
         ActorSpec("cube", lambda k, x, y: x * y, inputs=("square", "load"), rank=2),
         ActorSpec("log", lambda k, x: {"piece": k, "value": x.sum().item()}, inputs=("cube",), rank=0),
@@ -78,3 +78,37 @@ def test_an_error_on_one_rank_ends_every_rank():
     outs = pool.outcomes(_failing, 5.0)
     assert not outs[1].ok and "actor 'step' failed on piece 2: ValueError: bad piece" in outs[1].message
     assert not outs[0].ok and outs[0].exc_type == "RuntimeFailure"
+
+
+def _sends_per_value(shape, declared):
+    """Transfers of one 2-rank channel over 4 pieces: ``(dist.send calls on rank 0, values received on rank 1)``."""
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    real, calls = dist.send, []
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    plan = Plan([
+        ActorSpec("load", lambda k: torch.full(shape, float(k)), rank=0,
+                  out=None if declared is None else (declared, torch.float32)),
+        ActorSpec("sum", lambda k, x: float(x.sum()), inputs=("load",), rank=1),
+    ])
+    with mock.patch.object(dist, "send", counting):
+        res = run(plan, 4, timeout=30)
+    return len(calls), res.outputs.get("sum")
+
+
+def test_a_channel_from_an_actor_declaring_its_out_sends_the_data_alone():
+    pool = get_pool(2, timeout=5.0)
+    sends, got = zip(*pool.run(_sends_per_value, (2, 3), (2, 3)))
+    assert sends[0] == 4 and got[1] == [6.0 * k for k in range(4)]  # one transfer per value, no header
+    untyped = pool.run(_sends_per_value, (2, 3), None)
+    assert untyped[0][0] == 8 and untyped[1][1] == [6.0 * k for k in range(4)]  # header, then data
+    outs = pool.outcomes(_sends_per_value, (2, 3), (3, 2))
+    assert not outs[0].ok and "actor 'load' declares out (3, 2) torch.float32 but produced (2, 3) torch.float32" \
+        in outs[0].message
+    assert not outs[1].ok and outs[1].exc_type == "RuntimeFailure"

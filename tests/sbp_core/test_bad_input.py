@@ -98,3 +98,17 @@ def test_a_collective_one_rank_never_joins_times_out():
     assert "all_gather with ranks [0, 1] failed on rank 0" in outs[0].message
     # The pool restarts its workers after a failed collective and works again.
     assert pool.run(torch.distributed.get_world_size) == [2, 2]
+
+
+@pytest.mark.parametrize("send", ["send_object", "send_tensor"])
+def test_a_failed_point_to_point_send_names_the_peer(send):
+    from unittest import mock
+
+    from sbp_core.boxing import collectives
+
+    def lost(*args, **kwargs):
+        raise RuntimeError("Connection closed by peer")
+
+    with mock.patch.object(collectives.dist, "send", lost), pytest.raises(collectives.CollectiveError) as err:
+        getattr(collectives, send)(torch.zeros(3), 1, None)
+    assert f"{send} with ranks [1] failed on rank 0" in str(err.value) and "Connection closed" in str(err.value)
