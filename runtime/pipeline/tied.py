@@ -15,6 +15,7 @@ import torch
 
 from sbp_core import GlobalTensor, Layout
 from sbp_core.boxing import collectives
+from sbp_core.boxing.cross_placement import box_cross_placements
 from sbp_core.process_groups import world_rank, world_size
 
 
@@ -54,18 +55,25 @@ class TiedGrads:
 
     @torch.no_grad()
     def sum_grads(self) -> None:
-        """On the first and last stage's ranks: both copies' gradients become their sum."""
+        """On the first and last stage's ranks: both copies' gradients become their sum.
+
+        Both directions are boxed in one exchange (``box_cross_placements``), so the two stages send at once.
+        """
         for p, first, last in self.pairs:
             if p is None:
                 continue
             here_first = world_rank() in first.placement
-            g_first = p.grad if here_first else _absent(first)
-            g_last = p.grad if not here_first else _absent(last)
-            to_last = g_first.to_global(placement=last.placement, sbp=last.sbp)
-            to_first = g_last.to_global(placement=first.placement, sbp=first.sbp)
-            p.grad.add_(to_first if here_first else to_last)
+            g_first = p.grad.layout if here_first else first
+            g_last = p.grad.layout if not here_first else last
+            mine, empty = p.grad._local, _absent(p.grad.dtype, p.grad._local.device)
+            at_last = Layout(last.placement, last.sbp, g_first.shape, g_first.dtype)
+            at_first = Layout(first.placement, first.sbp, g_last.shape, g_last.dtype)
+            to_last, to_first = box_cross_placements([
+                (mine if here_first else empty, g_first, at_last), (empty if here_first else mine, g_last, at_first),
+            ])
+            p.grad.add_(GlobalTensor(to_first, at_first) if here_first else GlobalTensor(to_last, at_last))
 
 
-def _absent(layout: Layout) -> GlobalTensor:
-    """The other stage's tensor as seen from here: its layout, no data."""
-    return GlobalTensor(torch.empty(0, dtype=layout.dtype, device=layout.placement.device()), layout)
+def _absent(dtype, device) -> torch.Tensor:
+    """The local of the other stage's tensor as seen from here: no data."""
+    return torch.empty(0, dtype=dtype, device=device)

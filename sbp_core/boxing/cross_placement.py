@@ -120,10 +120,37 @@ def box_cross_placement(local, src_pl, src: tuple, dst_pl, dst: tuple, shape, dt
 
     Returns this rank's new local (an empty tensor off ``dst_pl``).
     """
+    sends, recvs, finish = _sides(local, src_pl, src, dst_pl, dst, shape, dtype)
+    return finish(collectives.exchange(sends, recvs))
+
+
+def box_cross_placements(items) -> list:
+    """``box_cross_placement`` of several tensors, every transfer of all of them in flight at once.
+
+    ``items``: ``[(local, src Layout, dst Layout)]``, listed alike on every
+    rank. One ``collectives.exchange`` carries them all: two stages that
+    swap tensors (tied gradients) send both ways together instead of one
+    way after the other. Bytes are those of boxing each alone.
+    """
+    sides = [_sides(local, a.placement, a.sbp, b.placement, b.sbp, a.shape, a.dtype) for local, a, b in items]
+    received = collectives.exchange([x for s, _, _ in sides for x in s], [x for _, r, _ in sides for x in r])
+    out, k = [], 0
+    for _, recvs, finish in sides:
+        out.append(finish(received[k : k + len(recvs)]))
+        k += len(recvs)
+    return out
+
+
+def _sides(local, src_pl, src: tuple, dst_pl, dst: tuple, shape, dtype):
+    """``(sends, recvs, finish)``: this rank's part of one cross-placement boxing, for ``collectives.exchange``.
+
+    A partial source is reduced inside its placement here, first.
+    ``finish(received)`` builds the new local from what ``recvs`` received.
+    """
     me = world_rank()
     device = (dst_pl if me in dst_pl else src_pl).device()
     if me not in src_pl and me not in dst_pl:
-        return torch.empty(0, dtype=dtype, device=device)
+        return [], [], lambda received: torch.empty(0, dtype=dtype, device=device)
     op = src[0].op if src and src[0].is_partial else None
     if any(s.is_partial for s in src) and not (_all_partial(src, op) and _all_partial(dst, op)):
         mid = _reduction_target(src, dst, shape)
@@ -135,21 +162,25 @@ def box_cross_placement(local, src_pl, src: tuple, dst_pl, dst: tuple, shape, dt
     sends = [(j, local[_relative(b, my_box)]) for i, j, b in plan if i == me and j != me]
     incoming = [(i, b) for i, j, b in plan if j == me]
     recvs = [(i, torch.Size(n for _, n in b), dtype, device) for i, b in incoming if i != me]
-    received = iter(collectives.exchange(sends, recvs))
-    if me not in dst_pl:
-        return torch.empty(0, dtype=dtype, device=device)
-    coords = dst_pl.coords(me)
-    want = local_box(shape, dst_pl.shape, dst, coords)
-    fill = filler_op(dst, coords)
-    if _all_partial(src):
-        terms = [local if i == me else next(received) for i, _ in incoming]
-        if not terms:
-            return torch.full(tuple(shape), reduce_identity(op, dtype), dtype=dtype, device=device)
-        return reduce_terms(terms, op)
-    if fill is not None:
-        return torch.full(tuple(n for _, n in want), reduce_identity(fill, dtype), dtype=dtype, device=device)
-    out = torch.empty(tuple(n for _, n in want), dtype=dtype, device=device)
-    for i, b in incoming:
-        piece = local[_relative(b, my_box)] if i == me else next(received)
-        out[_relative(b, want)] = piece
-    return out
+
+    def finish(received):
+        received = iter(received)
+        if me not in dst_pl:
+            return torch.empty(0, dtype=dtype, device=device)
+        coords = dst_pl.coords(me)
+        want = local_box(shape, dst_pl.shape, dst, coords)
+        fill = filler_op(dst, coords)
+        if _all_partial(src):
+            terms = [local if i == me else next(received) for i, _ in incoming]
+            if not terms:
+                return torch.full(tuple(shape), reduce_identity(op, dtype), dtype=dtype, device=device)
+            return reduce_terms(terms, op)
+        if fill is not None:
+            return torch.full(tuple(n for _, n in want), reduce_identity(fill, dtype), dtype=dtype, device=device)
+        out = torch.empty(tuple(n for _, n in want), dtype=dtype, device=device)
+        for i, b in incoming:
+            piece = local[_relative(b, my_box)] if i == me else next(received)
+            out[_relative(b, want)] = piece
+        return out
+
+    return sends, recvs, finish
