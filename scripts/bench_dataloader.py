@@ -55,6 +55,7 @@ from recipes.gpt2.model import GPT2LMHeadModel  # noqa: E402
 from runtime.data_pipeline import TokenFile, write_tokens  # noqa: E402
 from runtime.executor import run  # noqa: E402
 from runtime.plan import ActorSpec, Plan  # noqa: E402
+from scripts.paired import paired_ratio  # noqa: E402
 from scripts.verify_parity import GPT_CFG  # noqa: E402
 
 STEPS, BATCH, SEQ, REPEATS = 60, 16, 32, 15
@@ -148,25 +149,13 @@ def main(argv=None) -> None:
         _write_json(args.json, times, losses, ref)
     again = "synthetic' (again)"
     floor = rate[again] / rate["synthetic (in memory)"]
-    lo, hi = _interval(times, "actor pipeline")
+    base = times["synthetic (in memory)"]
+    mid, lo, hi = paired_ratio(base, times["actor pipeline"])
     print(f"paired, the median over repeats of each repeat's own ratio (drift between repeats cancels): "
-          f"actor pipeline / synthetic {_paired(times, 'actor pipeline'):.2f} (90% interval {lo:.2f}-{hi:.2f}), "
-          f"synthetic'/synthetic {_paired(times, again):.2f}")
+          f"actor pipeline / synthetic {mid:.2f} (90% interval {lo:.2f}-{hi:.2f}), "
+          f"synthetic'/synthetic {paired_ratio(base, times[again])[0]:.2f}")
     print(f"actor pipeline / synthetic: {actor / rate['synthetic (in memory)']:.2f}; vs best DataLoader: "
           f"{actor / best_dl:.2f}x; noise floor (synthetic'/synthetic): {floor:.2f}")
-
-
-def _paired(times: dict, name: str) -> float:
-    """Throughput of ``name`` over the synthetic loop's, per repeat (both ran within seconds), median."""
-    return statistics.median(s / t for s, t in zip(times["synthetic (in memory)"], times[name]))
-
-
-def _interval(times: dict, name: str, resamples: int = 2000) -> tuple:
-    """90% bootstrap interval of ``_paired(times, name)``: repeats resampled with replacement."""
-    ratios = [s / t for s, t in zip(times["synthetic (in memory)"], times[name])]
-    rng = random.Random(0)
-    meds = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
-    return meds[int(0.05 * resamples)], meds[int(0.95 * resamples) - 1]
 
 
 def _write_json(path: str, times: dict, losses: dict, ref: list) -> None:

@@ -34,7 +34,10 @@ gradients, optimizer); a step's time is the max over ranks, a variant's the
 median over its steps; tokens/s = batch x seq / that. ``cpu ms`` is the
 same over each rank's process CPU time of the step (all its threads; one
 intra-op thread per rank), which other jobs on the machine disturb less than
-wall time: the ratio table gives throughput by both.
+wall time: the ratio table gives throughput by both. A paired line also
+gives, per pair, the median over rounds of each round's own ratio (the two
+variants ran within seconds of each other) with its 90% bootstrap interval
+(``scripts.paired``).
 
 **Memory.** Peak bytes of C heap in use (glibc ``mallinfo2``: in-use arena
 plus mmapped chunks of every thread; torch's CPU tensors live there; RSS
@@ -101,6 +104,7 @@ from recipes.gpt2.model import GPT2Config, GPT2LMHeadModel  # noqa: E402
 from recipes.gpt2.plan import PIPELINE  # noqa: E402
 from runtime.pipeline.timeline import bubble, peak_held, theory  # noqa: E402
 from scripts.heap import HeapPeak, heap_bytes  # noqa: E402
+from scripts.paired import paired_ratio  # noqa: E402
 from toolkit.stages import keep_stage, stage_ranges  # noqa: E402
 
 VARIANTS = ("ours 1f1b", "torch 1F1B", "ours gpipe", "torch GPipe")
@@ -406,6 +410,13 @@ def report(res, o) -> str:
         ratios[ours] = (step_time[theirs] / step_time[ours], mem[ours] / mem[theirs])
         lines.append(f"{ours[5:] + ' vs ' + theirs[6:]:14s} {ratios[ours][0]:9.2f}x "
                      f"{cpu_time[theirs] / cpu_time[ours]:10.2f}x {ratios[ours][1]:9.2f}x")
+    pairs = []
+    for ours, theirs in (("ours 1f1b", "torch 1F1B"), ("ours gpipe", "torch GPipe")):
+        per_round = {n: [max(r["times"][n][k] for r in res) for k in range(o.steps)] for n in (ours, theirs)}
+        mid, lo, hi = paired_ratio(per_round[theirs], per_round[ours])
+        pairs.append(f"{ours[5:]} vs {theirs[6:]} {mid:.2f}x (90% interval {lo:.2f}-{hi:.2f})")
+    lines.append("paired, the median over rounds of each round's own ratio (drift between rounds cancels): "
+                 + "; ".join(pairs))
     lines.append("")
     th = theory(o.pp, o.micro)
     lines.append(f"per stage: bubble (median over the timed steps; theory (p-1)/(m+p-1) = {th:.2f}) and the most "

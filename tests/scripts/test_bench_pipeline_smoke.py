@@ -14,6 +14,8 @@ def test_bench_pipeline_prints_table_and_summary(capsys):
         assert re.search(rf"^{re.escape(name)}\s+\d+\s+\d+", text, re.M), f"no table row for {name}"
     assert "loss per step agrees" in text
     assert re.search(r"bubble s0 [\d.]+, s1 [\d.]+", text)
+    assert re.search(r"^paired, .*: 1f1b vs 1F1B \d+\.\d\dx \(90% interval \d+\.\d\d-\d+\.\d\d\); "
+                     r"gpipe vs GPipe \d+\.\d\dx", text, re.M)
     last = text.strip().splitlines()[-1]
     assert re.fullmatch(r"vs Schedule1F1B: \d+\.\d\dx throughput, \d+\.\d\dx peak memory; "
                         r"vs ScheduleGPipe: \d+\.\d\dx, \d+\.\d\dx", last), last
