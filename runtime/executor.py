@@ -1,9 +1,11 @@
 """Running a plan: one OS thread per hardware queue, each a FIFO of messages.
 
 On a host without an accelerator, "data" and "copy" actors that exchange
-nothing with other ranks run on the compute thread (``thread_homes``): there
-the only hardware is the CPU, and a second Python thread would only contend
-with the step for the GIL.
+nothing with other ranks run on the compute thread, and one between compute
+and a single channel (a pipeline boundary's cut or assemble) on that
+channel's thread (``thread_homes``): there the only hardware is the CPU, and
+each extra Python thread a value crosses only contends with the step for
+the GIL.
 
 The threads outlive a run: each queue's loop runs on a long-lived worker of
 that queue (``runtime.workers``; a thread started per step costs its cold
