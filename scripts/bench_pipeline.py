@@ -73,7 +73,9 @@ peaked.
 **Trace.** ``--trace out.json`` also writes the last timed step of ``ours
 1f1b`` and ``torch 1F1B`` as one Chrome trace, each variant's step shifted to
 start at 0 so they line up (processes ``ours rank r`` and ``torch rank r``;
-tracks: compute, copy, network); ``python scripts/plot_trace.py out.json``
+ours' tracks are the executor's threads, e.g. ``copy+network:0`` where a
+boundary cut runs on its channel's thread; the peer's by kind: compute,
+network); ``python scripts/plot_trace.py out.json``
 renders it side by side.
 
 Last line: ``vs Schedule1F1B: X.XXx throughput, Y.YYx peak memory; vs
@@ -220,6 +222,11 @@ class Ours:
     def events(self):
         return self.step_.last_trace.wall_events()
 
+    def threads(self) -> dict:
+        """``{actor: the name of the thread that ran it}`` in the last step (the executor's own placement)."""
+        t = self.step_.last_trace
+        return {name: t.threads[tid] for name, tid, *_ in t.events}
+
 
 class Theirs:
     def __init__(self, o, schedule, tied_group):
@@ -288,6 +295,9 @@ class Theirs:
     def events(self):
         return list(self._events)
 
+    def threads(self) -> dict:
+        return {}  # everything on the rank's main thread: the trace's tracks by kind
+
 
 def _cfg(o) -> GPT2Config:
     return GPT2Config(vocab_size=o.vocab, n_positions=o.seq, n_embd=o.embd, n_layer=o.layers, n_head=o.heads,
@@ -340,6 +350,7 @@ def worker(o):
             out["times"][name].append(time.perf_counter() - t)
             out["cpu"][name].append(time.process_time() - c)
             out["events"][name].append(variants[name].events())
+    out["threads"] = {name: v.threads() for name, v in variants.items()}
     return out
 
 
@@ -468,7 +479,7 @@ def write_trace(res, path: str, pair=("ours 1f1b", "torch 1F1B")) -> str:
                            "args": {"name": f"{name.split()[0]} rank {r['stage']}"}})
             for ev_name, start, end, piece in evs:
                 events.append({"ph": "X", "name": f"{_kind(ev_name)} {piece}", "pid": pid,
-                               "tid": _TRACK.get(_kind(ev_name), "network"),
+                               "tid": r["threads"][name].get(ev_name) or _TRACK.get(_kind(ev_name), "network"),
                                "ts": (start - t0) * 1e6, "dur": (end - start) * 1e6})
     with open(path, "w") as f:
         json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)

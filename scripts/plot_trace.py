@@ -11,7 +11,7 @@ colour depends only on the event name's prefix (text before the first ':' or
 ' '), so every ``fwd ...`` action shares a colour. The time axis is in ms.
 
 The PNG (8-bit RGB, filter 0) is written with ``zlib`` + ``struct``; labels use
-a built-in 5x7 bitmap font (digits, A-Z, space and ``/.:_-()``; lowercase is
+a built-in 5x7 bitmap font (digits, A-Z, space and ``/.:_-()+``; lowercase is
 drawn as uppercase, other characters as '?').
 """
 import argparse
@@ -35,7 +35,7 @@ K 11121418141211 L 1010101010101F M 111B1515111111 N 11111915131111 O 0E11111111
 P 1E11111E101010 Q 0E11111115120D R 1E11111E141211 S 0F10100E01011E T 1F040404040404
 U 1111111111110E V 11111111110A04 W 1111111515150A X 11110A040A1111 Y 1111110A040404
 Z 1F01020408101F / 00010204081000 . 00000000000C0C : 000C0C000C0C00 _ 0000000000001F
-- 0000001F000000 ( 02040808080402 ) 08040202020408 ? 0E110102040004
+- 0000001F000000 ( 02040808080402 ) 08040202020408 ? 0E110102040004 + 0004041F040400
 """.split())] * 2))
 
 
