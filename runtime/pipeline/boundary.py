@@ -20,11 +20,13 @@ from sbp_core.boxing.cross_placement import transfer_slices
 from ..plan import ActorSpec
 
 
-def _cut(slices, select):
+def _cut(slices, select, dtype):
+    """The cut's action: ``slices`` of the selected local, contiguous, in the boundary layout's ``dtype``
+    (the shape and dtype the cut declares as its ``out``, so its channel sends the data alone)."""
     def cut(piece, value):
         value = select(value)
         local = value.to_local() if isinstance(value, GlobalTensor) else value
-        return local.detach()[slices].contiguous()
+        return local.detach()[slices].to(dtype).contiguous()
 
     return cut
 
@@ -69,7 +71,7 @@ def boundary_actors(name: str, producer: dict, src: Layout, dst: Layout, require
         for k, i, ss, _ in mine:
             cut = f"{name}.cut{k}@{i}"
             out = (torch.empty(src.local_shape(i), device="meta")[ss].shape, src.dtype)
-            actors.append(ActorSpec(cut, _cut(ss, select), inputs=(producer[i],), queue="copy", quota=1, rank=i,
+            actors.append(ActorSpec(cut, _cut(ss, select, src.dtype), inputs=(producer[i],), queue="copy", quota=1, rank=i,
                                     out=out))
             cuts.append(cut)
         asm = f"{name}.assemble@{j}"

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 import sbp_core as sc
-from runtime.pipeline.boundary import _assemble, _cut
+from runtime.pipeline.boundary import _assemble, _cut, boundary_actors
 from sbp_core import Layout
 from sbp_core.boxing.cross_placement import transfer_slices
 from sbp_core.search.rehearsal import fake_world
@@ -16,7 +16,7 @@ def _boxed(src: Layout, dst: Layout, full: torch.Tensor, j: int):
     """Rank ``j``'s assembled shard of ``full`` boxed ``src -> dst``, with the cuts copied as a receive would."""
     plan = transfer_slices(src, dst)
     mine = [(i, ss, ds) for i, jj, ss, ds in plan if jj == j]
-    cuts = [_cut(ss, lambda v: v)(0, full.chunk(len(src.placement.ranks))[src.placement.ranks.index(i)]).clone()
+    cuts = [_cut(ss, lambda v: v, src.dtype)(0, full.chunk(len(src.placement.ranks))[src.placement.ranks.index(i)]).clone()
             for i, ss, _ in mine]
     return _assemble(dst, j, [ds for *_, ds in mine], True, None)(0, *cuts), cuts
 
@@ -38,3 +38,18 @@ def _check_assemble():
     out, cuts = _boxed(Layout(two, (S0,), (6, 4), torch.float32), Layout(three, (S0,), (6, 4), torch.float32), full, 4)
     assert len(cuts) == 2 and all(out.to_local().data_ptr() != c.data_ptr() for c in cuts)
     assert torch.equal(out.to_local(), full[2:4])
+
+
+def test_cuts_declare_the_shape_and_dtype_they_produce():
+    """A cut's ``out`` (its channel then sends the data alone) is what it returns, in the layout's dtype."""
+    with fake_world(6):
+        full = torch.arange(24.0).reshape(6, 4)
+        two, three = sc.placement("cpu", [1, 2]), sc.placement("cpu", [3, 4, 5])
+        src, dst = Layout(two, (S0,), (6, 4), torch.float32), Layout(three, (S0,), (6, 4), torch.float32)
+        actors, _ = boundary_actors("b", {1: "p1", 2: "p2"}, src, dst, False, None)
+        cuts = [a for a in actors if ".cut" in a.name]
+        assert len(cuts) == 4 and all(a.out is None for a in actors if a not in cuts)
+        for a in cuts:
+            got = a.action(0, full.chunk(2)[two.ranks.index(a.rank)].to(torch.bfloat16))
+            assert (got.shape, got.dtype) == (torch.Size(a.out[0]), a.out[1]) == (got.shape, torch.float32)
+            assert got.is_contiguous()
