@@ -32,6 +32,13 @@ the same loop on the main thread), hence 15 repeats, and the paired ratio
 comes with a 90% bootstrap interval (repeats resampled): a bar inside it is
 not resolved by that run.
 
+Each loop's time outside its training steps (the steps timed inside, the
+same function in every way) is what a way adds besides the steps, without
+the steps' drift between turns; the last line sets those beside the
+synthetic loop's median step time for a ratio the drift does not reach. It
+does not see a way that makes the steps themselves slower (a thread taking
+the GIL from them, say); the whole-loop ratios do.
+
 ``--steps`` and ``--repeats`` override ``STEPS`` and ``REPEATS``;
 ``--json PATH`` also writes the printed rows as JSON.
 """
@@ -61,18 +68,24 @@ from scripts.verify_parity import GPT_CFG  # noqa: E402
 STEPS, BATCH, SEQ, REPEATS = 60, 16, 32, 15
 
 
+IN_STEP = [0.0]  # seconds spent inside training steps since the last reset (every way's steps add here)
+
+
 def _trainer():
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT_CFG)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     def step(batch) -> float:
+        t = time.perf_counter()
         ids = batch["input_ids"]
         loss = model(ids, ids)[1]
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        return loss.item()
+        out = loss.item()
+        IN_STEP[0] += time.perf_counter() - t
+        return out
 
     return step
 
@@ -125,14 +138,17 @@ def main(argv=None) -> None:
         }
         synthetic(batches[:10])  # warm up allocator and kernels before any timing
         times = {name: [] for name in ways}
+        outside = {name: [] for name in ways}
         losses = {}
         rng = random.Random(0)
         for _ in range(REPEATS):
             for name in rng.sample(list(ways), len(ways)):
                 fn = ways[name]
+                IN_STEP[0] = 0.0
                 t = time.perf_counter()
                 losses[name] = fn()
                 times[name].append(time.perf_counter() - t)
+                outside[name].append(times[name][-1] - IN_STEP[0])
     ref = losses["synthetic (in memory)"]
     print(f"tiny GPT-2 {GPT_CFG.n_layer} layers, batch {BATCH} x {SEQ}, {STEPS} steps, "
           f"torch threads 1, median of {REPEATS}, {os.cpu_count()} cores")
@@ -156,6 +172,14 @@ def main(argv=None) -> None:
           f"synthetic'/synthetic {paired_ratio(base, times[again])[0]:.2f}")
     print(f"actor pipeline / synthetic: {actor / rate['synthetic (in memory)']:.2f}; vs best DataLoader: "
           f"{actor / best_dl:.2f}x; noise floor (synthetic'/synthetic): {floor:.2f}")
+    out = {name: statistics.median(v) for name, v in outside.items()}
+    inside = {name: statistics.median(t - o for t, o in zip(times[name], outside[name])) for name in ways}
+    steps = inside["synthetic (in memory)"]
+    print("outside the training steps, median ms per loop (model set-up, data, hand-offs, start-up): "
+          + ", ".join(f"{name} {v * 1e3:.1f}" for name, v in out.items())
+          + "; inside them: " + ", ".join(f"{name} {v * 1e3:.0f}" for name, v in inside.items())
+          + f"; with the synthetic loop's steps as the common cost, actor pipeline / "
+          f"synthetic {(steps + out['synthetic (in memory)']) / (steps + out['actor pipeline']):.3f}")
 
 
 def _write_json(path: str, times: dict, losses: dict, ref: list) -> None:
