@@ -350,9 +350,10 @@ def thread_homes(specs, ganged: bool) -> dict:
         moving -= stays
     for n in moving:
         home[n] = "compute"
-    for n, q in list(home.items()):
+    settled = dict(home)  # a channel's own actors only: no chain of data/copy actors folds onto it
+    for n, q in settled.items():
         if q in ("data", "copy"):
-            channels = {home[m] for m in neighbours[n]} - {"compute"}
+            channels = {settled[m] for m in neighbours[n]} - {"compute"}
             if len(channels) == 1 and next(iter(channels)).startswith("network"):
                 home[n] = channels.pop()
     return home

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+import torch
+
 QUEUES = ("compute", "copy", "network", "data")
 
 
@@ -105,6 +107,10 @@ class Plan:
                     raise PlanError(f"actor {a.name!r}: initial value for {src!r}, which is not one of its inputs {list(a.inputs)}")
             if not isinstance(a.every, int) or a.every < 1:
                 raise PlanError(f"actor {a.name!r}: every={a.every!r} must be an int >= 1")
+            if a.out is not None and not (isinstance(a.out, tuple) and len(a.out) == 2
+                                          and isinstance(a.out[1], torch.dtype)
+                                          and all(isinstance(n, int) and n >= 0 for n in a.out[0])):
+                raise PlanError(f"actor {a.name!r}: out={a.out!r} must be (shape of ints >= 0, torch dtype)")
         by = self.by_name()
         for a in self.actors:
             for src in a.inputs:

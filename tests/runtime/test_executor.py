@@ -121,6 +121,7 @@ def test_an_exception_stops_everything_and_names_the_actor():
     ([ActorSpec("a", lambda k, x: x, inputs=("b",)), ActorSpec("b", lambda k, x: x, inputs=("a",))],
      "has no initial register to break it"),
     ([ActorSpec("a", lambda k: k, queue="gpu")], "queue 'gpu' is not one of"),
+    ([ActorSpec("a", lambda k: k, out=((2, 3), "float32"))], r"out=\(\(2, 3\), 'float32'\) must be \(shape"),
 ])
 def test_bad_plans_are_refused_before_running(actors, words):
     with pytest.raises(PlanError, match=words):
