@@ -74,8 +74,8 @@ peaked.
 1f1b`` and ``torch 1F1B`` as one Chrome trace, each variant's step shifted to
 start at 0 so they line up (processes ``ours rank r`` and ``torch rank r``;
 ours' tracks are the executor's threads, e.g. ``copy+network:0`` where a
-boundary cut runs on its channel's thread; the peer's by kind: compute,
-network); ``python scripts/plot_trace.py out.json``
+boundary cut runs on its channel's thread; the peer's one: compute);
+``python scripts/plot_trace.py out.json``
 renders it side by side.
 
 Last line: ``vs Schedule1F1B: X.XXx throughput, Y.YYx peak memory; vs
@@ -110,6 +110,7 @@ from scripts.paired import paired_ratio  # noqa: E402
 from toolkit.stages import keep_stage, stage_ranges  # noqa: E402
 
 VARIANTS = ("ours 1f1b", "torch 1F1B", "ours gpipe", "torch GPipe")
+PAIRS = ((VARIANTS[0], VARIANTS[1]), (VARIANTS[2], VARIANTS[3]))  # (ours, the peer) compared
 ADAMW = dict(lr=1e-3, weight_decay=0.1)
 MB = 1 << 20
 
@@ -296,7 +297,7 @@ class Theirs:
         return list(self._events)
 
     def threads(self) -> dict:
-        return {}  # everything on the rank's main thread: the trace's tracks by kind
+        return {}  # every timed action runs on the rank's main thread: the trace's compute track
 
 
 def _cfg(o) -> GPT2Config:
@@ -417,12 +418,12 @@ def report(res, o) -> str:
     lines.append("")
     lines.append(f"{'ours / torch':14s} {'throughput':>10s} {'by CPU time':>11s} {'peak heap':>10s}")
     ratios = {}
-    for ours, theirs in (("ours 1f1b", "torch 1F1B"), ("ours gpipe", "torch GPipe")):
+    for ours, theirs in PAIRS:
         ratios[ours] = (step_time[theirs] / step_time[ours], mem[ours] / mem[theirs])
         lines.append(f"{ours[5:] + ' vs ' + theirs[6:]:14s} {ratios[ours][0]:9.2f}x "
                      f"{cpu_time[theirs] / cpu_time[ours]:10.2f}x {ratios[ours][1]:9.2f}x")
     pairs = []
-    for ours, theirs in (("ours 1f1b", "torch 1F1B"), ("ours gpipe", "torch GPipe")):
+    for ours, theirs in PAIRS:
         per_round = {n: [max(r["times"][n][k] for r in res) for k in range(o.steps)] for n in (ours, theirs)}
         mid, lo, hi = paired_ratio(per_round[theirs], per_round[ours])
         pairs.append(f"{ours[5:]} vs {theirs[6:]} {mid:.2f}x (90% interval {lo:.2f}-{hi:.2f})")
@@ -454,17 +455,13 @@ def report(res, o) -> str:
     lines.append("ours - torch, ms per step: " + "; ".join(
         f"{ours[5:]} s{st}: " + " ".join(f"{k} {per_step[ours, st].get(k, 0) - per_step[theirs, st].get(k, 0):+.0f}"
                                          for k in ("F", "B", "reduce", "update"))
-        for ours, theirs in (("ours 1f1b", "torch 1F1B"), ("ours gpipe", "torch GPipe")) for st in range(o.pp)))
+        for ours, theirs in PAIRS for st in range(o.pp)))
     lines.append("heap peak during (per stage, the compute action running when the sampled step's heap peaked):")
     for n in VARIANTS:
         lines.append(f"  {n:12s} " + "; ".join(f"s{r['stage']} {_running(r['mem'][n])}" for r in sorted(res, key=lambda r: r["stage"])))
     (t1, m1), (tg, mg) = ratios["ours 1f1b"], ratios["ours gpipe"]
     lines.append(f"vs Schedule1F1B: {t1:.2f}x throughput, {m1:.2f}x peak memory; vs ScheduleGPipe: {tg:.2f}x, {mg:.2f}x")
     return "\n".join(lines)
-
-
-_TRACK = {"F": "compute", "B": "compute", "reduce": "compute", "update": "compute", "data": "data",
-          "act.cut": "copy", "act.assemble": "copy", "grad.cut": "copy", "grad.assemble": "copy"}
 
 
 def write_trace(res, path: str, pair=("ours 1f1b", "torch 1F1B")) -> str:
@@ -479,7 +476,7 @@ def write_trace(res, path: str, pair=("ours 1f1b", "torch 1F1B")) -> str:
                            "args": {"name": f"{name.split()[0]} rank {r['stage']}"}})
             for ev_name, start, end, piece in evs:
                 events.append({"ph": "X", "name": f"{_kind(ev_name)} {piece}", "pid": pid,
-                               "tid": r["threads"][name].get(ev_name) or _TRACK.get(_kind(ev_name), "network"),
+                               "tid": r["threads"][name].get(ev_name, "compute"),
                                "ts": (start - t0) * 1e6, "dur": (end - start) * 1e6})
     with open(path, "w") as f:
         json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)

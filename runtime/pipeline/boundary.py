@@ -31,6 +31,11 @@ def _cut(slices, select, dtype):
     return cut
 
 
+def _sliced_shape(shape, slices) -> torch.Size:
+    """The shape of ``t[slices]`` for a tensor ``t`` of ``shape`` (on the meta device: no data)."""
+    return torch.empty(shape, device="meta")[slices].shape
+
+
 def _assemble(layout: Layout, rank: int, pieces, requires_grad: bool, device):
     """Build ``rank``'s local shard from the received cuts; a ``GlobalTensor`` (a leaf when ``requires_grad``).
 
@@ -39,10 +44,10 @@ def _assemble(layout: Layout, rank: int, pieces, requires_grad: bool, device):
     receive actor in a buffer of its own.
     """
     shape = layout.local_shape(rank)
-    whole = len(pieces) == 1 and torch.empty(shape, device="meta")[pieces[0]].shape == torch.Size(shape)
+    whole = len(pieces) == 1 and _sliced_shape(shape, pieces[0]) == torch.Size(shape)
 
     def assemble(piece, *cuts):
-        if whole and cuts[0].dtype == layout.dtype and cuts[0].is_contiguous():
+        if whole:  # a cut is contiguous and in the layout's dtype (``_cut``, its declared ``out``)
             out = cuts[0] if device is None else cuts[0].to(device)  # received on the device already
         else:
             out = torch.empty(shape, dtype=layout.dtype, device=device)
@@ -70,7 +75,7 @@ def boundary_actors(name: str, producer: dict, src: Layout, dst: Layout, require
         cuts = []
         for k, i, ss, _ in mine:
             cut = f"{name}.cut{k}@{i}"
-            out = (torch.empty(src.local_shape(i), device="meta")[ss].shape, src.dtype)
+            out = (_sliced_shape(src.local_shape(i), ss), src.dtype)
             actors.append(ActorSpec(cut, _cut(ss, select, src.dtype), inputs=(producer[i],), queue="copy", quota=1, rank=i,
                                     out=out))
             cuts.append(cut)

@@ -63,13 +63,14 @@ class TiedGrads:
             if p is None:
                 continue
             here_first = world_rank() in first.placement
-            g_first = p.grad.layout if here_first else first
-            g_last = p.grad.layout if not here_first else last
+            from_first = p.grad.layout if here_first else first  # each gradient's layout, as both stages see it
+            from_last = p.grad.layout if not here_first else last
             mine, empty = p.grad._local, _absent(p.grad.dtype, p.grad._local.device)
-            at_last = Layout(last.placement, last.sbp, g_first.shape, g_first.dtype)
-            at_first = Layout(first.placement, first.sbp, g_last.shape, g_last.dtype)
+            at_last = Layout(last.placement, last.sbp, from_first.shape, from_first.dtype)
+            at_first = Layout(first.placement, first.sbp, from_last.shape, from_last.dtype)
             to_last, to_first = box_cross_placements([
-                (mine if here_first else empty, g_first, at_last), (empty if here_first else mine, g_last, at_first),
+                (mine if here_first else empty, from_first, at_last),
+                (empty if here_first else mine, from_last, at_first),
             ])
             p.grad.add_(GlobalTensor(to_first, at_first) if here_first else GlobalTensor(to_last, at_last))
 
