@@ -18,10 +18,15 @@ own actors. For stage ``s`` of ``pp`` on each of its ranks ``r``:
   (``defer_grad_boxing``: partial sums add locally, no traffic) except in
   the last micro-batch's backward, which boxes them to their parameters'
   layouts in buckets overlapping it (``sbp_core.grad_buckets``); its output
-  is the gradient of the stage's input boxed to the boundary layout;
+  is the gradient of the stage's input boxed to the boundary layout. On a
+  stage after the first that runs plain tensors (below), the last
+  micro-batch's backward computes that input gradient alone and leaves the
+  weights' gradients to ``reduce`` (``weight_pass``): the stage before,
+  waiting for it, starts its last backward one weight pass earlier;
 - boundary actors (``runtime.pipeline.boundary``) carry activations from
   stage ``s`` to ``s + 1`` and gradients back, by cross-placement boxing;
-- ``s{s}.reduce@r`` (compute, once per step): boxes any gradient left in
+- ``s{s}.reduce@r`` (compute, once per step): runs the deferred weight
+  pass if any, boxes any gradient left in
   another layout than its parameter's (``box_grads``, or ZeRO's
   ``sync_grads``) and sums tied parameters' gradients across stages;
 - ``s{s}.update@r`` (compute, once per step): global-norm clipping over all
@@ -67,6 +72,7 @@ from ..plan import ActorSpec, Plan
 from . import plain_stage
 from .boundary import boundary_actors
 from .tied import TiedGrads
+from .weight_pass import input_first
 
 SCHEDULES = ("1f1b", "gpipe")
 
@@ -169,6 +175,7 @@ class PipelineStep:
         self._audited = False  # passed: the data-parallel stage runs plain from now on
         self._auditing = False  # this step's first forward is the audit
         self._local = False  # this step runs the stage on plain tensors (decided per run, see _run)
+        self._weight_pass = None  # the last backward's deferred weight gradients, run by reduce
         self.step_index = 0
         self._losses = []
         self.last_trace, self.last_loss, self.grad_norm = None, None, None
@@ -255,13 +262,17 @@ class PipelineStep:
         return self.last_loss
 
     def _backward(self, k, stash: Stash, grad=None):
-        # All but the last micro-batch accumulate partial sums locally; the last one's backward
-        # boxes the sums in buckets that overlap it (sbp_core.grad_buckets), as DDP's no_sync.
-        with sc.defer_grad_boxing() if k < self.cfg.micro_batches - 1 else contextlib.nullcontext():
-            if grad is None:
-                (stash.output / self.cfg.micro_batches).backward()
-            else:
-                stash.output.backward(grad._local if self._local else grad)
+        m = self.cfg.micro_batches
+        output = stash.output / m if grad is None else stash.output
+        grad = grad._local if self._local and grad is not None else grad
+        if self._local and stash.inputs is not None and k == m - 1:
+            # The stage before waits for this input gradient: the weights' gradients come in reduce (weight_pass).
+            self._weight_pass = input_first(output, grad, stash.inputs, self.module.parameters())
+        else:
+            # All but the last micro-batch accumulate partial sums locally; the last one's backward
+            # boxes the sums in buckets that overlap it (sbp_core.grad_buckets), as DDP's no_sync.
+            with sc.defer_grad_boxing() if k < m - 1 else contextlib.nullcontext():
+                output.backward(grad)
         if self.stage == self.pp - 1:
             self._losses.append(stash.output.detach())
         if stash.inputs is None:
@@ -271,6 +282,9 @@ class PipelineStep:
         return stash.inputs.grad.to_global(sbp=self.cfg.act_sbp)
 
     def _reduce(self, k, outs):
+        if self._weight_pass is not None:
+            self._weight_pass, weight_pass = None, self._weight_pass
+            weight_pass()
         if self._local:
             self._shards.restore()
         zero = getattr(self.module, "_zero", None)  # ZeRO keeps gradients in its masters' layout
@@ -384,7 +398,7 @@ class PipelineStep:
         if hasattr(batches, "stages"):
             batches.step = self.step_index
         trace = self.trace_factory() if self.trace_factory else None
-        self.last_loss = None
+        self.last_loss, self._weight_pass = None, None
         self._local = self._shards is not None and plain_stage.plain(self.cfg.placements[self.stage], self._audited)
         self._auditing = self._audit and train and not explaining()
         if self._local:

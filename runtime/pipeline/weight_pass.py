@@ -1,0 +1,44 @@
+"""A stage's backward in two passes: its input's gradient first, its weights' gradients after.
+
+Zero-bubble pipelines' B/W split, applied where it shortens a step without
+changing the schedule: the last micro-batch's backward on every stage but
+the first. There the stage before waits, idle, for that input gradient
+(its own last backward), so sending it before computing the weights'
+gradients takes the weight pass off the step's critical path: it runs on
+this stage while the stage before runs its last backward. Earlier
+micro-batches keep the one-pass backward, which does less work (the
+weight pass walks the graph again from the saved gradients).
+
+The passes are ``torch.distributed.pipelining``'s own
+(``stage_backward_input`` keeps each parameter group's incoming gradients
+at the nodes where its path leaves the input's; ``stage_backward_weight``
+finishes from there): the same kernels on the same values as one
+``backward``. They write ``.grad`` directly instead of through the
+leaves' accumulate nodes, so no post-accumulate hook sees the weight
+pass: the step uses them only on stages running plain tensors
+(``plain_stage``), whose leaves carry no hooks and whose gradients are
+handed to the parameters and boxed at ``reduce``.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+
+def input_first(output: torch.Tensor, grad, stage_input: torch.Tensor, weights) -> Callable[[], None]:
+    """Backward of ``output`` (seeded with ``grad``; ``None`` for a scalar loss) into ``stage_input.grad`` alone.
+
+    Returns the weight pass: calling it (once) accumulates every weight's
+    gradient into its ``.grad`` as ``output.backward(grad)`` would have, and
+    frees the graph. Until then the graph and each parameter group's
+    incoming gradients stay alive.
+    """
+    weights = [w for w in weights if w.requires_grad]
+    _, groups = stage_backward_input([output], None if grad is None else [grad], [stage_input], iter(weights))
+
+    def weight_pass() -> None:
+        stage_backward_weight(iter(weights), groups)
+
+    return weight_pass
