@@ -378,7 +378,8 @@ class PipelineStep:
                 ]
         last_leader = cfg.placements[-1].ranks[0]
         if 0 not in cfg.placements[-1]:
-            final = f"s{pp - 1}.{'update' if train else 'loss'}@{last_leader}"
+            # The loss is known after reduce: rank 0 need not wait for the last stage's optimizer step.
+            final = f"s{pp - 1}.{'reduce' if train else 'loss'}@{last_leader}"
             actors.append(ActorSpec("loss@0", lambda k, loss: loss, inputs=(final,), queue="data", rank=0, every=m))
         return Plan(actors, lockstep)
 
