@@ -265,6 +265,8 @@ class PipelineStep:
         m = self.cfg.micro_batches
         output = stash.output / m if grad is None else stash.output
         grad = grad._local if self._local and grad is not None else grad
+        if self.stage == 0 and k == m - 1:
+            self.tied.expect()  # the last stage's tied gradients arrive while this backward runs
         if self._local and stash.inputs is not None and k == m - 1:
             # The stage before waits for this input gradient: the weights' gradients come in reduce (weight_pass).
             self._weight_pass = input_first(output, grad, stash.inputs, self.module.parameters())
@@ -325,6 +327,7 @@ class PipelineStep:
         if self.scheduler is not None:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.tied.flush()
         self.grad_norm = None if norm is None else float(norm.to_local())
         self.last_loss = loss
         return loss

@@ -2,12 +2,21 @@
 
 GPT-2's token embedding (first stage) and LM head (last stage) are one
 parameter in the full model; split into stages they are two copies with
-equal initial values. After each step's gradient reduction the two copies'
-gradients are exchanged by cross-placement boxing (each side's gradient
-boxed to the other's layout: the disjoint-placement row of DESIGN.md's
-table, |T| each way for splits) and added, so both hold ``g_first +
-g_last`` — bit-identical, since addition commutes — and the optimizers,
-starting from equal states, keep the copies equal.
+equal initial values. After each step's gradient reduction each stage's
+gradient is boxed to the other's layout (cross-placement boxing: the
+disjoint-placement row of DESIGN.md's table, |T| each way for splits) and
+added, so both hold ``g_first + g_last`` — bit-identical, since addition
+commutes — and the optimizers, starting from equal states, keep the copies
+equal.
+
+The two directions are timed by when each side's data is ready, off the
+step's critical path where they can be: the first stage posts its
+receptions of the last stage's gradients before its last backward
+(``expect``), which the last stage's gradients, final a weight pass
+earlier, fill while that backward runs; at ``sum_grads`` the first stage
+sends a copy of its own gradients and adds what it received, and the last
+stage sends its own, waits for the first's and adds them. The first
+stage's sends finish while its optimizer steps (``flush`` waits for them).
 """
 from __future__ import annotations
 
@@ -15,13 +24,14 @@ import torch
 
 from sbp_core import GlobalTensor, Layout
 from sbp_core.boxing import collectives
-from sbp_core.boxing.cross_placement import box_cross_placements
+from sbp_core.boxing.cross_placement import box_cross_placement_start
 from sbp_core.process_groups import world_rank, world_size
 
 
 class TiedGrads:
     def __init__(self, tied: list, module, placements: list, stage: int):
         self.pairs = []
+        self._incoming, self._outgoing = None, []  # the first stage's transfers in flight (expect, sum_grads)
         pp = len(placements)
         if pp == 1 or not tied:
             return
@@ -53,28 +63,56 @@ class TiedGrads:
         """This rank's last-stage copies (their gradients duplicate the first stage's after ``sum_grads``)."""
         return [p for p, first, _ in self.pairs if p is not None and world_rank() not in first.placement]
 
+    def _here(self) -> list:
+        """``[(parameter, on the first stage here, first layout, last layout)]`` for the pairs on this rank."""
+        me = world_rank()
+        return [(p, me in first.placement, first, last) for p, first, last in self.pairs if p is not None]
+
+    def expect(self) -> None:
+        """On the first stage's ranks: post the receptions of the last stage's gradients (once per step)."""
+        if self._incoming is None:
+            self._incoming = [box_cross_placement_start(_absent(last), last, _as(last, first))
+                              for _, here_first, first, last in self._here() if here_first]
+
     @torch.no_grad()
     def sum_grads(self) -> None:
         """On the first and last stage's ranks: both copies' gradients become their sum.
 
-        Both directions are boxed in one exchange (``box_cross_placements``), so the two stages send at once.
+        Each side's gradient is in its parameter's layout (``box_grads`` ran).
+        The first stage sends a copy of its gradients (``flush`` waits for
+        the sends) and adds the last stage's, received since ``expect``; the
+        last stage sends its gradients and, once they are sent, adds the
+        first stage's.
         """
-        for p, first, last in self.pairs:
-            if p is None:
-                continue
-            here_first = world_rank() in first.placement
-            from_first = p.grad.layout if here_first else first  # each gradient's layout, as both stages see it
-            from_last = p.grad.layout if not here_first else last
-            mine, empty = p.grad._local, _absent(p.grad.dtype, p.grad._local.device)
-            at_last = Layout(last.placement, last.sbp, from_first.shape, from_first.dtype)
-            at_first = Layout(first.placement, first.sbp, from_last.shape, from_last.dtype)
-            to_last, to_first = box_cross_placements([
-                (mine if here_first else empty, from_first, at_last),
-                (empty if here_first else mine, from_last, at_first),
-            ])
-            p.grad.add_(GlobalTensor(to_first, at_first) if here_first else GlobalTensor(to_last, at_last))
+        here = self._here()
+        if any(here_first for _, here_first, _, _ in here):
+            self.expect()
+            self._outgoing = [box_cross_placement_start(p.grad._local.clone(), p.grad.layout, _as(p.grad.layout, last))
+                              for p, _, _, last in here]
+            incoming, self._incoming = self._incoming, None
+            for (p, _, first, last), boxing in zip(here, incoming):
+                p.grad.add_(GlobalTensor(boxing.wait(), _as(last, first)))
+            return
+        outgoing = [box_cross_placement_start(p.grad._local, p.grad.layout, _as(p.grad.layout, first))
+                    for p, _, first, _ in here]
+        incoming = [box_cross_placement_start(_absent(first), first, _as(first, last)) for _, _, first, last in here]
+        for boxing in outgoing:  # the gradients being sent are added to below
+            boxing.wait()
+        for (p, _, first, last), boxing in zip(here, incoming):
+            p.grad.add_(GlobalTensor(boxing.wait(), _as(first, last)))
+
+    def flush(self) -> None:
+        """Wait for the first stage's sends started by ``sum_grads``."""
+        outgoing, self._outgoing = self._outgoing, []
+        for boxing in outgoing:
+            boxing.wait()
 
 
-def _absent(dtype, device) -> torch.Tensor:
-    """The local of the other stage's tensor as seen from here: no data."""
-    return torch.empty(0, dtype=dtype, device=device)
+def _as(src: Layout, dst: Layout) -> Layout:
+    """``src``'s tensor laid out as ``dst`` is (its placement and SBP; ``src``'s shape and dtype)."""
+    return Layout(dst.placement, dst.sbp, src.shape, src.dtype)
+
+
+def _absent(layout: Layout) -> torch.Tensor:
+    """The local of another placement's tensor as seen from here: no data."""
+    return torch.empty(0, dtype=layout.dtype, device=layout.placement.device())

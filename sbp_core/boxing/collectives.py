@@ -366,25 +366,49 @@ def all_to_all(local: torch.Tensor, ranks, split_dim: int, cat_dim: int, cat_len
     return torch.cat([got[k].view(shapes[k]) for k in range(p)], cat_dim)
 
 
-@_collective(lambda sends, recvs: {r for r, *_ in sends} | {r for r, *_ in recvs})
 def exchange(sends, recvs) -> list:
     """Point-to-point transfers on the world group (global ranks).
 
     ``sends``: ``[(dst_rank, tensor)]``; ``recvs``: ``[(src_rank, shape, dtype, device)]``.
     Returns the received tensors in ``recvs`` order. Between one pair of ranks
-    messages match in list order, so both sides must list them alike.
+    messages match in the order they are posted, so both sides must list them alike.
+    """
+    return exchange_start(sends, recvs).wait()
+
+
+class _AllOf:
+    """Several works waited as one."""
+
+    def __init__(self, works):
+        self.works = works
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
+
+
+@_collective(lambda sends, recvs: {r for r, *_ in sends} | {r for r, *_ in recvs})
+def exchange_start(sends, recvs) -> Pending:
+    """``exchange`` with every transfer posted and none waited: ``wait()`` gives the received tensors.
+
+    The sent tensors must not change until ``wait()`` returns (a
+    non-contiguous one is sent from a contiguous copy). Exchanges between one
+    pair of ranks match in the order they are started, whatever runs between.
     """
     out = [torch.empty(shape, dtype=dtype, device=device) for _, shape, dtype, device in recvs]
     works = []
     for (src, *_), buf in zip(recvs, out):
         works.append(dist.irecv(buf, src=src))
-    payload = [t.contiguous() for _, t in sends]  # kept alive until every wait returns
+    payload = [t.contiguous() for _, t in sends]  # kept alive until the wait returns
     for (dst, _), t in zip(sends, payload):
         ledger.record("send", 2, _nbytes(t), (world_rank(), dst))
         works.append(dist.isend(t, dst=dst))
-    for w in works:
-        w.wait()
-    return out
+
+    def received() -> list:
+        payload.clear()  # every send is done: its buffer may go
+        return out
+
+    return Pending(_AllOf(works), received, {r for r, *_ in sends} | {r for r, *_ in recvs} | {world_rank()})
 
 
 @_by_ranks

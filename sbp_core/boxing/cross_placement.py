@@ -124,21 +124,27 @@ def box_cross_placement(local, src_pl, src: tuple, dst_pl, dst: tuple, shape, dt
     return finish(collectives.exchange(sends, recvs))
 
 
-def box_cross_placements(items) -> list:
-    """``box_cross_placement`` of several tensors, every transfer of all of them in flight at once.
+class CrossPlacementBoxing:
+    """A cross-placement boxing in flight: ``wait()`` gives this rank's new local."""
 
-    ``items``: ``[(local, src Layout, dst Layout)]``, listed alike on every
-    rank. One ``collectives.exchange`` carries them all: two stages that
-    swap tensors (tied gradients) send both ways together instead of one
-    way after the other. Bytes are those of boxing each alone.
+    def __init__(self, exchange, finish):
+        self._exchange, self._finish = exchange, finish
+
+    def wait(self) -> torch.Tensor:
+        return self._finish(self._exchange.wait())
+
+
+def box_cross_placement_start(local, src, dst) -> CrossPlacementBoxing:
+    """``box_cross_placement`` from ``src`` to ``dst`` (``Layout``s) with its transfers posted, not waited.
+
+    A partial source is still reduced inside its placement first, here.
+    The two placements' ranks may start it at different times (a receiver
+    early, before the data exists); boxings between one pair of ranks
+    match in the order they are started, so every rank starts them in one
+    order. ``local`` must not change until ``wait()`` returns.
     """
-    sides = [_sides(local, a.placement, a.sbp, b.placement, b.sbp, a.shape, a.dtype) for local, a, b in items]
-    received = collectives.exchange([x for s, _, _ in sides for x in s], [x for _, r, _ in sides for x in r])
-    out, k = [], 0
-    for _, recvs, finish in sides:
-        out.append(finish(received[k : k + len(recvs)]))
-        k += len(recvs)
-    return out
+    sends, recvs, finish = _sides(local, src.placement, src.sbp, dst.placement, dst.sbp, src.shape, src.dtype)
+    return CrossPlacementBoxing(collectives.exchange_start(sends, recvs), finish)
 
 
 def _sides(local, src_pl, src: tuple, dst_pl, dst: tuple, shape, dtype):

@@ -15,11 +15,12 @@ def test_every_boxing_pair_is_exact():
 
 
 def _together_and_alone():
-    """Every disjoint-placement case boxed in one ``box_cross_placements`` call, and each alone by ``to_global``."""
+    """Every disjoint-placement case started by ``box_cross_placement_start`` before any is waited (waited
+    last to first), and each boxed alone by ``to_global``."""
     import torch
 
     import sbp_core as sc
-    from sbp_core.boxing.cross_placement import box_cross_placements
+    from sbp_core.boxing.cross_placement import box_cross_placement_start
     from scripts.verify_boxing import cases, source_locals
 
     me = torch.distributed.get_rank()
@@ -32,10 +33,11 @@ def _together_and_alone():
         y = x.to_global(placement=sc.placement("cpu", dst_ranks), sbp=dst)
         items.append((x._local, x.layout, y.layout))
         alone.append(y._local)
-    together = box_cross_placements(items)
+    started = [box_cross_placement_start(*item) for item in items]
+    together = [b.wait() for b in reversed(started)][::-1]
     return len(items), all(torch.equal(a, b) for a, b in zip(alone, together))
 
 
-def test_disjoint_pairs_boxed_together_equal_each_boxed_alone():
+def test_disjoint_pairs_in_flight_together_equal_each_boxed_alone():
     out = get_pool(WORLD).run(_together_and_alone)
     assert all(n > 50 and same for n, same in out), out
