@@ -7,12 +7,13 @@ from runtime.pipeline.weight_pass import input_first
 
 
 class Block(nn.Module):
-    """Two linears, a LayerNorm, and one weight used twice (two paths into one parameter group)."""
+    """Two linears, a LayerNorm, one weight used twice (two paths into one parameter group), a frozen and an unused one."""
 
     def __init__(self):
         super().__init__()
         self.a, self.b, self.ln = nn.Linear(6, 8), nn.Linear(8, 6), nn.LayerNorm(8)
         self.frozen = nn.Linear(6, 6).requires_grad_(False)
+        self.unused = nn.Linear(2, 2)
 
     def forward(self, x):
         h = torch.tanh(self.ln(self.a(x)))
