@@ -25,7 +25,8 @@ class Register:
 
 
 class Actor:
-    __slots__ = ("aid", "spec", "remaining", "inputs", "need", "free", "consumers", "max_live", "actions", "next_piece")
+    __slots__ = ("aid", "spec", "remaining", "inputs", "need", "free", "consumers", "max_live", "actions", "next_piece",
+                 "_single")
 
     # An edge read ``need > 1`` registers per action is an accumulating edge
     # (OneFlow's acc actor): each register's value is taken and acked as it
@@ -38,6 +39,7 @@ class Actor:
         self.next_piece = 0
         self.inputs = [deque() for _ in spec.inputs]  # readable registers per input edge, FIFO
         self.need = list(need or [1] * len(spec.inputs))  # registers read per action, per input edge
+        self._single = all(n == 1 for n in self.need)  # one register per edge: act's short path
         self.free = [Register(self) for _ in range(spec.quota)]
         self.consumers: list = []  # (consumer actor, input edge index)
         self.max_live = 0
@@ -48,7 +50,12 @@ class Actor:
         return self.spec.quota - len(self.free)
 
     def ready(self) -> bool:
-        return self.remaining > 0 and bool(self.free) and all(len(q) >= n for q, n in zip(self.inputs, self.need))
+        if self.remaining <= 0 or not self.free:
+            return False
+        for q, n in zip(self.inputs, self.need):  # a loop, not all(<generator>): called per pick per actor
+            if len(q) < n:
+                return False
+        return True
 
     def act(self, send):
         """Run one piece: read one register per input, fill a free out register, send req and ack.
@@ -56,13 +63,21 @@ class Actor:
         ``send(kind, register, actor, edge)`` delivers a message to ``actor``.
         """
         piece = self.next_piece
-        taken = [[q.popleft() for _ in range(n)] for q, n in zip(self.inputs, self.need)]
-        reg = self.free.pop()
-        values = (rs[0].value if n == 1 else rs for rs, n in zip(taken, self.need))
+        if self._single:
+            read = [q.popleft() for q in self.inputs]
+            values = [r.value for r in read]
+        else:
+            taken = [[q.popleft() for _ in range(n)] for q, n in zip(self.inputs, self.need)]
+            read = [rs[0] for rs, n in zip(taken, self.need) if n == 1]  # accumulating edges were acked on arrival
+            values = [rs[0].value if n == 1 else rs for rs, n in zip(taken, self.need)]
+        free = self.free
+        reg = free.pop()
         out = reg.value = self.spec.action(piece, *values)
         reg.piece = piece
         reg.pending = len(self.consumers)
-        self.max_live = max(self.max_live, self.live)
+        live = self.spec.quota - len(free)
+        if live > self.max_live:
+            self.max_live = live
         self.remaining -= 1
         self.next_piece += 1
         self.actions += 1
@@ -70,9 +85,8 @@ class Actor:
             self.release(reg)
         for consumer, edge in self.consumers:
             send("req", reg, consumer, edge)
-        for rs, n in zip(taken, self.need):
-            if n == 1:
-                send("ack", rs[0], rs[0].owner, None)
+        for r in read:
+            send("ack", r, r.owner, None)
         return out
 
     def on_req(self, reg, edge: int) -> bool:

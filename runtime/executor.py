@@ -110,13 +110,11 @@ class QueueThread:
             actor.on_ack(reg)
 
     def _drain(self) -> None:
-        while self.local:
-            self._handle(self.local.popleft())
-        while True:
-            try:
-                msg = self.inbox.get_nowait()
-            except queue.Empty:
-                return
+        local, inbox = self.local, self.inbox
+        while local:
+            self._handle(local.popleft())
+        while not inbox.empty():  # this thread alone takes from its inbox: not empty stays so
+            msg = inbox.get_nowait()
             if msg is None:
                 return
             self._handle(msg)
@@ -163,6 +161,7 @@ class QueueThread:
     def run(self) -> None:
         st = self.run_state
         actor = None
+        works = not self.queue_name.startswith("network")  # a network thread blocks on its peer: waiting, not work
         try:
             while not st.stopping:
                 self._drain()
@@ -170,8 +169,7 @@ class QueueThread:
                 if actor is not None:
                     start = time.perf_counter()
                     piece = actor.next_piece
-                    # A network thread blocks on its peer: waiting, not work, for stall detection.
-                    self.busy = not self.queue_name.startswith("network")
+                    self.busy = works
                     out = actor.act(self.send)
                     self.busy = False
                     if st.trace is not None:
