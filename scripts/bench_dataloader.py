@@ -23,12 +23,15 @@ The training step runs with ``torch.set_num_threads(1)`` (DataLoader workers
 use one thread each too) so that on a 2-core machine data loading has a core
 to overlap with instead of competing with intra-op threads. Each time is the
 whole loop, start-up included (executor threads; DataLoader worker
-processes), median of ``REPEATS`` runs interleaved across the five ways in a
-fresh random order each repeat (seeded): a fixed order put the synthetic loop
-right after the 2-worker DataLoader, whose worker processes were still
-exiting. On this 2-core host one loop of ~1 s varies by 5-10% from run to run
-(the step alone on the executor's compute thread read 0.91x and then 1.02x
-the same loop on the main thread), hence 15 repeats, and the paired ratio
+processes), median of ``REPEATS`` runs interleaved across the five ways, each repeat in
+an order of a carryover-balanced design (``scripts.paired.balanced_orders``:
+over every 10 repeats each way runs twice in each slot and twice right after
+each other way). A fixed order put the synthetic loop right after the
+2-worker DataLoader, whose worker processes were still exiting; a seeded
+random order per repeat did so 8 times in 15, every run alike. On this 2-core
+host one loop of ~1 s varies by 5-10% from run to run (the step alone on the
+executor's compute thread read 0.91x and then 1.02x the same loop on the
+main thread), hence 20 repeats, and the paired ratio
 comes with a 90% bootstrap interval (repeats resampled): a bar inside it is
 not resolved by that run.
 
@@ -62,10 +65,10 @@ from recipes.gpt2.model import GPT2LMHeadModel  # noqa: E402
 from runtime.data_pipeline import TokenFile, write_tokens  # noqa: E402
 from runtime.executor import run  # noqa: E402
 from runtime.plan import ActorSpec, Plan  # noqa: E402
-from scripts.paired import paired_ratio  # noqa: E402
+from scripts.paired import balanced_orders, paired_ratio  # noqa: E402
 from scripts.verify_parity import GPT_CFG  # noqa: E402
 
-STEPS, BATCH, SEQ, REPEATS = 60, 16, 32, 15
+STEPS, BATCH, SEQ, REPEATS = 60, 16, 32, 20
 
 
 IN_STEP = [0.0]  # seconds spent inside training steps since the last reset (every way's steps add here)
@@ -140,9 +143,10 @@ def main(argv=None) -> None:
         times = {name: [] for name in ways}
         outside = {name: [] for name in ways}
         losses = {}
-        rng = random.Random(0)
-        for _ in range(REPEATS):
-            for name in rng.sample(list(ways), len(ways)):
+        orders = balanced_orders(list(ways))
+        random.Random(0).shuffle(orders)
+        for k in range(REPEATS):
+            for name in orders[k % len(orders)]:
                 fn = ways[name]
                 IN_STEP[0] = 0.0
                 t = time.perf_counter()

@@ -27,9 +27,11 @@ by cross-placement boxing, ``runtime.pipeline.tied``; the peer by a 2-rank
 variants agree (~1e-7), so they compute the same thing.
 
 **Throughput.** After ``--warmup`` untimed steps and one untimed, sampled
-memory step per variant, ``--steps`` timed steps of each run round-robin
-(the order rotates every round, so load from other processes hits all
-alike): every rank waits on a barrier and times its step (schedule, tied
+memory step per variant, ``--steps`` timed steps of each run round-robin,
+each round in the next order of a carryover-balanced design
+(``scripts.paired.balanced_orders``: over every 4 rounds each variant runs
+once in each slot and once right after each other one, so neither load
+from other processes nor the variant before favours one): every rank waits on a barrier and times its step (schedule, tied
 gradients, optimizer); a step's time is the max over ranks, a variant's the
 median over its steps; tokens/s = batch x seq / that. ``cpu ms`` is the
 same over each rank's process CPU time of the step (all its threads; one
@@ -106,7 +108,7 @@ from recipes.gpt2.model import GPT2Config, GPT2LMHeadModel  # noqa: E402
 from recipes.gpt2.plan import PIPELINE  # noqa: E402
 from runtime.pipeline.timeline import bubble, peak_held, theory  # noqa: E402
 from scripts.heap import HeapPeak, heap_bytes  # noqa: E402
-from scripts.paired import paired_ratio  # noqa: E402
+from scripts.paired import balanced_orders, paired_ratio  # noqa: E402
 from toolkit.stages import keep_stage, stage_ranges  # noqa: E402
 
 VARIANTS = ("ours 1f1b", "torch 1F1B", "ours gpipe", "torch GPipe")
@@ -342,9 +344,9 @@ def worker(o):
         out["mem"][name] = dict(step=step_peak, saved=saved, when=when, events=events)
         variants[name] = v
     first = o.warmup + 1
+    orders = balanced_orders(list(VARIANTS))
     for k in range(o.steps):
-        order = VARIANTS[k % len(VARIANTS):] + VARIANTS[:k % len(VARIANTS)]
-        for name in order:
+        for name in orders[k % len(orders)]:
             dist.barrier()
             t, c = time.perf_counter(), time.process_time()
             out["losses"][name][first + k] = variants[name].step(first + k)

@@ -6,6 +6,11 @@ one ratio ``base / other`` of times, i.e. ``other``'s throughput over
 over repeats, and its 90% bootstrap interval (repeats resampled with
 replacement), say how well a run resolves a bar: a bar inside the interval
 is not resolved by that run.
+
+``balanced_orders`` gives the orders to run the ways in, round by round:
+each way in each position equally often and right after each other way
+equally often, so neither a slot in the round nor the way before (a
+DataLoader's exiting workers, a peer's freed memory) favours one way.
 """
 from __future__ import annotations
 
@@ -19,3 +24,17 @@ def paired_ratio(base: list, other: list, resamples: int = 2000) -> tuple:
     rng = random.Random(0)
     meds = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
     return statistics.median(ratios), meds[int(0.05 * resamples)], meds[int(0.95 * resamples) - 1]
+
+
+def balanced_orders(names: list) -> list:
+    """A Williams design over ``names``: ``n`` orders (``2n`` for odd ``n``), each name once per order.
+
+    Across the orders every name takes every position, and follows every
+    other name, equally often (twice for odd ``n``, once for even).
+    """
+    n = len(names)
+    first = [0] + [(j + 1) // 2 if j % 2 else n - j // 2 for j in range(1, n)]
+    rows = [[(k + i) % n for k in first] for i in range(n)]
+    if n % 2:
+        rows += [row[::-1] for row in rows]
+    return [[names[k] for k in row] for row in rows]
