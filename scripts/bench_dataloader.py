@@ -19,6 +19,14 @@ seed and over the same batches:
   ``synthetic'/synthetic`` is what two identical loops read here, the bench's
   noise floor.
 
+The process keeps freed host memory (``runtime.host_memory``) as a training
+run does (``train.py`` sets it first thing): without it the executor's
+compute thread allocates from a malloc arena of its own, which glibc unmaps
+and trims as the step frees, and the same step ran 2-5% slower there than
+on the main thread, which the synthetic loop uses (24 balanced repeats; with
+the policy, 0.99-1.00x on a plain thread, a long-lived worker and the
+executor alike).
+
 The training step runs with ``torch.set_num_threads(1)`` (DataLoader workers
 use one thread each too) so that on a 2-core machine data loading has a core
 to overlap with instead of competing with intra-op threads. Each time is the
@@ -56,10 +64,14 @@ import sys
 import tempfile
 import time
 
-import torch
-from torch.utils.data import DataLoader
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from runtime.host_memory import keep_freed_host_memory  # noqa: E402
+
+keep_freed_host_memory()  # as train.py: first thing, so every thread (the executor's too) shares one arena
+
+import torch  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
 
 from recipes.gpt2.model import GPT2LMHeadModel  # noqa: E402
 from runtime.data_pipeline import TokenFile, write_tokens  # noqa: E402
