@@ -22,10 +22,10 @@ seed and over the same batches:
 The process keeps freed host memory (``runtime.host_memory``) as a training
 run does (``train.py`` sets it first thing): without it the executor's
 compute thread allocates from a malloc arena of its own, which glibc unmaps
-and trims as the step frees, and the same step ran 2-5% slower there than
-on the main thread, which the synthetic loop uses (24 balanced repeats; with
-the policy, 0.99-1.00x on a plain thread, a long-lived worker and the
-executor alike).
+and trims as the step frees, while the synthetic loop uses the main
+thread's. Timed from inside (24 balanced repeats, paired to the main
+thread) the same step read 0.95-0.98x on other threads without the policy,
+0.96-1.03x with it (two runs).
 
 The training step runs with ``torch.set_num_threads(1)`` (DataLoader workers
 use one thread each too) so that on a 2-core machine data loading has a core
