@@ -176,20 +176,44 @@ def test_host_only_moves_data_and_copy_actors_that_touch_no_other_rank_onto_comp
 
 
 def test_queue_threads_outlive_a_run_and_start_each_run_with_autograd_on():
-    """Runs reuse one long-lived OS thread per queue (``runtime.workers``) that does not leak grad mode."""
+    """Runs reuse one long-lived OS thread per queue (``runtime.workers``) that does not leak grad mode; a
+    run on one thread runs on the caller's, with autograd on inside and the caller's grad mode after."""
     import threading
 
     import torch
 
     seen = []
 
-    def act(k):
+    def act(k, *x):
         seen.append((threading.current_thread(), torch.is_grad_enabled()))
         torch.set_grad_enabled(False)  # left off on purpose: the next run must not inherit it
         return k
 
-    plan = Plan([ActorSpec("a", act, queue="compute", quota=1)])
-    run(plan, 1)
-    run(plan, 1)
-    assert seen[0][0] is seen[1][0] and seen[0][0] is not threading.current_thread()
-    assert seen[0][1] and seen[1][1]
+    two = Plan([ActorSpec("load", act, queue="data", quota=1), ActorSpec("a", act, inputs=("load",), quota=1)])
+    with mock.patch("runtime.executor.host_only", return_value=False):  # a thread per queue: two threads
+        run(two, 1)
+        run(two, 1)
+    assert seen[1][0] is seen[3][0] and seen[1][0] is not threading.current_thread()
+    assert all(on for _, on in seen)
+    seen.clear()
+    one = Plan([ActorSpec("a", act, queue="compute", quota=1)])
+    with torch.no_grad():
+        run(one, 1)
+        run(one, 1)
+        assert not torch.is_grad_enabled()
+    assert seen == [(threading.current_thread(), True)] * 2
+
+
+def test_a_run_on_one_thread_that_cannot_go_on_fails_at_once_naming_what_waits():
+    """The caller's thread is the run's only one: with no actor ready and no message, nothing else ever
+    could make one ready, so the run fails then rather than after its timeout. (A valid plan on one thread
+    never gets there; actors that never report ready stand in for a bug in the state machine.)"""
+    from runtime.actor import Actor
+
+    plan = Plan([ActorSpec("load", lambda k: k, queue="data"), ActorSpec("step", lambda k, x: x, inputs=("load",))])
+    t = time.perf_counter()
+    with mock.patch("runtime.executor.host_only", return_value=True), \
+            mock.patch.object(Actor, "ready", return_value=False), \
+            pytest.raises(RuntimeFailure, match=r"no actor can act.*load \(piece 0\) needs its thread"):
+        run(plan, 2, timeout=30)
+    assert time.perf_counter() - t < 5
