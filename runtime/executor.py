@@ -43,7 +43,7 @@ from sbp_core.process_groups import channel_group, world_rank, world_size
 
 from . import workers
 from .actor import Actor
-from .ids import actor_id, thread_of
+from .ids import actor_id
 from .plan import QUEUES, ActorSpec, Plan, PlanError
 
 
@@ -83,6 +83,7 @@ class QueueThread:
         self.inbox = queue.SimpleQueue()
         self.local: deque = deque()
         self.actors: list = []
+        self.by_priority: list = []  # ``actors`` by priority, highest first, ties in plan order (set by _execute)
         self.busy = False  # an action is under way (a long action is not a stall)
         self.gang = None  # (group, leader rank, roles in sorted order) on a ganged compute queue
         self.alone = False  # the run's only thread: no message can come from elsewhere
@@ -99,7 +100,7 @@ class QueueThread:
             self._done.wait(timeout)
 
     def send(self, kind, reg, actor, edge):
-        target = self.run_state.threads[thread_of(actor.aid)]
+        target = self.run_state.home[actor]
         msg = (kind, reg, actor, edge)
         if target is self:
             self.local.append(msg)
@@ -157,14 +158,14 @@ class QueueThread:
         return actor
 
     def _pick_ready(self):
-        best = None
-        for a in self.actors:
-            if a.ready() and (best is None or a.spec.priority > best.spec.priority):
-                best = a
-        return best
+        for a in self.by_priority:  # the first ready one: the highest priority, ties in plan order
+            if a.ready():
+                return a
+        return None
 
     def run(self) -> None:
         st = self.run_state
+        trace, send = st.trace, self.send
         actor = None
         works = not self.queue_name.startswith("network")  # a network thread blocks on its peer: waiting, not work
         try:
@@ -172,13 +173,14 @@ class QueueThread:
                 self._drain()
                 actor = self._pick()
                 if actor is not None:
-                    start = time.perf_counter()
-                    piece = actor.next_piece
                     self.busy = works
-                    out = actor.act(self.send)
+                    if trace is None:
+                        out = actor.act(send)
+                    else:
+                        start, piece = time.perf_counter(), actor.next_piece
+                        out = actor.act(send)
+                        trace.record(actor.spec.name, self.index, start, time.perf_counter(), piece)
                     self.busy = False
-                    if st.trace is not None:
-                        st.trace.record(actor.spec.name, self.index, start, time.perf_counter(), piece)
                     sink = st.outputs.get(actor.spec.name)
                     if sink is not None:
                         sink.append(out)
@@ -203,6 +205,7 @@ class QueueThread:
 class _Run:
     def __init__(self, trace):
         self.threads: dict = {}
+        self.home: dict = {}  # actor -> the QueueThread that runs it
         self.stopping = False
         self.error = None
         self.progress = 0
@@ -384,7 +387,10 @@ def _execute(specs, pieces, timeout, trace, rank, user_names, gang=None) -> RunR
         need = [spec.every // every[src] for src in spec.inputs]
         a = Actor(actor_id(rank, t.index, k), spec, pieces, need)
         t.actors.append(a)
+        st.home[a] = t
         actors[spec.name] = a
+    for t in st.threads.values():
+        t.by_priority = sorted(t.actors, key=lambda a: -a.spec.priority)  # stable: ties keep plan order
     for spec in specs:
         for edge, src in enumerate(spec.inputs):
             actors[src].consumers.append((actors[spec.name], edge))
