@@ -10,7 +10,9 @@ seed and over the same batches:
   -> to_device, 2 registers each, on the data queue, which on a CPU-only host
   the compute thread runs: ``runtime.executor.thread_homes``) reading a raw
   token file on disk, and the training step as an actor on the compute queue
-  consuming the last stage (``run(plan, STEPS)``);
+  consuming the last stage (``run(plan, STEPS)``; with every actor on one
+  thread, the executor runs that thread's loop on the caller's, here the
+  main thread);
 - DataLoader with 1 and with 2 worker processes over the same ``TokenFile``
   as a map-style dataset (``batch_size=None``: each item is one batch made by
   the same read, decode and collate calls);
@@ -20,12 +22,13 @@ seed and over the same batches:
   noise floor.
 
 The process keeps freed host memory (``runtime.host_memory``) as a training
-run does (``train.py`` sets it first thing): without it the executor's
-compute thread allocates from a malloc arena of its own, which glibc unmaps
-and trims as the step frees, while the synthetic loop uses the main
-thread's. Timed from inside (24 balanced repeats, paired to the main
-thread) the same step read 0.95-0.98x on other threads without the policy,
-0.96-1.03x with it (two runs).
+run does (``train.py`` sets it first thing): without it a thread other than
+the main one allocates from a malloc arena of its own, which glibc unmaps
+and trims as the step frees. Timed from inside (24 balanced repeats, paired
+to the main thread) the same step read 0.95-0.98x on other threads without
+the policy, 0.96-1.03x with it (two runs); on a long-lived worker 0.94x,
+1.01x and 1.02x in three processes (16 repeats each), which is why a run
+on one thread now stays on the caller's.
 
 The training step runs with ``torch.set_num_threads(1)`` (DataLoader workers
 use one thread each too) so that on a 2-core machine data loading has a core
