@@ -6,9 +6,10 @@ Trains the tiny GPT-2 (``recipes/gpt2`` with ``scripts/verify_parity.GPT_CFG``,
 batch 16 x 32 tokens, AdamW) for ``STEPS`` steps four ways, each from the same
 seed and over the same batches:
 
-- actor pipeline: ``runtime.data_pipeline`` stages (read -> decode -> collate
-  -> to_device, 2 registers each, on the data queue, which on a CPU-only host
-  the compute thread runs: ``runtime.executor.thread_homes``) reading a raw
+- actor pipeline: ``runtime.data_pipeline`` stages (read -> decode -> collate,
+  2 registers each, with no to_device as there is nothing to copy; on the
+  data queue, which on a CPU-only host the compute thread runs:
+  ``runtime.executor.thread_homes``) reading a raw
   token file on disk, and the training step as an actor on the compute queue
   consuming the last stage (``run(plan, STEPS)``; with every actor on one
   thread, the executor runs that thread's loop on the caller's, here the
@@ -110,9 +111,9 @@ def _trainer():
 
 def actor_pipeline(data: TokenFile) -> list:
     step = _trainer()
-    plan = Plan(data.stages(device=None, quota=2) + [
-        ActorSpec("train.step", lambda k, batch: step(batch), inputs=("data.to_device",), queue="compute"),
-    ])
+    stages = data.stages(device=None, quota=2)
+    plan = Plan(stages + [ActorSpec("train.step", lambda k, batch: step(batch), inputs=(stages[-1].name,),
+                                    queue="compute")])
     return run(plan, STEPS, timeout=60).outputs["train.step"]
 
 

@@ -16,8 +16,9 @@ identities trains with SGD (momentum 0.9) for ``--steps`` steps, four ways,
 from the same seed over the same batches:
 
 - actor pipeline: the micro-batches' ``stages()`` (read -> decode -> collate
-  on the runtime's data queue, to_device on the copy queue, 2 registers
-  each) and the training step as an actor on the compute queue;
+  on the runtime's data queue, 2 registers each; no copy on a CPU-only
+  host, so no to_device actor) and the training step as an actor on the
+  compute queue;
 - DataLoader with 1 and with 2 worker processes, item ``k`` being batch
   ``k`` made by the same read, decode and collate calls (``batch_size=None``);
 - synthetic: the same batches decoded into memory beforehand, a plain loop.
@@ -84,9 +85,9 @@ def _trainer(o, classes: int):
 
 def actor_pipeline(o, data: Batches, classes: int) -> list:
     step = _trainer(o, classes)
-    plan = Plan(data.micro.stages(device=None, quota=2) + [
-        ActorSpec("train.step", lambda k, batch: step(batch), inputs=("data.to_device",), queue="compute"),
-    ])
+    stages = data.micro.stages(device=None, quota=2)
+    plan = Plan(stages + [ActorSpec("train.step", lambda k, batch: step(batch), inputs=(stages[-1].name,),
+                                    queue="compute")])
     return run(plan, o.steps, timeout=600).outputs["train.step"]
 
 

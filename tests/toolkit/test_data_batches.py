@@ -75,8 +75,8 @@ def test_the_actor_pipeline_reads_what_load_reads(tokens):
     accum, steps = 2, 3
     batches = MicroBatches(tokens, GlobalBatchSampler(len(tokens), 8, seed=1), accum=accum, n_shards=2, shard=1,
                            step=4)
-    plan = Plan(batches.stages(quota=2) + [ActorSpec("step", lambda k, b: b["input_ids"].clone(),
-                                                    inputs=("data.to_device",))])
+    stages = batches.stages(quota=2)
+    plan = Plan(stages + [ActorSpec("step", lambda k, b: b["input_ids"].clone(), inputs=(stages[-1].name,))])
     seen = run(plan, accum * steps, timeout=30).outputs["step"]
     want = [batches.load(4 + k // accum, k % accum)['input_ids'] for k in range(accum * steps)]
     assert len(seen) == len(want) and all(torch.equal(a, b) for a, b in zip(seen, want))
