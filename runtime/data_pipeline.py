@@ -10,11 +10,10 @@
   tensor of the (nested dict / list / tuple) batch pinned and copied with
   ``non_blocking=True``. With nothing to copy there is no such actor (it
   would hand each batch on unchanged: on a CPU-only host one more action
-  and two more messages per batch on the compute thread, where the data
-  actors of a 60-batch loop of ``scripts/bench_dataloader.py`` took
-  9.3-10.9 ms outside the steps without it against 11.2-12.4 ms with it,
-  six loops each; on a thread of its own, two cross-thread messages per
-  batch, ~35 us of CPU each on a 2-core VM).
+  and two more messages per batch on the compute thread, where its actions
+  alone took 0.72-0.80 ms of a 60-batch loop of ``scripts/bench_dataloader.py``
+  in place (six loops); on a thread of its own, two cross-thread messages
+  per batch, ~35 us of CPU each on a 2-core VM).
 
 Each stage owns ``quota`` out registers, so at most ``quota`` raw reads,
 decoded sample lists, batches and device batches are alive per stage, and a
