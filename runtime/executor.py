@@ -27,7 +27,8 @@ broadcasts each pick; the others act in that order.
 
 An exception in any action stops every thread and re-raises in the caller
 naming the actor and piece; if no actor can act for ``timeout`` seconds the
-run stops with an error listing what each waiting actor lacks.
+run stops with an error listing what each waiting actor lacks (at once when
+the run's only thread, the caller's, finds none ready and no message).
 """
 from __future__ import annotations
 
@@ -432,12 +433,13 @@ def _run_on_caller(thread: QueueThread) -> None:
     and no message ends it at once (``st.stalled``), since no other thread
     could send one. (A network thread, whose waits on a peer the caller must
     bound by the run's timeout, and a ganged compute thread, whose picks wait
-    on the gang, stay on workers.) The step then runs on the thread a plain
-    loop runs on:
-    on a 2-core VM, the tiny GPT-2 step of ``scripts/bench_dataloader.py``
-    read 0.94x, 1.01x and 1.02x on a long-lived worker against the main
-    thread in three processes (16 paired repeats each), a per-process
-    difference that pinning the process to one core removed (0.99-1.01x).
+    on the gang, stay on workers.)
+
+    The step then runs on the thread a plain loop runs on. On a 2-core VM,
+    the tiny GPT-2 step of ``scripts/bench_dataloader.py`` read 0.94x, 1.01x
+    and 1.02x on a long-lived worker against the main thread in three
+    processes (16 paired repeats each), a per-process difference that
+    pinning the process to one core removed (0.99-1.01x).
     """
     thread.alone = True
     with torch.enable_grad():
