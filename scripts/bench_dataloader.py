@@ -41,11 +41,23 @@ over every 10 repeats each way runs twice in each slot and twice right after
 each other way). A fixed order put the synthetic loop right after the
 2-worker DataLoader, whose worker processes were still exiting; a seeded
 random order per repeat did so 8 times in 15, every run alike. On this 2-core
-host one loop of ~1 s varies by 5-10% from run to run (the step alone on the
-executor's compute thread read 0.91x and then 1.02x the same loop on the
-main thread), hence 20 repeats, and the paired ratio
+host one loop of ~1 s varies by 5-10% from run to run, and the paired ratio
 comes with a 90% bootstrap interval (repeats resampled): a bar inside it is
 not resolved by that run.
+
+The repeats are split over ``PROCESSES`` fresh processes run one after the
+other (``--processes``; each a whole balanced block of 10 repeats by
+default) and pooled. Within one process the ways' steps run at speeds
+that differ by up to ~6% for the whole process, identical ways included,
+and differ the other way in the next process: the steps timed from inside
+read synthetic'/synthetic 0.94-1.06x over 40-repeat and 20-repeat runs of
+one process each, and in three processes of 16 repeats (a plain loop that
+reads the file each step beside them, notes ``layout.py``) the pipeline's
+steps read 1.00x, 1.00x and 1.05x the synthetic loop's, the reading loop's
+1.00x, 1.00x and 0.96x. One process's whole-loop ratio then read 0.92x and
+the next 1.02x (``--repeats 40``, both with the pipeline's time outside its
+steps at 0.991x). Pooling processes averages that luck instead of keeping
+one draw of it.
 
 Each loop's time outside its training steps (the steps timed inside, the
 same function in every way) is what a way adds besides the steps, without
@@ -54,8 +66,9 @@ synthetic loop's median step time for a ratio the drift does not reach. It
 does not see a way that makes the steps themselves slower (a thread taking
 the GIL from them, say); the whole-loop ratios do.
 
-``--steps`` and ``--repeats`` override ``STEPS`` and ``REPEATS``;
-``--json PATH`` also writes the printed rows as JSON.
+``--steps``, ``--repeats`` and ``--processes`` override ``STEPS``,
+``REPEATS`` and ``PROCESSES``; ``--json PATH`` also writes the printed rows
+as JSON.
 """
 from __future__ import annotations
 
@@ -64,6 +77,7 @@ import json
 import os
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -84,7 +98,7 @@ from runtime.plan import ActorSpec, Plan  # noqa: E402
 from scripts.paired import balanced_orders, paired_ratio  # noqa: E402
 from scripts.verify_parity import GPT_CFG  # noqa: E402
 
-STEPS, BATCH, SEQ, REPEATS = 60, 16, 32, 20
+STEPS, BATCH, SEQ, REPEATS, PROCESSES = 60, 16, 32, 40, 4
 
 
 IN_STEP = [0.0]  # seconds spent inside training steps since the last reset (every way's steps add here)
@@ -132,14 +146,19 @@ def _args(argv):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=STEPS)
     ap.add_argument("--repeats", type=int, default=REPEATS)
+    ap.add_argument("--processes", type=int, default=PROCESSES,
+                    help="fresh processes the repeats are split over, one after the other (1: this one)")
     ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
-    return ap.parse_args(argv)
+    ap.add_argument("--raw", default=None, help=argparse.SUPPRESS)  # a child: write its raw times here
+    ap.add_argument("--order-seed", type=int, default=0, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.steps < 1 or args.repeats < 1 or args.processes < 1:
+        ap.error("--steps, --repeats and --processes must be >= 1")
+    return args
 
 
-def main(argv=None) -> None:
-    global STEPS, REPEATS
-    args = _args(argv)
-    STEPS, REPEATS = args.steps, args.repeats
+def _measure(order_seed: int) -> tuple:
+    """``(times, outside, losses)`` of ``REPEATS`` repeats in this process: per way, each repeat's seconds."""
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "tokens.bin")
@@ -160,7 +179,7 @@ def main(argv=None) -> None:
         outside = {name: [] for name in ways}
         losses = {}
         orders = balanced_orders(list(ways))
-        random.Random(0).shuffle(orders)
+        random.Random(order_seed).shuffle(orders)
         for k in range(REPEATS):
             for name in orders[k % len(orders)]:
                 fn = ways[name]
@@ -169,9 +188,48 @@ def main(argv=None) -> None:
                 losses[name] = fn()
                 times[name].append(time.perf_counter() - t)
                 outside[name].append(times[name][-1] - IN_STEP[0])
+    return times, outside, losses
+
+
+def _in_processes(processes: int) -> tuple:
+    """``_measure`` in ``processes`` fresh processes one after the other, pooled (each way's losses must agree)."""
+    share = [REPEATS // processes + (i < REPEATS % processes) for i in range(processes)]
+    times, outside, losses = {}, {}, None
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, repeats in enumerate(r for r in share if r):
+            raw = os.path.join(tmp, f"raw{i}.json")
+            subprocess.run([sys.executable, os.path.abspath(__file__), "--steps", str(STEPS), "--repeats", str(repeats),
+                            "--processes", "1", "--raw", raw, "--order-seed", str(i)], check=True)
+            with open(raw) as f:
+                got = json.load(f)
+            for name in got["times"]:
+                times.setdefault(name, []).extend(got["times"][name])
+                outside.setdefault(name, []).extend(got["outside"][name])
+            if losses is None:
+                losses = got["losses"]
+            elif got["losses"] != losses:
+                raise RuntimeError(f"process {i}'s losses differ from process 0's: the ways are not deterministic")
+    return times, outside, losses
+
+
+def main(argv=None) -> None:
+    global STEPS, REPEATS
+    args = _args(argv)
+    STEPS, REPEATS = args.steps, args.repeats
+    processes = min(args.processes, REPEATS)
+    if processes > 1:
+        times, outside, losses = _in_processes(processes)
+    else:
+        times, outside, losses = _measure(args.order_seed)
+        if args.raw:
+            with open(args.raw, "w") as f:
+                json.dump({"times": times, "outside": outside, "losses": losses}, f)
+            return
+    ways = list(times)
     ref = losses["synthetic (in memory)"]
     print(f"tiny GPT-2 {GPT_CFG.n_layer} layers, batch {BATCH} x {SEQ}, {STEPS} steps, "
-          f"torch threads 1, median of {REPEATS}, {os.cpu_count()} cores")
+          f"torch threads 1, median of {REPEATS} over {processes} process{'es' if processes > 1 else ''}, "
+          f"{os.cpu_count()} cores")
     rate = {}
     for name in ways:
         med = statistics.median(times[name])
@@ -182,7 +240,7 @@ def main(argv=None) -> None:
     actor = rate["actor pipeline"]
     best_dl = max(rate["DataLoader (1 worker)"], rate["DataLoader (2 workers)"])
     if args.json:
-        _write_json(args.json, times, losses, ref)
+        _write_json(args.json, times, losses, ref, processes)
     again = "synthetic' (again)"
     floor = rate[again] / rate["synthetic (in memory)"]
     base = times["synthetic (in memory)"]
@@ -202,11 +260,12 @@ def main(argv=None) -> None:
           f"synthetic {(steps + out['synthetic (in memory)']) / (steps + out['actor pipeline']):.3f}")
 
 
-def _write_json(path: str, times: dict, losses: dict, ref: list) -> None:
+def _write_json(path: str, times: dict, losses: dict, ref: list, processes: int) -> None:
     rows = [{"way": name, "median_s": statistics.median(t), "min_s": min(t),
              "steps_per_s": STEPS / statistics.median(t), "tokens_per_s": STEPS * BATCH * SEQ / statistics.median(t),
              "same_losses": losses[name] == ref} for name, t in times.items()]
-    setting = {"n_layer": GPT_CFG.n_layer, "batch": BATCH, "seq": SEQ, "steps": STEPS, "repeats": REPEATS}
+    setting = {"n_layer": GPT_CFG.n_layer, "batch": BATCH, "seq": SEQ, "steps": STEPS, "repeats": REPEATS,
+               "processes": processes}
     with open(path, "w") as f:
         json.dump({"setting": setting, "rows": rows}, f, indent=1)
 
