@@ -44,7 +44,7 @@ from sbp_core.process_groups import channel_group, world_rank, world_size
 
 from . import workers
 from .actor import Actor
-from .ids import actor_id
+from .ids import actor_id, thread_of
 from .plan import QUEUES, ActorSpec, Plan, PlanError
 
 
@@ -83,8 +83,7 @@ class QueueThread:
         self.run_state = run
         self.inbox = queue.SimpleQueue()
         self.local: deque = deque()
-        self.actors: list = []
-        self.by_priority: list = []  # ``actors`` by priority, highest first, ties in plan order (set by _execute)
+        self.actors: list = []  # by priority, highest first, ties in plan order (sorted by _execute)
         self.busy = False  # an action is under way (a long action is not a stall)
         self.gang = None  # (group, leader rank, roles in sorted order) on a ganged compute queue
         self.alone = False  # the run's only thread: no message can come from elsewhere
@@ -101,7 +100,7 @@ class QueueThread:
             self._done.wait(timeout)
 
     def send(self, kind, reg, actor, edge):
-        target = self.run_state.home[actor]
+        target = self.run_state.threads[thread_of(actor.aid)]
         msg = (kind, reg, actor, edge)
         if target is self:
             self.local.append(msg)
@@ -159,7 +158,7 @@ class QueueThread:
         return actor
 
     def _pick_ready(self):
-        for a in self.by_priority:  # the first ready one: the highest priority, ties in plan order
+        for a in self.actors:  # the first ready one: the highest priority, ties in plan order
             if a.ready():
                 return a
         return None
@@ -206,7 +205,6 @@ class QueueThread:
 class _Run:
     def __init__(self, trace):
         self.threads: dict = {}
-        self.home: dict = {}  # actor -> the QueueThread that runs it
         self.stopping = False
         self.error = None
         self.progress = 0
@@ -388,10 +386,9 @@ def _execute(specs, pieces, timeout, trace, rank, user_names, gang=None) -> RunR
         need = [spec.every // every[src] for src in spec.inputs]
         a = Actor(actor_id(rank, t.index, k), spec, pieces, need)
         t.actors.append(a)
-        st.home[a] = t
         actors[spec.name] = a
     for t in st.threads.values():
-        t.by_priority = sorted(t.actors, key=lambda a: -a.spec.priority)  # stable: ties keep plan order
+        t.actors.sort(key=lambda a: -a.spec.priority)  # stable: ties keep plan order
     for spec in specs:
         for edge, src in enumerate(spec.inputs):
             actors[src].consumers.append((actors[spec.name], edge))

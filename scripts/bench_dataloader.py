@@ -196,7 +196,7 @@ def _in_processes(processes: int) -> tuple:
     share = [REPEATS // processes + (i < REPEATS % processes) for i in range(processes)]
     times, outside, losses = {}, {}, None
     with tempfile.TemporaryDirectory() as tmp:
-        for i, repeats in enumerate(r for r in share if r):
+        for i, repeats in enumerate(share):  # processes <= REPEATS: every share >= 1
             raw = os.path.join(tmp, f"raw{i}.json")
             subprocess.run([sys.executable, os.path.abspath(__file__), "--steps", str(STEPS), "--repeats", str(repeats),
                             "--processes", "1", "--raw", raw, "--order-seed", str(i)], check=True)
