@@ -23,6 +23,7 @@ from .local_call import local_callable
 from .ops.registry import Call, Sig, TensorMeta, lookup
 from .process_groups import world_rank
 from .sbp import Broadcast, format_sbp
+from .torch_compat import is_inplace
 
 _B = Broadcast()
 
@@ -145,7 +146,7 @@ def _choose(func, flat, spec, gpos, placement) -> Decision:
     d = Decision()
     d.func = func
     d.entry = entry
-    d.inplace = torch.Tag.inplace in func.tags
+    d.inplace = is_inplace(func)
     d.out_spec = out_spec
     d.meta_out = out
     d.plain = d.direct_local = False

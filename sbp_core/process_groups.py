@@ -8,15 +8,23 @@ deadlocks gloo when overlapping groups are built by different subsets, so we
 do not. Every group gets the same timeout, so a collective that one member
 never joins ends with an error instead of a hang. Point-to-point traffic uses
 the default (world) group and needs no group of its own.
+
+Under NCCL a group carries tensors on this rank's CUDA device only
+(``tensor_device``). Small host-side messages (a channel's header, a
+pickled object, a gang's pick, a layout check) go over the group's
+*control twin* instead: a gloo group of the same ranks, built with it, so
+they never cost a device round trip. Under gloo a group is its own twin.
 """
 from __future__ import annotations
 
 import datetime
 import os
 
+import torch
 import torch.distributed as dist
 
 _groups: dict = {}
+_twins: dict = {}  # id(group) -> (group, its gloo control twin), where the group itself is not gloo
 _timeout_s: float = float(os.environ.get("SBP_TIMEOUT", "300"))
 
 
@@ -51,8 +59,43 @@ def ensure(rank_sets) -> None:
     for key in missing:
         if len(key) == world_size():
             _groups[key] = dist.group.WORLD
+            _add_twin(dist.group.WORLD, key)
         else:
-            _groups[key] = dist.new_group(list(key), timeout=datetime.timedelta(seconds=_timeout_s))
+            _groups[key] = _new_group(key)
+
+
+def _new_group(ranks):
+    """A group of ``ranks`` (collective over the world) and, off gloo, its control twin."""
+    group = dist.new_group(list(ranks), timeout=datetime.timedelta(seconds=_timeout_s))
+    _add_twin(group, ranks)
+    return group
+
+
+def _add_twin(group, ranks) -> None:
+    # Groups take the world's backend; a rank outside ``group`` still joins the twin's creation.
+    if _twin(group) is None and dist.get_backend() != "gloo":
+        twin = dist.new_group(list(ranks), timeout=datetime.timedelta(seconds=_timeout_s), backend="gloo")
+        _twins[id(group)] = (group, twin)
+
+
+def _twin(group):
+    entry = _twins.get(id(group))
+    return entry[1] if entry is not None and entry[0] is group else None
+
+
+def control_group(group):
+    """The gloo group of ``group``'s ranks for host-side messages; ``group`` itself under gloo, and
+    where no twin was built (the world group before a placement spans it): torch's object
+    collectives then stage through this rank's device."""
+    twin = _twin(group)
+    return group if twin is None else twin
+
+
+def tensor_device(group) -> torch.device:
+    """Where tensors sent on ``group`` must live: this rank's CUDA device under NCCL, else the host."""
+    if group is not None and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def group_of(ranks) -> "dist.ProcessGroup | None":
@@ -84,7 +127,7 @@ def channel_group(name, ranks):
     key = ("channel", name, tuple(sorted(ranks)))
     g = _groups.get(key)
     if g is None:
-        g = dist.new_group(sorted(ranks), timeout=datetime.timedelta(seconds=_timeout_s))
+        g = _new_group(sorted(ranks))
         _groups[key] = g
     return g
 
@@ -100,5 +143,6 @@ def on_forget_groups(hook) -> None:
 def forget_groups() -> None:
     """Drop every cached group: call after destroying the default group (e.g. leaving a rehearsal's fake world)."""
     _groups.clear()
+    _twins.clear()
     for hook in _forget_hooks:
         hook()

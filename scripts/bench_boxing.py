@@ -65,6 +65,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from sbp_core.torch_compat import all_gather_flat, reduce_scatter_flat  # noqa: E402
 
 SBPS = ["S(0)", "S(1)", "B", "P(sum)", "P(max)"]
 PAIRS = [(a, b) for a in SBPS for b in SBPS if a != b]
@@ -137,14 +138,14 @@ def bare_fn(src: str, dst: str, local: torch.Tensor, shape, n: int, me: int):
 
             def f():
                 out = torch.empty(R, C)
-                dist.all_gather_single(out, local)
+                all_gather_flat(out, local)
                 return out
 
             return f
 
         def f():
             buf = torch.empty(n * R, C // n)
-            dist.all_gather_single(buf, local)
+            all_gather_flat(buf, local)
             return torch.cat(buf.chunk(n), 1)
 
         return f
@@ -171,14 +172,14 @@ def bare_fn(src: str, dst: str, local: torch.Tensor, shape, n: int, me: int):
 
             def f():
                 out = torch.empty(R // n, C)
-                dist.reduce_scatter_single(out, local, op=op)
+                reduce_scatter_flat(out, local, op=op)
                 return out
 
             return f
 
         def f():
             out = torch.empty(R, C // n)
-            dist.reduce_scatter_single(out, torch.cat(local.chunk(n, 1)), op=op)
+            reduce_scatter_flat(out, torch.cat(local.chunk(n, 1)), op=op)
             return out
 
         return f

@@ -27,11 +27,9 @@ import torch.distributed as dist
 
 from .. import ledger
 from ..layout import reduce_rows, reduce_terms, shard_sizes
-from ..process_groups import get_timeout, group_of, world_rank
+from ..process_groups import control_group, get_timeout, group_of, tensor_device, world_rank
+from ..torch_compat import all_gather_flat as _all_gather_flat, reduce_scatter_flat as _reduce_scatter_flat
 
-# torch 2.13 renamed the flat collectives; older releases only have the old names.
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 class CollectiveError(RuntimeError):
     """A collective or transfer failed or timed out; names the op, the peers and the rank."""
@@ -413,12 +411,14 @@ def exchange_start(sends, recvs) -> Pending:
 
 @_by_ranks
 def all_gather_object(obj, ranks) -> list:
-    """Gather one small picklable object per rank (layout checks); records no tensor bytes."""
+    """Gather one small picklable object per rank (layout checks); records no tensor bytes.
+
+    Goes over the ranks' control group (gloo), so no device round trip under NCCL."""
     p = len(ranks)
     if p == 1:
         return [obj]
     out = [None] * p
-    dist.all_gather_object(out, obj, group=group_of(ranks))
+    dist.all_gather_object(out, obj, group=control_group(group_of(ranks)))
     order = _group_order(ranks)
     res = [None] * p
     for g, k in enumerate(order):
@@ -434,11 +434,13 @@ _HEADER = 16  # kind, dtype code, ndim, shape...
 
 @_collective(lambda values, src, group: {src})
 def broadcast_ints(values, src: int, group) -> list:
-    """``src``'s list of ints, on every rank of ``group`` (the others pass a list of the same length)."""
+    """``src``'s list of ints, on every rank of ``group`` (the others pass a list of the same length).
+
+    A host message: sent over ``group``'s control group (gloo), never through a device."""
     t = torch.tensor(values, dtype=torch.int64)
     if world_rank() == src:
         ledger.record("broadcast", 2, _nbytes(t), (src,))
-    dist.broadcast(t, src=src, group=group)
+    dist.broadcast(t, src=src, group=control_group(group))
     return t.tolist()
 
 
@@ -446,34 +448,47 @@ def broadcast_ints(values, src: int, group) -> list:
 def send_object(obj, dst: int, group) -> None:
     """Send a tensor (header, then its data) or any picklable object to ``dst`` on ``group``.
 
-    Blocking; for the runtime's channels, each on a group and thread of its own.
+    Blocking; for the runtime's channels, each on a group and thread of its
+    own. The header and a pickled object travel on the host over ``group``'s
+    control group (gloo); a tensor's data travels on ``group`` from the device
+    its backend needs (``tensor_device``: this rank's GPU under NCCL), copied
+    there first when it lies elsewhere.
     """
     header = torch.zeros(_HEADER, dtype=torch.int64)
+    control = control_group(group)
     if isinstance(obj, torch.Tensor) and obj.dtype in _DTYPES and obj.dim() <= _HEADER - 3:
-        payload = obj.detach().contiguous()
+        payload, on = obj.detach().to(tensor_device(group)).contiguous(), group
         header[0], header[1], header[2] = 0, _DTYPES.index(obj.dtype), obj.dim()
         header[3 : 3 + obj.dim()] = torch.tensor(obj.shape, dtype=torch.int64)
     else:
         data = pickle.dumps(obj)
         payload = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+        on = control
         header[0], header[1], header[2], header[3] = 1, _DTYPES.index(torch.uint8), 1, len(data)
     ledger.record("send", 2, _nbytes(payload), (world_rank(), dst))
-    dist.send(header, dst=dst, group=group)
+    dist.send(header, dst=dst, group=control)
     if payload.numel():
-        dist.send(payload, dst=dst, group=group)
+        dist.send(payload, dst=dst, group=on)
 
 
 @_collective(lambda src, group, device=None: {src})
 def recv_object(src: int, group, device=None):
-    """Receive what ``send_object`` sent from ``src`` on ``group``."""
+    """Receive what ``send_object`` sent from ``src`` on ``group``: a tensor on ``device``
+    (``None``: where ``group``'s backend delivers it), or the unpickled object."""
+    control = control_group(group)
     header = torch.empty(_HEADER, dtype=torch.int64)
-    dist.recv(header, src=src, group=group)
-    kind, code, ndim = int(header[0]), int(header[1]), int(header[2])
-    shape = [int(n) for n in header[3 : 3 + ndim]]
-    buf = torch.empty(shape, dtype=_DTYPES[code], device=device)
+    dist.recv(header, src=src, group=control)
+    kind, code, ndim = header[:3].tolist()
+    shape = header[3 : 3 + ndim].tolist()
+    if kind == 1:
+        buf = torch.empty(shape, dtype=torch.uint8)
+        if buf.numel():
+            dist.recv(buf, src=src, group=control)
+        return pickle.loads(buf.numpy().tobytes())
+    buf = torch.empty(shape, dtype=_DTYPES[code], device=tensor_device(group))
     if buf.numel():
         dist.recv(buf, src=src, group=group)
-    return buf if kind == 0 else pickle.loads(buf.numpy().tobytes())
+    return buf if device is None else buf.to(device)
 
 
 @_collective(lambda t, dst, group: {dst})
@@ -483,15 +498,17 @@ def send_tensor(t: torch.Tensor, dst: int, group) -> None:
     For a channel whose every value has one shape and dtype that both ends
     know (``recv_tensor``): one transfer per value, where ``send_object``
     sends a header first and the receiver waits for it before it can post
-    the data's receive.
+    the data's receive. Sent from ``tensor_device(group)`` (copied there first
+    when ``t`` lies elsewhere).
     """
     ledger.record("send", 2, _nbytes(t), (world_rank(), dst))
-    dist.send(t, dst=dst, group=group)
+    dist.send(t.to(tensor_device(group)), dst=dst, group=group)
 
 
 @_collective(lambda shape, dtype, src, group, device=None: {src})
 def recv_tensor(shape, dtype, src: int, group, device=None) -> torch.Tensor:
-    """Receive what ``send_tensor`` sent from ``src`` on ``group``, into a new tensor of ``shape`` and ``dtype``."""
-    buf = torch.empty(shape, dtype=dtype, device=device)
+    """Receive what ``send_tensor`` sent from ``src`` on ``group``, into a new tensor of ``shape`` and
+    ``dtype`` on ``device`` (``None``: where ``group``'s backend delivers it)."""
+    buf = torch.empty(shape, dtype=dtype, device=tensor_device(group))
     dist.recv(buf, src=src, group=group)
-    return buf
+    return buf if device is None else buf.to(device)

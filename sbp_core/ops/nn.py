@@ -1,4 +1,4 @@
-"""Transformer building blocks: layer norm, attention, dropout, embedding.
+"""Transformer building blocks: layer norm, dropout, embedding (attention: ``attention.py``).
 
 On one mesh axis, best first (``P`` signatures of backward ops are offered
 only when the incoming gradient really is partial on that axis; they are
@@ -10,13 +10,6 @@ communicates except the boxing the dispatcher does to reach a signature.
   that dim; all ``B`` -> ``B``. ``native_layer_norm_backward(g, x, shape,
   mean, rstd, w, b)`` -> ``(dx, dw, db)``: ``S(d)`` everywhere, ``w``/``b``
   ``B`` -> ``(S(d), P, P)``; all ``B`` -> ``B``; ``g`` ``P`` -> ``(P, P, P)``.
-- ``_scaled_dot_product_flash_attention_for_cpu(q, k, v)`` (what
-  ``F.scaled_dot_product_attention`` reaches on CPU without dropout) ->
-  ``(out, logsumexp)``: ``q``/``k``/``v`` (and an ``attn_mask``, ``B`` where it
-  broadcasts) ``S(0)`` (batch) or ``S(1)`` (heads) -> both outputs the same;
-  ``B`` -> ``B``. Its ``_backward`` likewise, plus ``g`` ``P`` -> ``P``.
-  With dropout ``F.scaled_dot_product_attention`` takes the math path, whose
-  dropout is ``bernoulli_`` below.
 - Dropout: ``F.dropout`` on CPU runs ``empty_like``, ``bernoulli_.float``,
   ``div_``, ``mul``; ``native_dropout`` is what fused paths call. Both are
   decomposed on *every* rank (inside the placement or not): the mask is drawn
@@ -101,51 +94,6 @@ def layer_norm_backward(call):
         # one small all-reduce each later, instead of reducing the incoming gradient once.
         sigs.append(sig((P, B, B, B), B, (P, P, P)))
     return sigs
-
-
-# -- attention ---------------------------------------------------------------
-
-
-def _mask_sbp(mask, d: int, q):
-    """An attention mask's SBP when q/k/v are split on dim ``d`` (``B`` where it broadcasts)."""
-    k = d - (q.ndim - mask.ndim)
-    return Split(k) if k >= 0 and mask.shape[k] == q.shape[d] else B
-
-
-def _attention_sigs(call, q, kv, n_act: int, n_out: int, grad_p: bool) -> list:
-    mask = call.metas[n_act] if len(call.metas) > n_act else None
-    dims = [0] + ([1] if all(t.shape[1] == q.shape[1] for t in kv) else [])
-    sigs = []
-    for d in dims:
-        ins = (Split(d),) * n_act + ((_mask_sbp(mask, d, q),) if mask is not None else ())
-        sigs.append(Sig(ins, (Split(d),) * n_out))
-    sigs.append(Sig((B,) * len(call.metas), (B,) * n_out))
-    if grad_p:
-        sigs.append(Sig((P,) + (B,) * (len(call.metas) - 1), (P,) * n_out))
-    return sigs
-
-
-def _no_dropout(call, index: int):
-    if call.arg(index, "dropout_p", 0.0):
-        raise ValueError(
-            f"{call.func} with dropout_p={call.arg(index, 'dropout_p')} has no SBP rule (its mask would be "
-            "drawn per shard); F.scaled_dot_product_attention with dropout takes the math path, which is exact"
-        )
-
-
-@register(aten._scaled_dot_product_flash_attention_for_cpu.default)
-def sdpa(call):
-    _no_dropout(call, 3)
-    q, k, v = call.metas[:3]
-    return _attention_sigs(call, q, (k, v), 3, 2, False)
-
-
-@register(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
-def sdpa_backward(call):
-    _no_dropout(call, 6)
-    grad_p = _partial_in(call)
-    q, k, v = call.metas[1:4]
-    return _attention_sigs(call, q, (k, v), 6, 3, grad_p)
 
 
 # -- dropout -----------------------------------------------------------------
