@@ -23,6 +23,7 @@ from .dispatch import explain, format_explain
 from .global_tensor import GlobalTensor, NoSbpRule
 from .sparse import SparseGlobalTensor
 from .grad_clip import clip_grad_norm_
+from .loss_scale import LossScaler
 from .module import box_grads, defer_grad_boxing, describe_plan, distribute_module
 from .one_device import LocalParameters, replicated, runs_local
 from .local_step import step_on_locals, steps_on_locals
@@ -35,6 +36,6 @@ __all__ = [
     "sbp", "placement", "cast", "SparseGlobalTensor", "cast_group", "cast_many", "remat_saved", "Placement", "GlobalTensor", "Layout", "NoSbpRule",
     "to_global", "distribute", "randn", "rand", "zeros", "ones",
     "comm_ledger", "CommLedger", "explain", "format_explain", "set_timeout", "get_timeout",
-    "boxing_plan", "clip_grad_norm_", "distribute_module", "describe_plan", "defer_grad_boxing", "box_grads", "same_placement_cost", "disjoint_cost",
+    "boxing_plan", "clip_grad_norm_", "LossScaler", "distribute_module", "describe_plan", "defer_grad_boxing", "box_grads", "same_placement_cost", "disjoint_cost",
     "LocalParameters", "replicated", "runs_local", "step_on_locals", "steps_on_locals",
 ]

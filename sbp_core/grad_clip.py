@@ -36,8 +36,9 @@ def _without_partial(g: GlobalTensor) -> GlobalTensor:
     return g.to_global(sbp=tuple(to if s.is_partial else s for s in g.sbp))
 
 
-def _across_stages(total: GlobalTensor, stages: list, norm_type) -> GlobalTensor:
-    """Combine each stage's scalar into one, broadcast on the union of the stages (every rank calls this)."""
+def across_stages(total: GlobalTensor, stages: list, norm_type) -> GlobalTensor:
+    """Combine each stage's scalar into one, broadcast on the union of the stages (every rank calls this):
+    their sum for ``norm_type`` 2, else their maximum."""
     ranks = sorted({r for p in stages for r in p.ranks})
     union = make_placement(stages[0].device_type, ranks)
     b = (Broadcast(),)
@@ -114,7 +115,7 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, stages=
         else:
             total = total + term if norm_type == 2 else torch.maximum(total, term)
     if stages is not None:
-        total = _across_stages(total, list(stages), norm_type)
+        total = across_stages(total, list(stages), norm_type)
         home = total.placement
     total = total.sqrt() if norm_type == 2 else total
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0)

@@ -13,7 +13,8 @@ Under NCCL a group carries tensors on this rank's CUDA device only
 (``tensor_device``). Small host-side messages (a channel's header, a
 pickled object, a gang's pick, a layout check) go over the group's
 *control twin* instead: a gloo group of the same ranks, built with it, so
-they never cost a device round trip. Under gloo a group is its own twin.
+they never cost a device round trip. Under any other backend a group is
+its own twin.
 """
 from __future__ import annotations
 
@@ -73,7 +74,8 @@ def _new_group(ranks):
 
 def _add_twin(group, ranks) -> None:
     # Groups take the world's backend; a rank outside ``group`` still joins the twin's creation.
-    if _twin(group) is None and dist.get_backend() != "gloo":
+    # Only NCCL needs one (gloo carries host tensors itself; a rehearsal's "fake" world sends nothing).
+    if _twin(group) is None and dist.get_backend() == "nccl":
         twin = dist.new_group(list(ranks), timeout=datetime.timedelta(seconds=_timeout_s), backend="gloo")
         _twins[id(group)] = (group, twin)
 

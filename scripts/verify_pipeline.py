@@ -47,8 +47,10 @@ def global_batch(step: int) -> torch.Tensor:
 
 def build(dp: int, tp: int, pp: int, micro: int = MICRO, schedule: str = "1f1b", traced: bool = False,
           cfg: GPT2Config = CFG, batch_of=global_batch, seq: int = SEQ, batch: int = BATCH, max_grad_norm=None,
-          rows_weigh_equally: bool = True):
+          rows_weigh_equally: bool = True, loss_scale=None):
     """This rank's pipelined GPT-2: ``(PipelineStep, stage module or None)``; every rank calls it.
+
+    ``loss_scale``: an ``sc.LossScaler`` the step scales the loss by (fp16's; here in fp32).
 
     ``rows_weigh_equally``: GPT-2's loss is (``Recipe.rows_weigh_equally``), so dp stages (dp2_pp2) run plain
     after their audit."""
@@ -73,13 +75,17 @@ def build(dp: int, tp: int, pp: int, micro: int = MICRO, schedule: str = "1f1b",
                           schedule=schedule, tied=TIED, max_grad_norm=max_grad_norm, timeout=20,
                           rows_weigh_equally=rows_weigh_equally)
     trace = (lambda: Trace(rank=me)) if traced else None
-    return PipelineStep(pcfg, module, opt, stage_forward, batches, trace_factory=trace), module
+    return PipelineStep(pcfg, module, opt, stage_forward, batches, trace_factory=trace, loss_scale=loss_scale), module
 
 
-def run_pipeline(name: str, steps: int = STEPS, schedule: str = "1f1b", micro: int = MICRO, max_grad_norm=None):
-    """Worker: per step, the loss (where known), the stage leader's full gradients (as the optimizer sees them), the trace."""
+def run_pipeline(name: str, steps: int = STEPS, schedule: str = "1f1b", micro: int = MICRO, max_grad_norm=None,
+                 loss_scale=None):
+    """Worker: per step, the loss (where known), the stage leader's full gradients (as the optimizer sees them), the trace.
+
+    ``loss_scale``: a starting scale, or ``None`` for no loss scaling."""
     dp, tp, pp = LAYOUTS[name]
-    step, module = build(dp, tp, pp, micro, schedule, traced=True, max_grad_norm=max_grad_norm)
+    scaler = sc.LossScaler(loss_scale) if loss_scale else None
+    step, module = build(dp, tp, pp, micro, schedule, traced=True, max_grad_norm=max_grad_norm, loss_scale=scaler)
     grads = []
     if module is not None:
         opt_step = step.optimizer.step

@@ -14,7 +14,8 @@ peak bytes of this process (``torch.cuda.max_memory_allocated`` on CUDA,
 otherwise the peak resident set size from ``getrusage``). ``tflops`` and
 ``mfu`` are filled in from the throughput when the logger knows
 ``flops_per_item`` and ``peak_tflops`` (see :mod:`toolkit.flops`; ``mfu`` is
-against ``peak_tflops * n_devices``). Values must be JSON numbers, strings,
+against ``peak_tflops * n_devices``, and left out, with a warning, where it
+would exceed 100%: a peak below what the run achieves is a wrong peak). Values must be JSON numbers, strings,
 booleans or ``None``; tensors are converted with ``.item()``. Non-finite
 floats are written as ``null`` (strict JSON) and shown as ``nan``/``inf`` on the console.
 
@@ -110,6 +111,7 @@ class MetricsLogger:
         self.peak_tflops = peak_tflops
         self.n_devices = n_devices
         self.console = console
+        self._warned_mfu = False
         self.path = self.run_dir / METRICS_FILE
         self.wandb_run = None
         self._file = None
@@ -153,12 +155,23 @@ class MetricsLogger:
             from toolkit import flops
 
             row.setdefault("tflops", flops.tflops(rate, self.flops_per_item))
-            if self.peak_tflops:
-                row.setdefault("mfu", flops.mfu(rate, self.flops_per_item, self.peak_tflops, self.n_devices))
+            if self.peak_tflops and "mfu" not in row:
+                row["mfu"] = self._mfu(flops.mfu(rate, self.flops_per_item, self.peak_tflops, self.n_devices))
         if "mem" not in row:
             row["mem"] = peak_memory_bytes()
         self._write(row)
         return row
+
+    def _mfu(self, value: float) -> Optional[float]:
+        """``value``, or ``None`` (with a warning, once) above 100%: then the peak, not the run, is wrong."""
+        if value <= 1.0:
+            return value
+        if not self._warned_mfu:
+            self._warned_mfu = True
+            print(f"warning: MFU would read {value:.0%} against a peak of {self.peak_tflops:g} TFLOP/s per device, "
+                  "so that peak is too low for this device and precision; MFU is left out. "
+                  "Set trainer.peak_tflops to the device's dense peak.", flush=True)
+        return None
 
     def log_eval(self, step: int, **metrics: Any) -> Optional[dict]:
         """Record an evaluation row of ``metrics``; a ``val_loss`` gets ``val_ppl = exp(val_loss)`` beside it."""

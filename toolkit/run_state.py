@@ -4,7 +4,7 @@ Saved (``toolkit.checkpoint``, sharded, every rank its own boxes): this
 rank's stage's parameters (global tensors: any layout reads them back),
 AdamW state keyed by parameter name, the LR schedule, the sampler position
 (the step: batches are a function of ``(seed, step)``), per-rank RNG states
-and the step. Checkpoints live in ``<run_dir>/checkpoints/step_<N>``;
+(CPU and, on CUDA, this rank's device), fp16's loss scale and the step. Checkpoints live in ``<run_dir>/checkpoints/step_<N>``;
 ``trainer.resume=auto`` continues from the newest complete one, in any
 layout. ``trainer.init_from`` starts from weights only: one of our
 checkpoints (here), or a format the recipe reads into the full model before
@@ -31,6 +31,7 @@ def _state(job, step: int) -> dict:
         "step": step,
         "rng": ckpt.rng_state(),
         "extra": job.recipe.extra_state(job.cfg),
+        "loss_scale": job.pipe.loss_scale.state_dict() if job.pipe.loss_scale is not None else None,
     }
 
 
@@ -45,11 +46,14 @@ def resume(job) -> int:
     path = ckpt.latest(checkpoint_root(job.cfg.run_dir))
     if path is None:
         return 0
-    template = {**_state(job, 0), "scheduler": None, "sampler": None, "step": None, "rng": None, "extra": None}
+    template = {**_state(job, 0), "scheduler": None, "sampler": None, "step": None, "rng": None, "extra": None,
+                "loss_scale": None}
     out = ckpt.load(path, template, tied=job.recipe.tied)
     ckpt.load_optimizer_state_dict(job.optimizer, job.module, out["optim"])
     job.scheduler.load_state_dict(out["scheduler"])
     ckpt.set_rng_state(out["rng"])
+    if out.get("loss_scale") and job.pipe.loss_scale is not None:  # fp16 resumes its scale
+        job.pipe.loss_scale.load_state_dict(out["loss_scale"])
     _refresh(job)
     return int(out["step"])
 

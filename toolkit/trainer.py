@@ -36,7 +36,8 @@ import torch.distributed as dist
 import sbp_core as sc
 from runtime.host_memory import keep_freed_host_memory
 from runtime.pipeline import PipelineConfig, PipelineStep
-from toolkit import flops, run_state
+from toolkit import run_state
+from toolkit.peak import device_peak
 from toolkit.config import typed, validate
 from toolkit.mesh import model_names, plan_for_module, stage_placements, with_overrides
 from toolkit.metrics import MetricsLogger
@@ -108,10 +109,12 @@ class Job:
             max_grad_norm=float(tr.grad_clip) if tr.grad_clip else None, tied=list(recipe.tied),
             rows_weigh_equally=recipe.rows_weigh_equally)
         forward = recipe.stage_forward
-        if tr.precision == "bf16":
-            forward = autocast_forward(forward, device_type)
+        if tr.precision != "fp32":
+            forward = autocast_forward(forward, device_type, AUTOCAST[tr.precision])
+        # fp16 needs its loss scaled (GradScaler's dynamic scale; the skip is decided for the whole job).
+        scaler = sc.LossScaler() if tr.precision == "fp16" else None
         self.pipe = PipelineStep(self.pipe_cfg, self.module, self.optimizer, forward, self.train_batches,
-                                 self.scheduler)
+                                 self.scheduler, loss_scale=scaler)
         self.val_batches = None
         if tr.eval_every:
             self.val_batches = recipe.data(cfg, self.data, "val", self.data_shard, self.data_shards, lay)
@@ -133,10 +136,13 @@ class Job:
         return self.pipe.evaluate(self.val_batches, n, index=0)
 
 
-def autocast_forward(forward, device_type):
-    """``forward`` under bf16 autocast, returning fp32 (``trainer.precision=bf16``)."""
+AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def autocast_forward(forward, device_type, dtype=torch.bfloat16):
+    """``forward`` under autocast to ``dtype``, returning fp32 (``trainer.precision=bf16`` or ``fp16``)."""
     def run(module, x, labels=None):
-        with torch.autocast(device_type, dtype=torch.bfloat16):
+        with torch.autocast(device_type, dtype=dtype):
             out = forward(module, x, labels)
         return out.float() if labels is not None else out.to(torch.float32)
 
@@ -147,11 +153,13 @@ def train(cfg, recipe, zero=None):
     """``zero``: ``recipes.zero.apply_zero`` (passed in: toolkit does not import recipes), used when ``parallel.zero > 0``."""
     job = Job(cfg, recipe, zero)
     cfg, lay, tr = job.cfg, job.layout, job.cfg.trainer
-    peak = float(tr.peak_tflops) if tr.peak_tflops else flops.measured_peak_tflops()
+    peak = device_peak(lay.device if lay.device == "cuda" else "cpu", str(tr.precision), tr.peak_tflops)
+    if job.rank == 0:
+        print(f"mfu against {peak.tflops:g} TFLOP/s per device ({peak.source})", flush=True)
     per_item = recipe.flops_per_item(cfg, job.n_params)
     throughput = f"{recipe.throughput_unit}_per_s"
     last = None
-    with MetricsLogger(cfg.run_dir, cfg, enabled=job.rank == 0, flops_per_item=per_item, peak_tflops=peak,
+    with MetricsLogger(cfg.run_dir, cfg, enabled=job.rank == 0, flops_per_item=per_item, peak_tflops=peak.tflops,
                        n_devices=lay.world_size, throughput_key=throughput) as logger, \
             _progress(int(tr.max_steps), job.step, job.rank == 0) as bar:
         for step in range(job.step, int(tr.max_steps)):
@@ -164,7 +172,9 @@ def train(cfg, recipe, zero=None):
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss:.4f}" if loss is not None else "?")
             if job.step % int(tr.log_every) == 0 or job.step == 1 or job.step == int(tr.max_steps):
-                last = logger.log(job.step, loss=loss, lr=lr, grad_norm=job.pipe.grad_norm,
+                scale = {} if job.pipe.loss_scale is None else \
+                    {"loss_scale": job.pipe.loss_scale.scale, "skipped": job.pipe.skipped}
+                last = logger.log(job.step, loss=loss, lr=lr, grad_norm=job.pipe.grad_norm, **scale,
                                   **{throughput: lay.items_per_step / seconds}) or last
             if tr.eval_every and (job.step % int(tr.eval_every) == 0 or job.step == int(tr.max_steps)):
                 metrics = recipe.evaluate(job)

@@ -29,8 +29,10 @@ own actors. For stage ``s`` of ``pp`` on each of its ranks ``r``:
   pass if any, boxes any gradient left in
   another layout than its parameter's (``box_grads``, or ZeRO's
   ``sync_grads``) and sums tied parameters' gradients across stages;
-- ``s{s}.update@r`` (compute, once per step): global-norm clipping over all
-  stages, the optimizer step (on the parameters' local tensors when it is
+- ``s{s}.update@r`` (compute, once per step): with a loss scale (fp16),
+  unscaling the gradients and the job-wide overflow check
+  (``sc.LossScaler``: every rank skips the same steps); global-norm
+  clipping over all stages, the optimizer step (on the parameters' local tensors when it is
   element-wise, ``sc.step_on_locals``), the LR scheduler step,
   ``zero_grad``; returns the step's mean loss on the last stage.
 
@@ -148,13 +150,17 @@ class PipelineStep:
     ``toolkit.data.MicroBatches``. ``step(i)`` returns the step's loss on
     the last stage's ranks and on rank 0, ``None`` elsewhere;
     ``evaluate(batches, m)`` the mean loss of ``m`` micro-batches, forward
-    only, likewise.
+    only, likewise. ``loss_scale``: the last stage's backward starts from
+    the loss times its scale, and each update unscales the gradients and
+    skips the step (``skipped``) where any rank's overflowed.
     """
 
     def __init__(self, cfg: PipelineConfig, module, optimizer, forward: Callable, batches: Callable,
-                 scheduler=None, trace_factory=None):
+                 scheduler=None, trace_factory=None, loss_scale: "sc.LossScaler | None" = None):
         cfg.check()
         self.cfg, self.module, self.optimizer, self.scheduler = cfg, module, optimizer, scheduler
+        self.loss_scale = loss_scale
+        self.skipped = False  # the last step overflowed under the loss scale and did not update
         self.forward, self.batches = forward, batches
         self.trace_factory = trace_factory
         me = world_rank()
@@ -263,7 +269,8 @@ class PipelineStep:
 
     def _backward(self, k, stash: Stash, grad=None):
         m = self.cfg.micro_batches
-        output = stash.output / m if grad is None else stash.output
+        output = stash.output if grad is not None else stash.output / m if self.loss_scale is None else \
+            stash.output / m * self.loss_scale.scale
         grad = grad._local if self._local and grad is not None else grad
         if self.stage == 0 and k == m - 1:
             self.tied.expect()  # the last stage's tied gradients arrive while this backward runs
@@ -313,7 +320,13 @@ class PipelineStep:
 
     def _update(self, k, loss):
         norm = None
-        if self.cfg.max_grad_norm is not None:
+        self.skipped = False
+        if self.loss_scale is not None:
+            params = [p for p in self.module.parameters() if p.requires_grad]
+            self.skipped = self.loss_scale.unscale_(params, self.cfg.placements)
+            self.loss_scale.update(self.skipped)
+        # An overflow is found on every rank alike (a job-wide flag): then none clips or steps.
+        if not self.skipped and self.cfg.max_grad_norm is not None:
             # The last stage's tied copies hold the same summed gradient as the first stage's:
             # counted once in the norm, scaled like the rest.
             copies = {id(p) for p in self.tied.copies()}
@@ -323,7 +336,8 @@ class PipelineStep:
             for p in self.tied.copies():
                 p.grad.mul_(coef)
         # An element-wise optimizer steps the parameters' locals (no op dispatch); the state stays global.
-        sc.step_on_locals(self.optimizer)
+        if not self.skipped:
+            sc.step_on_locals(self.optimizer)
         if self.scheduler is not None:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)

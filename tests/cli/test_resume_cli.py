@@ -41,3 +41,20 @@ def test_single_to_tp2_resume(straight, sbp_cache, tmp_path):
     _run(sbp_cache, tmp_path, "single", 2)
     losses = _run(sbp_cache, tmp_path, "tp2", 4, resume=True)
     assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(losses, straight)), (losses, straight)
+
+
+def _loss_scale(run_dir, step):
+    from toolkit import checkpoint as ckpt
+
+    return ckpt.load(str(run_dir / "checkpoints" / f"step_{step}"), {"loss_scale": None})["loss_scale"]
+
+
+def test_fp16_trains_and_resumes_its_loss_scale(sbp_cache, tmp_path):
+    fp16 = ["trainer.precision=fp16", "trainer.save_every=2"]
+    first = train_pooled([*STEPS, "parallel=dp2", "trainer.max_steps=2", *fp16], tmp_path, sbp_cache)
+    assert _loss_scale(tmp_path, 2) == {"scale": 2.0**16, "growth_tracker": 2}
+    losses = train_pooled([*STEPS, "parallel=dp2", "trainer.max_steps=4", "trainer.resume=auto", *fp16],
+                          tmp_path, sbp_cache)
+    # Two clean steps more: the tracker counts on from the checkpoint's 2, not from a fresh 0.
+    assert _loss_scale(tmp_path, 4) == {"scale": 2.0**16, "growth_tracker": 4}
+    assert losses[:2] == first and len(losses) == 4 and losses[-1] < losses[0]

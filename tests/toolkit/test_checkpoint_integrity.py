@@ -76,6 +76,16 @@ def test_rng_state_round_trip(tmp_path):
     assert torch.equal(expected[0], again[0]) and expected[1] == again[1]
 
 
+@pytest.mark.cuda
+def test_cuda_rng_state_round_trip(tmp_path):
+    torch.cuda.manual_seed(7)
+    ckpt.save(str(tmp_path), 1, {"rng": ckpt.rng_state()})
+    expected = torch.rand(3, device="cuda")
+    torch.cuda.manual_seed(99)
+    ckpt.set_rng_state(ckpt.load(str(tmp_path), {"rng": None})["rng"])
+    assert torch.equal(torch.rand(3, device="cuda"), expected)
+
+
 def test_keep_last_and_latest(tmp_path):
     root = str(tmp_path)
     for step in (1, 2, 3, 4):

@@ -151,7 +151,7 @@ def test_sequence_parallel_needs_seq_len_multiple_of_tp():
     ("trainer.momentum=1.5", "trainer.momentum=1.5: must be in [0, 1)"),
     ("device=tpu", "device='tpu': unknown choice; valid: auto, cpu, cuda"),
     ("parallel.pp_schedule=zb", "parallel.pp_schedule='zb': unknown choice; valid: 1f1b, gpipe"),
-    ("trainer.precision=fp16", "trainer.precision='fp16': unknown choice; valid: fp32, bf16"),
+    ("trainer.precision=fp8", "trainer.precision='fp8': unknown choice; valid: fp32, bf16, fp16"),
     ("trainer.resume=latest", "trainer.resume='latest': unknown choice; valid: none, auto"),
     ("data.source=web", "data.source='web': unknown choice; valid: stdlib, text"),
     ("logger.backend=tb", "logger.backend='tb': unknown choice; valid: wandb, none"),

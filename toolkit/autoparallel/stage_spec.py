@@ -24,7 +24,7 @@ from toolkit.config import typed
 from toolkit.mesh import model_names, plan_for_module, with_overrides
 from toolkit.recipe import data_shard, recipe_batch
 from toolkit.stages import keep_layers, stage_ranges
-from toolkit.trainer import autocast_forward
+from toolkit.trainer import AUTOCAST, autocast_forward
 
 
 def strategy_cfg(cfg, recipe, strategy: Strategy):
@@ -85,8 +85,8 @@ def stage_spec(recipe, cfg, strategy: Strategy, stage: int, layers=None, zero=No
 
     m = int(cfg.trainer.global_batch_size) // rows
     forward = recipe.stage_forward
-    if cfg.trainer.precision == "bf16":
-        forward = autocast_forward(forward, "cpu")  # the rehearsal's tensors are (fake) CPU tensors
+    if cfg.trainer.precision != "fp32":  # the rehearsal's tensors are (fake) CPU tensors
+        forward = autocast_forward(forward, "cpu", AUTOCAST[cfg.trainer.precision])
     return StageSpec(dp=strategy.dp, tp=strategy.tp, first=first, last=last, build=build, inputs=inputs,
                      forward=forward, act_sbp=tuple(recipe.act_sbp), micro_batches=m,
                      grad_clip=float(cfg.trainer.grad_clip) or None, rows_weigh_equally=recipe.rows_weigh_equally)

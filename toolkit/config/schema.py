@@ -29,7 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 
 DEVICES = ("auto", "cpu", "cuda")
 PP_SCHEDULES = ("1f1b", "gpipe")
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = ("fp32", "bf16", "fp16")
 RESUME_MODES = ("none", "auto")
 OPTIMIZERS = ("adamw", "sgd")
 LOGGER_BACKENDS = ("wandb", "none")
@@ -110,8 +110,10 @@ class TrainerConfig:
     ``adamw`` (``betas``, ``eps``) or ``sgd`` (``momentum``), unless the
     recipe builds its own. ``grad_clip`` 0 disables clipping;
     ``eval_every`` / ``save_every`` 0 disable periodic evaluation / saving.
-    ``peak_tflops`` is one device's peak for MFU (``None`` = measured by
-    :func:`toolkit.flops.measured_peak_tflops`). ``resume: auto`` continues
+    ``peak_tflops`` is one device's peak for MFU (``None`` = the device's
+    dense peak for the precision, :func:`toolkit.peak.device_peak`).
+    ``precision``: ``fp32``, ``bf16`` (autocast) or ``fp16`` (autocast with
+    dynamic loss scaling, ``sbp_core.LossScaler``). ``resume: auto`` continues
     from the newest checkpoint in the run directory if any. ``init_from``:
     ``None`` (random init), a checkpoint path, or a Hugging Face GPT-2 name.
     """
