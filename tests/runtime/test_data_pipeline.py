@@ -80,12 +80,20 @@ def test_to_device_on_cpu_is_the_batch_itself():
     assert to_device(batch, "cpu") is batch
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_to_device_on_cuda_moves_every_tensor():
+@pytest.mark.cuda
+def test_to_device_on_cuda_moves_every_tensor_on_the_copy_stream():
+    from runtime.data_pipeline import copy_stream
+
     batch = {"input_ids": torch.arange(6).view(2, 3), "extra": (torch.ones(1), [torch.ones(2)])}
+    compute = torch.cuda.current_stream()
+    # Keep the compute stream busy: the copy must not queue behind it, and must be done on return.
+    big = torch.randn(4096, 4096, device="cuda")
+    for _ in range(20):
+        big = big @ big / 64
     out = to_device(batch, "cuda")
-    torch.cuda.synchronize()
+    assert torch.cuda.current_stream() == compute != copy_stream(out["input_ids"].device)
     assert out["input_ids"].is_cuda and out["extra"][0].is_cuda and out["extra"][1][0].is_cuda
+    assert not compute.query()  # the matmuls still run: the copy did not wait for them
     assert torch.equal(out["input_ids"].cpu(), batch["input_ids"])
 
 
