@@ -1,0 +1,30 @@
+"""scripts/gpu_check.py: exits 2 without a GPU; its check itself (ours against a plain loop) runs on CPU."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _run(args, tmp_path):
+    env = {**os.environ, "SBP_CACHE_DIR": str(tmp_path), "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "gpu_check.py"), *args], env=env,
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_without_a_gpu_it_says_so_and_exits_2(tmp_path):
+    out = _run([], tmp_path)
+    assert out.returncode == 2 and "no CUDA device" in out.stdout, out.stdout + out.stderr
+
+
+def test_every_recipe_matches_a_plain_loop_on_cpu(tmp_path):
+    out = _run(["--device", "cpu", "--tiny", "--steps", "4"], tmp_path)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    last = out.stdout.strip().splitlines()[-1]
+    assert last.startswith("gpu check: gpt2 ok, insightface ok, wide_deep ok; mfu "), last
