@@ -23,6 +23,12 @@
   process group, so the code path equals the multi-rank one; the environment
   variables it sets are restored afterwards.
 
+On CUDA each rank owns one GPU, ``LOCAL_RANK`` (``torch.cuda.set_device``
+before anything is allocated, and NCCL bound to it). A collective that
+times out raises on gloo; on NCCL torch's watchdog aborts the rank's
+process after the same timeout. Either way the launcher (or torchrun) sees
+the rank end and stops the others.
+
 Every rank sees ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` and ``SBP_TIMEOUT`` (the collective
 timeout of sbp_core's groups; also the default group's timeout).
@@ -150,6 +156,13 @@ def _rank_env(rank: int, world: int, local_rank: int, local_world: int, addr: st
                 LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(local_world), SBP_TIMEOUT=str(timeout))
 
 
+def _bound_device(kind: str) -> dict:
+    """NCCL's communicators bound to this rank's GPU (set with ``torch.cuda.set_device`` just before)."""
+    import torch
+
+    return {"device_id": torch.device("cuda", torch.cuda.current_device())} if kind == "cuda" else {}
+
+
 def _require_no_group() -> None:
     import torch.distributed as dist
 
@@ -204,7 +217,8 @@ def _run_launched(main, cfg, nprocs: int, env: ClusterEnv, device: str, timeout:
                                     env.master_addr, env.master_port, timeout))
     _apply_sbp_timeout(timeout)
     dist.init_process_group("nccl" if kind == "cuda" else "gloo", init_method="env://",
-                            rank=env.rank, world_size=env.world_size, timeout=timedelta(seconds=timeout))
+                            rank=env.rank, world_size=env.world_size, timeout=timedelta(seconds=timeout),
+                            **_bound_device(kind))
     try:
         packed = [_pack(cfg) if env.rank == 0 else None]
         dist.broadcast_object_list(packed, src=0)
@@ -227,7 +241,7 @@ def _run_in_process(main, cfg, device: str, timeout: float):
             if kind == "cuda":
                 torch.cuda.set_device(0)
             dist.init_process_group("nccl" if kind == "cuda" else "gloo", store=store, rank=0, world_size=1,
-                                    timeout=timedelta(seconds=timeout))
+                                    timeout=timedelta(seconds=timeout), **_bound_device(kind))
             try:
                 return main(_rebuild(_pack(cfg)))
             finally:
@@ -277,7 +291,7 @@ def _child(rank: int, nprocs: int, port: int, kind: str, timeout: float, parent_
             torch.cuda.set_device(rank)
         store = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=timeout))
         dist.init_process_group("nccl" if kind == "cuda" else "gloo", store=store, rank=rank,
-                                world_size=nprocs, timeout=timedelta(seconds=timeout))
+                                world_size=nprocs, timeout=timedelta(seconds=timeout), **_bound_device(kind))
         value = main(_rebuild(packed))
     except SystemExit as exc:
         if exc.code in (None, 0):
