@@ -13,7 +13,8 @@ In order of precedence:
    the name, and this is what CPU runs always used).
 
 fp32 on CUDA counts as TF32 when torch lets matmuls use it
-(``torch.backends.cuda.matmul.allow_tf32``), else as plain fp32.
+(``torch.get_float32_matmul_precision()`` is not ``"highest"``), else as
+plain fp32.
 """
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ class Peak(NamedTuple):
 
 def cuda_precision(precision: str) -> str:
     """The table's precision for a run's ``trainer.precision`` on CUDA (fp32 is TF32 when torch allows it)."""
-    if precision == "fp32" and torch.backends.cuda.matmul.allow_tf32:
+    if precision == "fp32" and torch.get_float32_matmul_precision() != "highest":
         return "tf32"
     return precision
 

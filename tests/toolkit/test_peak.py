@@ -25,12 +25,16 @@ def test_the_table_matches_the_most_specific_name(name, precision, want):
     assert peak.table_peak(name, precision) == want
 
 
-def test_fp32_on_cuda_counts_as_tf32_only_when_torch_allows_it(monkeypatch):
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    assert peak.cuda_precision("fp32") == "fp32"
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
-    assert peak.cuda_precision("fp32") == "tf32"
-    assert peak.cuda_precision("bf16") == "bf16"
+def test_fp32_on_cuda_counts_as_tf32_only_when_torch_allows_it():
+    was = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        assert peak.cuda_precision("fp32") == "fp32"
+        torch.set_float32_matmul_precision("high")
+        assert peak.cuda_precision("fp32") == "tf32"
+        assert peak.cuda_precision("bf16") == "bf16"
+    finally:
+        torch.set_float32_matmul_precision(was)
 
 
 def test_the_override_wins_and_cpu_measures(monkeypatch):
