@@ -72,7 +72,7 @@ def step_on_locals(optimizer: torch.optim.Optimizer) -> None:
     groups = optimizer.param_groups
     params = [p for g in groups for p in g["params"] if isinstance(p, GlobalTensor)]
     if not steps_on_locals(optimizer) or not all(_swappable(p) for p in params):
-        optimizer.step()
+        _dispatched_step(optimizer)
         return
     state = optimizer.state
     local_state, swapped, plain = defaultdict(dict), [], []
@@ -109,6 +109,22 @@ def step_on_locals(optimizer: torch.optim.Optimizer) -> None:
             if p in local_state:
                 state[p] = local_state[p]
         optimizer.state = state
+
+
+def _dispatched_step(optimizer) -> None:
+    """``optimizer.step()`` on the global parameters, with any ``fused`` kernel switched off for it.
+
+    A fused step is one aten op over lists of tensors, which has no SBP rule;
+    its single-tensor ops (the same update) do.
+    """
+    fused = [g for g in optimizer.param_groups if g.get("fused")]
+    for g in fused:
+        g["fused"] = False
+    try:
+        optimizer.step()
+    finally:
+        for g in fused:
+            g["fused"] = True
 
 
 def _global_state(key: str, value, p: GlobalTensor, old: dict | None):

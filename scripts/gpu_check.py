@@ -9,10 +9,10 @@ batch 512), in this process:
 1. ours: ``toolkit.trainer.train`` as ``python train.py ... device=cuda``
    runs it (a one-rank process group, the runtime's data pipeline and
    copy stream), logging every step;
-2. plain: the same model class from the same seed (so the same initial
-   weights), the same batches (``MicroBatches.load``, the rows ours reads),
-   the recipe's optimizer and LR schedule, the same autocast and clipping,
-   in a plain PyTorch loop;
+2. plain: ``toolkit.plain_loop.PlainLoop``, the same model class from the
+   same seed (so the same initial weights), the same batches
+   (``MicroBatches.load``, the rows ours reads), the recipe's optimizer and
+   LR schedule, the same autocast and clipping, in a plain PyTorch loop;
 3. the first ``--compare`` losses must agree within the precision's
    tolerance (bf16: 2e-2 relative; fp32: 1e-4), else the recipe fails.
 
@@ -38,12 +38,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from recipes.registry import get  # noqa: E402
 from recipes.zero import apply_zero  # noqa: E402
-from runtime.data_pipeline import to_device  # noqa: E402
 from toolkit.config import compose, validate  # noqa: E402
-from toolkit.config.schema import typed  # noqa: E402
 from toolkit.launcher import launch  # noqa: E402
-from toolkit.optim import build_scheduler  # noqa: E402
-from toolkit.trainer import AUTOCAST, train  # noqa: E402
+from toolkit.plain_loop import PlainLoop  # noqa: E402
+from toolkit.trainer import train  # noqa: E402
 
 COMMON = ["logger=none", "trainer.log_every=1", "trainer.eval_every=0", "trainer.save_every=0",
           "trainer.warmup_steps=2"]
@@ -80,51 +78,14 @@ def ours(cfg, device: str) -> list:
 
 
 def plain(cfg, device: str) -> tuple:
-    """``(losses, seconds per step)`` of a plain PyTorch loop with ours' model, data, optimizer and schedule."""
-    recipe = get(cfg.recipe.name)
-    lay = validate(cfg, recipe, world_size=1)
-    cfg = typed(cfg, recipe)
-    tr = cfg.trainer
-    dev = torch.device(device)
-    batches = recipe.data(cfg, recipe.prepare(cfg), "train", 0, 1, lay)
-    torch.manual_seed(int(tr.seed))  # as the trainer seeds right before it builds the model
-    model = _materialized(recipe.build_model(cfg.model)).to(dev)
-    model.train()
-    optimizer = recipe.build_optimizer(model, cfg)
-    scheduler = build_scheduler(optimizer, tr)
-    dtype = AUTOCAST.get(str(tr.precision))
-    m = lay.accumulation
+    """``(losses, seconds per step)`` of ``toolkit.plain_loop.PlainLoop`` on ``cfg``, reading the loss every step."""
+    loop = PlainLoop(cfg, get(cfg.recipe.name), device)
     losses, seconds = [], []
-    for step in range(int(tr.max_steps)):
+    for step in range(int(loop.cfg.trainer.max_steps)):
         start = time.perf_counter()
-        total = torch.zeros((), device=dev)
-        for k in range(m):
-            batch = to_device(batches.load(step, k), dev)
-            x = {f: batch[f] for f in recipe.inputs}
-            labels = {f: batch[f] for f in recipe.labels}
-            with torch.autocast(dev.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
-                loss = recipe.stage_forward(model, x, labels).float()
-            (loss / m).backward()
-            total += loss.detach()
-        if tr.grad_clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), float(tr.grad_clip))
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(float(total / m))  # the host reads the loss every step, as ours logs it every step
+        losses.append(float(loop.step(step)))  # the host reads the loss every step, as ours logs it every step
         seconds.append(time.perf_counter() - start)
     return losses, seconds
-
-
-def _materialized(model):
-    """``model`` with every meta parameter built whole from its module's ``init_shard`` (as
-    ``distribute_module`` builds it shard by shard: the same values)."""
-    for module in model.modules():
-        for name, param in list(module.named_parameters(recurse=False)):
-            if param.is_meta:
-                whole = tuple((0, n) for n in param.shape)
-                setattr(module, name, torch.nn.Parameter(module.init_shard(name, whole), param.requires_grad))
-    return model
 
 
 def check(name: str, overrides: list, device: str, steps: int, compare: int, root: str) -> dict:

@@ -56,8 +56,14 @@ def build_optimizer(model: nn.Module, trainer: Any, **kwargs) -> torch.optim.Opt
     """``trainer.optimizer`` from a ``trainer`` config node: AdamW (``lr``, ``weight_decay``, ``betas``,
     ``eps``) or SGD with momentum (``lr``, ``weight_decay``, ``momentum``), same parameter groups.
 
-    Extra ``kwargs`` go to the torch optimizer (e.g. ``foreach=False``).
+    With every parameter on CUDA the optimizer is ``fused`` (one kernel per step
+    for all parameters; ``sbp_core.step_on_locals`` steps global parameters'
+    CUDA locals with it). Extra ``kwargs`` go to the torch optimizer (e.g.
+    ``foreach=False``) and override that.
     """
+    params = list(model.parameters()) if isinstance(model, nn.Module) else [p for _, p in model]
+    if params and all(p.device.type == "cuda" for p in params):
+        kwargs = {"fused": True, **kwargs}
     kind = str(trainer.get("optimizer", "adamw"))
     if kind == "sgd":
         return torch.optim.SGD(param_groups(model, trainer.weight_decay), lr=float(trainer.lr),

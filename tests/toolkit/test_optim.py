@@ -110,3 +110,29 @@ def test_scheduler_rejects_bad_config():
     bad = OmegaConf.merge(TRAINER, {"min_lr": 1.0})
     with pytest.raises(ValueError, match="min_lr"):
         build_scheduler(build_optimizer(torch.nn.Linear(2, 2), TRAINER), bad)
+
+
+@pytest.mark.cuda
+def test_cuda_parameters_get_a_fused_optimizer():
+    model = torch.nn.Linear(4, 3).cuda()
+    assert build_optimizer(model, TRAINER).defaults["fused"] is True
+    assert not build_optimizer(model, TRAINER, fused=False).defaults["fused"]
+
+
+def test_cpu_parameters_keep_torch_default_kernels():
+    assert not build_optimizer(torch.nn.Linear(4, 3), TRAINER).defaults.get("fused")
+
+
+def test_a_dispatched_step_runs_without_the_fused_kernel_and_restores_it():
+    from sbp_core.local_step import _dispatched_step
+
+    class Probe:
+        param_groups = [{"fused": True}, {"fused": None}]
+        seen = None
+
+        def step(self):
+            Probe.seen = [g["fused"] for g in self.param_groups]
+
+    opt = Probe()
+    _dispatched_step(opt)
+    assert Probe.seen == [False, None] and [g["fused"] for g in opt.param_groups] == [True, None]
