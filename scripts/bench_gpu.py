@@ -1,0 +1,192 @@
+"""Our trainer against a plain PyTorch loop on one device, recipe by recipe: how much host work we add.
+
+    python scripts/bench_gpu.py                 # one GPU: the issue's shapes, about 8 minutes on an H100
+    python scripts/bench_gpu.py --host-only     # CPU, shapes where kernels are cheap and host work dominates
+
+Cases (GPU / ``--host-only``):
+
+- ``gpt2``: GPT-2 124M, micro-batch 8 x 1024, bf16, AdamW / 2 layers x 64,
+  seq 64, batch 8, fp32; eager, and ``compiled`` (ours ``trainer.compile=true``
+  against the plain loop's ``torch.compile``);
+- ``insightface``: iresnet50 at 112x112, 1000 classes, batch 128, bf16, SGD /
+  iresnet18-tiny at 32x32, batch 16, fp32;
+- ``wide_deep``: the default 7 x 1024 MLP, V = 10^5, fp32, batch 512 and
+  16384 / the tiny model (hidden 32, 16), batch 512 and 16384.
+
+One process, one device (a 1-rank process group, as ``train.py`` on one
+device). ``ours``: ``toolkit.trainer.Job`` stepping ``job.pipe.step(i)``,
+its data read by the runtime's pipeline (and copied on its side stream).
+``plain``: ``toolkit.plain_loop.PlainLoop``, the same model class, seed,
+optimizer family (fused on CUDA), schedule, precision and clipping, its
+batches copied to the device before any timing. Each way first runs
+``--warmup`` steps; then ``--rounds`` rounds, each running ``--steps`` steps
+of every way of a case in a carryover-balanced order
+(``scripts.paired.balanced_orders``), timed from a synchronised start to a
+synchronised end (the loss read and ``torch.cuda.synchronize``), so every
+kernel a way queued is inside its time. Per case: the median step time of
+each way, and the paired ratio plain/ours (ours' throughput over the plain
+loop's; above 1 favours ours) with its 90% bootstrap interval.
+
+Last line: ``gpu bench: gpt2 A.AAx eager, B.BBx compiled; insightface C.CCx;
+wide_deep D.DDx (512), E.EEx (16384)`` (``-`` where a case did not run).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from scripts.paired import balanced_orders, paired_ratio  # noqa: E402
+
+COMMON = ["logger=none", "trainer.eval_every=0", "trainer.save_every=0", "trainer.warmup_steps=2"]
+GPU = {
+    "gpt2": ["recipe=gpt2", "model=gpt2", "trainer.precision=bf16", "trainer.micro_batch_size=8",
+             "trainer.global_batch_size=8", "data.max_bytes=2000000", "model.dropout=0.0"],
+    "insightface": ["recipe=insightface", "model=iresnet50", "trainer.precision=bf16", "model.num_classes=1000",
+                    "trainer.micro_batch_size=128", "trainer.global_batch_size=128",
+                    "data.synthetic.images_per_identity=4"],
+    "wide_deep_512": ["recipe=wide_deep", "model.dropout=0.0"],
+    "wide_deep_16384": ["recipe=wide_deep", "model.dropout=0.0", "trainer.micro_batch_size=16384",
+                        "trainer.global_batch_size=16384"],
+}
+HOST = {
+    "gpt2": ["recipe=gpt2", "model.n_layer=2", "model.n_embd=64", "model.n_head=4", "model.vocab_size=512",
+             "model.n_positions=64", "data.max_bytes=300000", "trainer.micro_batch_size=8",
+             "trainer.global_batch_size=8", "model.dropout=0.0"],
+    "insightface": ["recipe=insightface", "trainer.micro_batch_size=16", "trainer.global_batch_size=16",
+                    "data.synthetic.images_per_identity=4"],
+    "wide_deep_512": ["recipe=wide_deep", "model=wide-deep-tiny", "trainer.micro_batch_size=512",
+                      "trainer.global_batch_size=512", "data.train_rows=200000"],
+    "wide_deep_16384": ["recipe=wide_deep", "model=wide-deep-tiny", "trainer.micro_batch_size=16384",
+                        "trainer.global_batch_size=16384", "data.train_rows=1000000"],
+}
+
+
+class Ours:
+    def __init__(self, cfg):
+        from recipes.registry import get
+        from recipes.zero import apply_zero
+        from toolkit.trainer import Job
+
+        self.job = Job(cfg, get(cfg.recipe.name), apply_zero)
+
+    def step(self, i):
+        return self.job.pipe.step(i)
+
+
+class Plain:
+    def __init__(self, cfg, device, preload: int, compile: bool):
+        from recipes.registry import get
+        from toolkit.plain_loop import PlainLoop
+
+        self.loop = PlainLoop(cfg, get(cfg.recipe.name), device, preload=preload, compile=compile)
+
+    def step(self, i):
+        return self.loop.step(i)
+
+
+def _sync(device, value):
+    if value is not None:
+        float(value)  # the loss on the host: every step before it is done
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _case(name, overrides, o, root):
+    """``{way: [seconds per step, per round]}`` of one case (ways: ours, plain)."""
+    from toolkit.config import compose
+
+    device = "cpu" if o.host_only else "cuda"
+    compiled = name.endswith("+compile")
+    total = o.warmup + o.rounds * o.steps
+    args = [*overrides, *COMMON, f"trainer.max_steps={total}", f"device={device}"]
+    if compiled:
+        args.append("trainer.compile=true")
+    cfg = compose(args, run_dir=os.path.join(root, name))
+    ways = {"ours": Ours(cfg), "plain": Plain(cfg, device, total, compiled)}
+    for way in ways.values():
+        for i in range(o.warmup):
+            _sync(device, way.step(i))
+    times = {w: [] for w in ways}
+    orders = balanced_orders(list(ways))
+    for r in range(o.rounds):
+        for w in orders[r % len(orders)]:
+            first = o.warmup + r * o.steps
+            _sync(device, None)
+            start = time.perf_counter()
+            value = None
+            for i in range(first, first + o.steps):
+                value = ways[w].step(i)
+            _sync(device, value)
+            times[w].append((time.perf_counter() - start) / o.steps)
+    return times
+
+
+def bench(o) -> list:
+    """Every case on this process's one device; rows of results (runs inside a 1-rank process group)."""
+    shapes = HOST if o.host_only else GPU
+    cases = [("gpt2", shapes["gpt2"])]
+    if o.compile:
+        cases.append(("gpt2+compile", shapes["gpt2"]))
+    cases += [(k, v) for k, v in shapes.items() if k != "gpt2"]
+    cases = [(k, v) for k, v in cases if k.removesuffix("+compile") in o.only]
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench-gpu-") as root:
+        for name, overrides in cases:
+            start = time.perf_counter()
+            times = _case(name, overrides, o, root)
+            med, lo, hi = paired_ratio(times["plain"], times["ours"])
+            rows.append({"case": name, "ours_ms": 1e3 * statistics.median(times["ours"]),
+                         "plain_ms": 1e3 * statistics.median(times["plain"]), "ratio": med, "low": lo, "high": hi,
+                         "seconds": time.perf_counter() - start})
+            r = rows[-1]
+            print(f"{name:18s} ours {r['ours_ms']:9.2f} ms  plain {r['plain_ms']:9.2f} ms  "
+                  f"ours/plain throughput {med:.2f}x ({lo:.2f}-{hi:.2f})  [{r['seconds']:.0f} s]", flush=True)
+    return rows
+
+
+def _main_in_group(o):
+    return bench(o)
+
+
+def summary(rows: list) -> str:
+    got = {r["case"]: f"{r['ratio']:.2f}x" for r in rows}
+
+    def g(k):
+        return got.get(k, "-")
+
+    return (f"gpu bench: gpt2 {g('gpt2')} eager, {g('gpt2+compile')} compiled; insightface {g('insightface')}; "
+            f"wide_deep {g('wide_deep_512')} (512), {g('wide_deep_16384')} (16384)")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--host-only", action="store_true", help="CPU, small shapes: the host work per step")
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=5, help="steps per way per round")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--no-compile", dest="compile", action="store_false", help="skip the compiled GPT-2 pair")
+    ap.add_argument("--only", default="gpt2,insightface,wide_deep_512,wide_deep_16384")
+    o = ap.parse_args(argv)
+    o.only = set(o.only.split(","))
+    if not o.host_only and not torch.cuda.is_available():
+        print("gpu bench: no CUDA device here; run with --host-only for the CPU proxy")
+        return 2
+    from toolkit.launcher import launch
+
+    where = "CPU (host-only proxy)" if o.host_only else torch.cuda.get_device_name()
+    print(f"{where}, torch {torch.__version__}; {o.rounds} rounds x {o.steps} steps after {o.warmup}", flush=True)
+    rows = launch(_main_in_group, o, 1, device="cpu" if o.host_only else "cuda")
+    print(summary(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
