@@ -26,7 +26,7 @@ import torch
 from .config import hasher
 from .criteo_parquet import CriteoParquet
 from .criteo_tsv import CriteoTSV
-from .features import Encoder
+from .features import Columns, Encoder
 from .synthetic import PlantedCriteo
 
 
@@ -68,8 +68,9 @@ class Synthetic:
     def read(self, rows) -> dict:
         return self.planted.generate(rows)
 
-    def decode(self, raw: dict) -> list:
-        return list(zip(raw["label"].tolist(), raw["dense"].tolist(), raw["cats"].tolist()))
+    def decode(self, raw: dict) -> Columns:
+        """The generated arrays as they are: the encoder takes columns (no Python tuple per row)."""
+        return Columns(raw["label"].numpy(), raw["dense"].numpy(), raw["cats"].numpy())
 
 
 @dataclass

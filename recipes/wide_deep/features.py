@@ -3,7 +3,9 @@
 A sample is ``(label, dense counts, categorical keys)``: ``label`` 0/1,
 ``N_DENSE`` counts (missing = 0) and ``N_FIELDS`` 64-bit keys of the raw
 categorical values (``hashing.value_key``). ``Encoder.collate`` turns a list
-of samples into the batch the model reads:
+of samples, or :class:`Columns` (the same samples as three arrays, from a
+reader that makes whole arrays: no Python object per row), into the batch
+the model reads:
 
 - ``dense``: float32 ``[n, N_DENSE]``, ``sign(x) * log1p(|x|)`` of the counts
   (Criteo's counts are heavy-tailed, a few are negative);
@@ -11,6 +13,8 @@ of samples into the batch the model reads:
 - ``label``: float32 ``[n]``.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -26,6 +30,18 @@ def dense_transform(counts: torch.Tensor) -> torch.Tensor:
     return (torch.sign(counts) * torch.log1p(counts.abs())).to(torch.float32)
 
 
+@dataclass
+class Columns:
+    """Samples as columns: ``label [n]``, ``dense [n, N_DENSE]`` counts, ``keys [n, N_FIELDS]`` raw keys."""
+
+    label: np.ndarray
+    dense: np.ndarray
+    keys: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.label)
+
+
 class Encoder:
     """Samples -> ``{"dense", "ids", "label"}`` tensors (see the module docstring)."""
 
@@ -38,7 +54,9 @@ class Encoder:
                 "ids": self.hasher(keys).reshape(-1, self.hasher.n_fields),
                 "label": torch.as_tensor(np.asarray(label, dtype=np.float32)).reshape(-1)}
 
-    def collate(self, samples: list) -> dict:
+    def collate(self, samples) -> dict:
+        if isinstance(samples, Columns):
+            return self.encode(samples.label, samples.dense, samples.keys)
         if not samples:
             return self.encode(np.zeros(0), np.zeros((0, self.n_dense)),
                                np.zeros((0, self.hasher.n_fields), dtype=np.uint64))

@@ -133,3 +133,16 @@ def test_splits_of_a_tsv_directory_hold_out_the_tail(tmp_path):
     batch = splits.val.load(torch.tensor([0, 1]))
     assert batch["label"].tolist() == [1.0, 1.0] and batch["ids"].max() < 50  # day_1's rows
     assert splits.train.load(torch.tensor([7]))["label"].tolist() == [1.0]
+
+
+def test_columns_encode_as_the_same_samples_listed_row_by_row():
+    from recipes.wide_deep.data import Synthetic
+    from recipes.wide_deep.features import Columns
+
+    raw = Synthetic(PlantedCriteo(5000, seed=3)).read(torch.tensor([4, 4999, 0, 17]))
+    listed = list(zip(raw["label"].tolist(), raw["dense"].tolist(), raw["cats"].tolist()))
+    columns = Synthetic(PlantedCriteo(5000, seed=3)).decode(raw)
+    assert isinstance(columns, Columns) and len(columns) == 4
+    enc = Encoder(FeatureHasher(26, vocab_size=1000))
+    a, b = enc.collate(listed), enc.collate(columns)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
