@@ -116,9 +116,10 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, stages=
             total = total + term if norm_type == 2 else torch.maximum(total, term)
     if stages is not None:
         total = across_stages(total, list(stages), norm_type)
-        home = total.placement
     total = total.sqrt() if norm_type == 2 else total
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    if coef.placement != home:  # from the stages' union back to this stage: once, not per gradient
+        coef = coef.to_global(placement=home, sbp=_broadcast(home))
     by_dtype: dict = {}  # dense gradients on home: one foreach multiply per dtype by coef's local (B: the value)
     local_coef = all(s.is_broadcast for s in coef.sbp)
     for g, d in zip(grads, dense):

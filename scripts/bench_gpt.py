@@ -153,7 +153,7 @@ class Ours:
         return [[mb.load(i, k)["input_ids"] for k in range(accum)] for i in range(steps)]
 
     def loss(self, value):
-        return value  # the global mean on rank 0 and the last stage, else None
+        return None if value is None else float(value)  # the global mean on rank 0 and the last stage
 
 
 def _plain_model(cfg):

@@ -220,7 +220,8 @@ class Ours:
         module.forward = self.acts.wrap(module.forward)
 
     def step(self, i):
-        return self.step_.step(i)
+        loss = self.step_.step(i)
+        return None if loss is None else float(loss)
 
     def events(self):
         return self.step_.last_trace.wall_events()

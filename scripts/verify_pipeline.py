@@ -98,6 +98,7 @@ def run_pipeline(name: str, steps: int = STEPS, schedule: str = "1f1b", micro: i
     out = []
     for i in range(steps):
         loss = step.step(i)
+        loss = None if loss is None else float(loss)
         leader = step.stage is not None and torch.distributed.get_rank() == step.cfg.placements[step.stage].ranks[0]
         held = {n: s.max_live for n, s in step.last_stats.items() if ".F@" in n}
         out.append({"loss": loss, "grads": grads[-1] if leader else None, "stage": step.stage,

@@ -16,8 +16,9 @@
 4. runs each step as actors (``runtime.pipeline.PipelineStep``, also for
    ``pp = 1``): micro-batches through the runtime data pipeline, forward and
    backward, one gradient reduction, global-norm clipping, the update;
-5. logs loss, lr, grad norm, throughput (``<unit>_per_s``), TFLOP/s, MFU
-   and peak memory (``toolkit.metrics``: console, ``metrics.jsonl``, W&B on
+5. logs loss, lr, grad norm, throughput (``<unit>_per_s``, over the steps
+   since the last logged one), TFLOP/s, MFU and peak memory; the host waits
+   for the device only there, every ``trainer.log_every`` steps (``toolkit.metrics``: console, ``metrics.jsonl``, W&B on
    rank 0) and evaluates periodically (``recipe.evaluate``);
 6. checkpoints every ``trainer.save_every`` steps and at the end, resumes
    with ``trainer.resume=auto``, starts from ``trainer.init_from`` weights
@@ -149,6 +150,11 @@ def autocast_forward(forward, device_type, dtype=torch.bfloat16):
     return run
 
 
+def _synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
 def train(cfg, recipe, zero=None):
     """``zero``: ``recipes.zero.apply_zero`` (passed in: toolkit does not import recipes), used when ``parallel.zero > 0``."""
     job = Job(cfg, recipe, zero)
@@ -162,24 +168,32 @@ def train(cfg, recipe, zero=None):
     with MetricsLogger(cfg.run_dir, cfg, enabled=job.rank == 0, flops_per_item=per_item, peak_tflops=peak.tflops,
                        n_devices=lay.world_size, throughput_key=throughput) as logger, \
             _progress(int(tr.max_steps), job.step, job.rank == 0) as bar:
+        window, steps_in_window = time.perf_counter(), 0
         for step in range(job.step, int(tr.max_steps)):
             lr = job.lr(step)
-            start = time.perf_counter()
-            loss = job.pipe.step(step)
-            seconds = time.perf_counter() - start
+            loss = job.pipe.step(step)  # a device tensor: the step queues its work and returns
             job.step = step + 1
+            steps_in_window += 1
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix(loss=f"{loss:.4f}" if loss is not None else "?")
             if job.step % int(tr.log_every) == 0 or job.step == 1 or job.step == int(tr.max_steps):
+                # The host waits for the device here only: reading the loss, every log_every steps.
+                loss = None if loss is None or job.rank != 0 else float(loss)
+                _synchronize(lay.device)
+                seconds = (time.perf_counter() - window) / steps_in_window
+                if bar is not None:
+                    bar.set_postfix(loss=f"{loss:.4f}" if loss is not None else "?")
                 scale = {} if job.pipe.loss_scale is None else \
                     {"loss_scale": job.pipe.loss_scale.scale, "skipped": job.pipe.skipped}
                 last = logger.log(job.step, loss=loss, lr=lr, grad_norm=job.pipe.grad_norm, **scale,
                                   **{throughput: lay.items_per_step / seconds}) or last
+                window, steps_in_window = time.perf_counter(), 0
             if tr.eval_every and (job.step % int(tr.eval_every) == 0 or job.step == int(tr.max_steps)):
                 metrics = recipe.evaluate(job)
                 if job.rank == 0 and metrics:
                     last = {**(last or {}), **logger.log_eval(job.step, **metrics)}
+                window, steps_in_window = time.perf_counter(), 0
             if (tr.save_every and job.step % int(tr.save_every) == 0) or job.step == int(tr.max_steps):
                 run_state.save(job, job.step)
+                window, steps_in_window = time.perf_counter(), 0
     return last if job.rank == 0 else None

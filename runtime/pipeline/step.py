@@ -308,7 +308,7 @@ class PipelineStep:
         total = losses[0]
         for x in losses[1:]:
             total = total + x
-        return float(self._value(total / len(losses)))
+        return self._value(total / len(losses)).detach()  # on the device: read when logged
 
     def _value(self, loss):
         """A loss's whole value: a global tensor's full value; a replica's partial all-reduced; else as it is."""
@@ -332,7 +332,7 @@ class PipelineStep:
             copies = {id(p) for p in self.tied.copies()}
             params = [p for p in self.module.parameters() if p.requires_grad and id(p) not in copies]
             norm = sc.clip_grad_norm_(params, self.cfg.max_grad_norm, stages=self.cfg.placements)
-            coef = min(1.0, self.cfg.max_grad_norm / (float(norm.to_local()) + 1e-6))
+            coef = (self.cfg.max_grad_norm / (norm.to_local() + 1e-6)).clamp(max=1.0)  # clip's own, no host read
             for p in self.tied.copies():
                 p.grad.mul_(coef)
         # An element-wise optimizer steps the parameters' locals (no op dispatch); the state stays global.
@@ -342,7 +342,7 @@ class PipelineStep:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.tied.flush()
-        self.grad_norm = None if norm is None else float(norm.to_local())
+        self.grad_norm = None if norm is None else norm.to_local()
         self.last_loss = loss
         return loss
 
@@ -443,7 +443,10 @@ class PipelineStep:
             self.step_index = saved
 
     def step(self, index: int | None = None):
-        """One optimizer step over ``micro_batches`` micro-batches; the mean loss where known, else ``None``."""
+        """One optimizer step over ``micro_batches`` micro-batches; the mean loss where known, else ``None``.
+
+        The loss (and ``grad_norm``) is a 0-d tensor on the stage's device: nothing in a step waits
+        for the device, so reading it (``float``) is the caller's synchronisation, when it wants one."""
         if index is not None:
             self.step_index = index
         loss = self._run(self.plan, self.cfg.micro_batches, self.batches, train=True)
