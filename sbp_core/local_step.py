@@ -53,9 +53,12 @@ def steps_on_locals(optimizer: torch.optim.Optimizer) -> bool:
             and not optimizer._optimizer_step_post_hooks)
 
 
-def _swappable(p) -> bool:
+def updates_locally(p) -> bool:
     """Is ``p``'s update its locals' update: no partial value (an element-wise update of partial
-    terms is not the update of their sum), and its gradient absent or dense in ``p``'s layout?"""
+    terms is not the update of their sum), and its gradient absent or dense in ``p``'s layout?
+    A plain tensor is its own local: yes."""
+    if not isinstance(p, GlobalTensor):
+        return True
     if any(s.is_partial for s in p._layout.sbp):
         return False
     g = p.grad
@@ -71,7 +74,7 @@ def step_on_locals(optimizer: torch.optim.Optimizer) -> None:
     """
     groups = optimizer.param_groups
     params = [p for g in groups for p in g["params"] if isinstance(p, GlobalTensor)]
-    if not steps_on_locals(optimizer) or not all(_swappable(p) for p in params):
+    if not steps_on_locals(optimizer) or not all(updates_locally(p) for p in params):
         _dispatched_step(optimizer)
         return
     state = optimizer.state

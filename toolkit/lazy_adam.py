@@ -38,6 +38,7 @@ import torch
 from torch.optim.adam import adam
 
 from sbp_core import GlobalTensor
+from sbp_core.local_step import updates_locally
 from sbp_core.layout import local_box
 from sbp_core.process_groups import world_rank
 from sbp_core.sparse import rows_in_box
@@ -192,7 +193,13 @@ class LazyAdamW(torch.optim.Optimizer):
             v.append(st["exp_avg_sq"])
             steps.append(st["step"])
         b1, b2 = group["betas"]
-        adam(params, grads, m, v, [], steps, foreach=False, decoupled_weight_decay=True, amsgrad=False,
+        tensors = [params, grads, m, v]
+        if all(updates_locally(p) for p in params):
+            # An element-wise update of tensors sharing one layout is their locals' update
+            # (sbp_core.local_step): no op dispatch per parameter.
+            tensors = [[t._local if isinstance(t, GlobalTensor) else t for t in ts] for ts in tensors]
+        on_cuda = tensors[0][0].device.type == "cuda"
+        adam(*tensors, [], steps, foreach=on_cuda, decoupled_weight_decay=True, amsgrad=False,
              beta1=b1, beta2=b2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
              maximize=False)
 
