@@ -48,9 +48,15 @@ _PER_ELEMENT = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_b
 
 
 def steps_on_locals(optimizer: torch.optim.Optimizer) -> bool:
-    """Can ``optimizer`` step its parameters' locals (element-wise update, no step hooks)?"""
-    return (type(optimizer) in ELEMENTWISE and not optimizer._optimizer_step_pre_hooks
-            and not optimizer._optimizer_step_post_hooks)
+    """Can ``optimizer`` step its parameters' locals (element-wise update, no step hooks)?
+
+    A subclass of one of ``ELEMENTWISE`` qualifies when it says so with a class attribute
+    ``elementwise = True`` (its own additions read only each parameter's elements too, and
+    find the parameter it keeps extra state for among its groups' tensors, which are the
+    locals during the step)."""
+    kind = type(optimizer)
+    return ((kind in ELEMENTWISE or (getattr(kind, "elementwise", False) is True and issubclass(kind, ELEMENTWISE)))
+            and not optimizer._optimizer_step_pre_hooks and not optimizer._optimizer_step_post_hooks)
 
 
 def updates_locally(p) -> bool:

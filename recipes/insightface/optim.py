@@ -19,14 +19,19 @@ from __future__ import annotations
 
 import torch
 
+from sbp_core import GlobalTensor
+
 
 def _local(t):
     return t.to_local() if hasattr(t, "to_local") else t
 
 
 class PartialFCSGD(torch.optim.SGD):
+    #: Its row step reads only the parameter's own rows: ``sbp_core.step_on_locals`` may run it on the
+    #: global parameters' locals (no op dispatch; torch's foreach kernels on CUDA).
+    elementwise = True
+
     def __init__(self, params, sampled_rows: dict | None = None, **sgd):
-        sgd.setdefault("foreach", False)
         if sgd.get("nesterov") or sgd.get("dampening", 0):
             raise ValueError("PartialFCSGD supports plain momentum only (nesterov=False, dampening=0)")
         super().__init__(params, **sgd)
@@ -35,10 +40,16 @@ class PartialFCSGD(torch.optim.SGD):
     def _group_of(self, p) -> dict:
         return next(g for g in self.param_groups if any(q is p for q in g["params"]))
 
+    def _stepped(self, p):
+        """The tensor the groups hold for ``p``: ``p``, or its local while ``step_on_locals`` runs the step."""
+        held = {id(q) for g in self.param_groups for q in g["params"]}
+        return p if id(p) in held or not isinstance(p, GlobalTensor) else p._local
+
     @torch.no_grad()
     def step(self, closure=None):
         rowwise = []
         for p, rows_of in self.sampled_rows.items():
+            p = self._stepped(p)
             rows = rows_of()
             if rows is not None and p.grad is not None:
                 rowwise.append((p, p.grad, rows))

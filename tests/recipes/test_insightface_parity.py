@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 import sbp_core as sc
@@ -134,8 +135,10 @@ def test_head_communicates_embeddings_and_row_statistics_never_logits():
 PFC_CLASSES, PFC_RATE = 23, 0.3
 
 
-def _partial_fc():
-    """dp2 x tp2 members return ``{check: problem or None}``; rank 4 (outside) returns None."""
+def _partial_fc(on_locals: bool):
+    """dp2 x tp2 members return ``{check: problem or None}``; rank 4 (outside) returns None.
+
+    ``on_locals``: the trainer's ``sc.step_on_locals`` steps the optimizer, else its own dispatched step."""
     p = sc.placement("cpu", MESHES["dp2_tp2"])
     if torch.distributed.get_rank() not in p:
         return None  # sampling needs the labels, which only the placement's ranks hold
@@ -178,7 +181,7 @@ def _partial_fc():
         out[f"parity {step}"] = None if max(errs) <= 1e-5 and grad[unsampled].abs().max() == 0 else f"{errs}"
         used = head._touched.nonzero().flatten()  # the rows this forward sampled
         out[f"deterministic {step}"] = None if torch.equal(used, rows) else f"{used} != {rows}"
-        opt.step()
+        sc.step_on_locals(opt) if on_locals else opt.step()
         opt.zero_grad()
         w_now = head.weight.full_tensor()
         buf = opt.state[head.weight]["momentum_buffer"].full_tensor()
@@ -192,7 +195,8 @@ def _partial_fc():
     return out
 
 
-def test_partial_fc_samples_positives_and_updates_only_sampled_rows():
-    bad = [f"rank {r} {k}: {v}" for r, out in enumerate(get_pool(WORLD).run(_partial_fc)) if out
+@pytest.mark.parametrize("on_locals", [False, True], ids=["dispatched", "on_locals"])
+def test_partial_fc_samples_positives_and_updates_only_sampled_rows(on_locals):
+    bad = [f"rank {r} {k}: {v}" for r, out in enumerate(get_pool(WORLD).run(_partial_fc, on_locals)) if out
            for k, v in out.items() if v is not None]
     assert not bad, "\n".join(bad)
