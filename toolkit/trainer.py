@@ -108,8 +108,10 @@ class Job:
             self.placements, lay.accumulation, batch, recipe.act_shape(cfg, rows) if lay.pp > 1 else None,
             recipe.data_sbp, recipe.act_sbp, recipe.inputs, recipe.labels, schedule=str(cfg.parallel.pp_schedule),
             max_grad_norm=float(tr.grad_clip) if tr.grad_clip else None, tied=list(recipe.tied),
-            rows_weigh_equally=recipe.rows_weigh_equally)
+            rows_weigh_equally=recipe.rows_weigh_equally, split_last_backward=not tr.compile)
         forward = recipe.stage_forward
+        if tr.compile:
+            forward = compiled_forward(forward, self.module, verbose=self.rank == 0)
         if tr.precision != "fp32":
             forward = autocast_forward(forward, device_type, AUTOCAST[tr.precision])
         # fp16 needs its loss scaled (GradScaler's dynamic scale; the skip is decided for the whole job).
@@ -138,6 +140,38 @@ class Job:
 
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _holds_global(x) -> bool:
+    if isinstance(x, dict):
+        return any(isinstance(v, sc.GlobalTensor) for v in x.values())
+    return isinstance(x, sc.GlobalTensor)
+
+
+def compiled_forward(forward, module, verbose: bool = False):
+    """``forward(module, x, labels)`` with ``module`` compiled (``trainer.compile=true``).
+
+    ``torch.compile`` traces plain tensors: a stage that runs on them (one
+    device, or a data-parallel stage after its audit; ``runtime.pipeline``)
+    calls the compiled module, whose parameters are the swapped-in leaves of
+    the step (inputs to the graph, so swapping them recompiles nothing); the
+    stage's last backward is not split (``split_last_backward``: the compiled
+    backward gives every gradient at once). A call on global tensors (a data-parallel stage's first, audited
+    micro-batch; ``sc.explain``) runs eager, and says so once.
+    """
+    compiled = torch.compile(module)
+    told = []
+
+    def run(mod, x, labels=None):
+        if _holds_global(x) or _holds_global(labels):
+            if verbose and not told:
+                told.append(True)
+                print("trainer.compile: a forward on global tensors runs eager (a data-parallel stage's first, "
+                      "audited micro-batch, or sc.explain); the forwards on plain tensors are compiled", flush=True)
+            return forward(mod, x, labels)
+        return forward(compiled if mod is module else mod, x, labels)
+
+    return run
 
 
 def autocast_forward(forward, device_type, dtype=torch.bfloat16):

@@ -110,6 +110,9 @@ class PipelineConfig:
     tied: list = field(default_factory=list)  # [(first-stage name, last-stage name)]
     timeout: float = 120.0
     rows_weigh_equally: bool = False  # the loss is a mean over rows of equal weight (``Recipe``, plain_stage)
+    # A plain stage after the first splits its last backward (input gradient first: weight_pass).
+    # Not under torch.compile: a compiled graph's backward is one node, which gives every gradient at once.
+    split_last_backward: bool = True
 
     def check(self) -> None:
         pp, m = len(self.placements), self.micro_batches
@@ -274,7 +277,7 @@ class PipelineStep:
         grad = grad._local if self._local and grad is not None else grad
         if self.stage == 0 and k == m - 1:
             self.tied.expect()  # the last stage's tied gradients arrive while this backward runs
-        if self._local and stash.inputs is not None and k == m - 1:
+        if self._local and stash.inputs is not None and k == m - 1 and self.cfg.split_last_backward:
             # The stage before waits for this input gradient: the weights' gradients come in reduce (weight_pass).
             self._weight_pass = input_first(output, grad, stash.inputs, self.module.parameters())
         else:

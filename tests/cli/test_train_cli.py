@@ -64,6 +64,12 @@ def test_activation_checkpointing_and_bf16_under_pipelines(layout, option, toler
     assert len(losses) == 3 and all(abs(a - b) <= tolerance * abs(b) for a, b in zip(losses, single)), (losses, single)
 
 
+def test_compiled_stage_forwards_agree_with_eager(single, sbp_cache, tmp_path):
+    # pp2: two one-device stages, each forward compiled; the second's input is the boundary's leaf.
+    losses = train_pooled([*TINY, "parallel=pp2", "trainer.compile=true"], tmp_path, sbp_cache)
+    assert len(losses) == 3 and all(abs(a - b) <= 1e-3 * abs(b) for a, b in zip(losses, single)), (losses, single)
+
+
 def test_multirun_sweeps_layouts_into_one_directory_each(single, sbp_cache, tmp_path):
     out = _train(["-m", *TINY, "parallel=single,dp2", f"hydra.sweep.dir={tmp_path}"], sbp_cache)
     assert out.returncode == 0, out.stderr[-3000:]

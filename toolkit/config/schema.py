@@ -113,7 +113,9 @@ class TrainerConfig:
     ``peak_tflops`` is one device's peak for MFU (``None`` = the device's
     dense peak for the precision, :func:`toolkit.peak.device_peak`).
     ``precision``: ``fp32``, ``bf16`` (autocast) or ``fp16`` (autocast with
-    dynamic loss scaling, ``sbp_core.LossScaler``). ``resume: auto`` continues
+    dynamic loss scaling, ``sbp_core.LossScaler``). ``compile``:
+    ``torch.compile`` each stage's forward where it runs on plain tensors
+    (``toolkit.trainer.compiled_forward``). ``resume: auto`` continues
     from the newest checkpoint in the run directory if any. ``init_from``:
     ``None`` (random init), a checkpoint path, or a Hugging Face GPT-2 name.
     """
@@ -136,6 +138,7 @@ class TrainerConfig:
     log_every: int = 10
     precision: str = "fp32"
     activation_checkpointing: bool = False
+    compile: bool = False
     peak_tflops: Optional[float] = None
     resume: str = "none"
     save_every: int = 0

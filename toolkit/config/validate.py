@@ -251,6 +251,12 @@ def validate(cfg: Any, recipe, world_size: Optional[int] = None) -> JobLayout:
     _choice(p, "trainer.resume", tr.resume, S.RESUME_MODES)
     if tr.peak_tflops is not None and not tr.peak_tflops > 0:
         p.append(f"trainer.peak_tflops={tr.peak_tflops}: must be > 0, or null to measure it")
+    if tr.compile and (par.tp > 1 or zero or (par.dp > 1 and not recipe.rows_weigh_equally)):
+        why = f"tp={par.tp}" if par.tp > 1 else f"zero={zero}" if zero else \
+            f"dp={par.dp} with recipe {recipe.name}, whose loss rows may weigh unequally"
+        p.append(f"trainer.compile=true: compiles the stage forwards that run on plain tensors, and with {why} "
+                 "every stage runs on global tensors; valid: tp=1 and zero=0, and dp=1 unless the recipe's "
+                 "rows weigh equally (then data-parallel stages run plain after their first micro-batch)")
 
     # logger
     _choice(p, "logger.backend", log.backend, S.LOGGER_BACKENDS)
