@@ -234,8 +234,7 @@ def test_thread_gain_measures_only_threadable_calls(tmp_path):
     assert not path.exists()  # nothing measured: torch runs it on one thread
     big = TensorSpec((256, 256), (256, 1), "float32")
     mm = OpCall("aten.mm.default", ((big, big), ()), "")
-    g = gains.gain(mm)
-    assert 1.0 <= g <= 2.0
+    g = gains.gain(mm)  # measured (the clamp to [1, threads] is tested with a fake clock below)
     gains.save()
     key = repr(mm.key)
     assert json.loads(path.read_text())[key][0] == g
@@ -244,11 +243,28 @@ def test_thread_gain_measures_only_threadable_calls(tmp_path):
     assert MeasuredThreadGain(path).gain(mm) == 1.5
     path.write_text(json.dumps({key: [1.01, 1e9]}))
     again = MeasuredThreadGain(path, repeats=2, budget_s=0.0)
-    assert 1.0 <= again.gain(mm) <= 2.0
+    again.gain(mm)
     again.save()
-    assert json.loads(path.read_text())[key][1] < 1e9
+    assert json.loads(path.read_text())[key][1] < 1e9  # measured again: the stale entry's load is replaced
     with pytest.raises(ValueError, match="threads=1"):
         MeasuredThreadGain(path, threads=1)
+
+
+@pytest.mark.parametrize("seconds, gain", [({1: 1.5, 2: 1.0}, 1.5), ({1: 3.0, 2: 1.0}, 2.0), ({1: 1.0, 2: 2.0}, 1.0)])
+def test_thread_gain_is_the_one_thread_time_over_the_threaded_time_clamped_to_its_range(seconds, gain, monkeypatch):
+    from sbp_core.search import threadgain
+    from sbp_core.search.rehearsal import OpCall, TensorSpec
+
+    clock = [0.0]
+
+    def tick():  # every call of the op takes seconds[threads] on this clock
+        clock[0] += seconds[torch.get_num_threads()]
+        return clock[0]
+
+    monkeypatch.setattr(threadgain.time, "perf_counter", tick)
+    big = TensorSpec((256, 256), (256, 1), "float32")
+    measured = threadgain.MeasuredThreadGain("/nonexistent/gains.json", threads=2, repeats=2, budget_s=0.0)
+    assert measured.measure(OpCall("aten.mm.default", ((big, big), ()), "")) == gain
 
 
 def test_op_costs_refresh_measures_the_files_calls_again(tmp_path):

@@ -76,10 +76,28 @@ def test_writer_csv_has_the_columns_and_one_line_per_row(tmp_path):
 
 
 def test_writer_draws_the_png_or_says_why_it_skipped_it(tmp_path, monkeypatch):
-    pytest.importorskip("matplotlib")
+    import matplotlib  # noqa: F401  (in the test extra: the PNG path runs in CI)
+
     text = write(_result(_plot), str(tmp_path / "with"), MACHINE)
     assert (tmp_path / "with" / "figX.png").stat().st_size > 0 and text.endswith(f"PNG: {tmp_path}/with/figX.png")
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if the .[plots] extra were not installed
     text = write(_result(_plot), str(tmp_path / "without"), MACHINE)
     assert not (tmp_path / "without" / "figX.png").exists() and (tmp_path / "without" / "figX.csv").exists()
     assert text.splitlines()[-1].startswith("PNG skipped: matplotlib is not installed (pip install -e '.[plots]')")
+
+
+def test_a_figure_reproduces_end_to_end_at_its_smallest_size(tmp_path):
+    """fig13 --quick: the benchmarks it runs, its CSV, table and PNG (about half a minute on 2 cores)."""
+    import os
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, "-m", "scripts.reproduce", "fig13", "--quick", "--out", str(tmp_path)],
+                         cwd=root, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "SBP_CACHE_DIR": str(tmp_path / "cache")})
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    with open(tmp_path / "fig13.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert rows and all(r for r in rows)
+    assert (tmp_path / "fig13.png").stat().st_size > 0
+    assert out.stdout.strip().splitlines()[-1] == f"PNG: {tmp_path}/fig13.png"
