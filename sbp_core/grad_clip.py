@@ -52,6 +52,11 @@ def across_stages(total: GlobalTensor, stages: list, norm_type) -> GlobalTensor:
     return out
 
 
+def _accumulation(dtype: torch.dtype) -> torch.dtype:
+    """The precision a gradient's squared sum is taken in: float32 for half types, its own above."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _dense_here(g, me: int) -> bool:
     """A plain dense gradient without partial axes on a placement holding rank ``me``: the local fast path."""
     return type(g) is GlobalTensor and not any(s.is_partial for s in g.sbp) and me in g.placement
@@ -70,12 +75,13 @@ def _local_terms(grads, norm_type) -> list:
     op = "sum" if norm_type == 2 else "max"
     terms = []
     for (placement, sbp, dtype), locals_ in groups.items():
-        if dtype != torch.float32:
-            locals_ = [t.float() for t in locals_]
+        acc = _accumulation(dtype)
+        if dtype != acc:
+            locals_ = [t.to(acc) for t in locals_]
         norms = torch.stack(torch._foreach_norm(locals_, norm_type))
         local = norms.pow(2).sum() if norm_type == 2 else norms.amax()
         term_sbp = tuple(Partial(op) if s.is_split else Broadcast() for s in sbp)
-        terms.append(GlobalTensor(local, Layout(placement, term_sbp, torch.Size(), torch.float32)))
+        terms.append(GlobalTensor(local, Layout(placement, term_sbp, torch.Size(), acc)))
     return terms
 
 
@@ -105,7 +111,8 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, stages=
             continue
         if g.is_sparse:  # a row gradient: its coalesced values hold its norm
             g = g.coalesce().values_global()
-        g = _without_partial(g).float()
+        g = _without_partial(g)
+        g = g.to(_accumulation(g.dtype))
         terms.append(g.pow(2).sum() if norm_type == 2 else g.abs().amax())
     for term in terms:
         if term.placement != home:

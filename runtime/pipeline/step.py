@@ -113,6 +113,7 @@ class PipelineConfig:
     # A plain stage after the first splits its last backward (input gradient first: weight_pass).
     # Not under torch.compile: a compiled graph's backward is one node, which gives every gradient at once.
     split_last_backward: bool = True
+    act_dtype: torch.dtype = torch.float32  # the boundary activations' (autocast stages hand over float32)
 
     def check(self) -> None:
         pp, m = len(self.placements), self.micro_batches
@@ -356,7 +357,7 @@ class PipelineStep:
         cfg, pp = self.cfg, self.pp
         device = cfg.placements[0].device()
         actors, lockstep = [], []
-        act = [Layout(p, tuple(cfg.act_sbp), torch.Size(cfg.act_shape), torch.float32) for p in cfg.placements] \
+        act = [Layout(p, tuple(cfg.act_sbp), torch.Size(cfg.act_shape), cfg.act_dtype) for p in cfg.placements] \
             if pp > 1 else []
         fwd_in, bwd_in = {}, {}
         for s in range(pp - 1):

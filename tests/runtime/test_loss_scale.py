@@ -4,7 +4,7 @@ An inf planted in one gradient on one rank (of dp2_tp2, and of pp2's last
 stage) must make every rank skip that step (no parameter moves anywhere) and
 halve the scale everywhere; the steps around it update as usual. With a
 power-of-two scale and no overflow, scaling then unscaling is exact, so the
-scaled pipeline matches one device as the unscaled one does.
+scaled pipeline matches one device training on its own (float64, 1e-9).
 """
 from __future__ import annotations
 
@@ -82,6 +82,7 @@ def test_an_overflow_on_one_rank_skips_that_step_on_every_rank(dp, tp, pp, victi
 
 
 def test_a_scaled_pipeline_matches_one_device():
-    res = get_pool(8).run(run_pipeline, "tp2_pp2", 2, "1f1b", 8, None, 2.0**12)
-    loss, grads = compare(res, 2)
-    assert loss <= 1e-5 and grads <= 1e-5, (loss, grads)
+    # float64: scaling by a power of two and unscaling is exact, so the tight bar holds.
+    res = get_pool(8).run(run_pipeline, "tp2_pp2", 2, "1f1b", 8, None, 2.0**12, dtype="float64")
+    errs = compare(res, 2, dtype="float64")
+    assert all(e <= 1e-9 for e in errs), errs
