@@ -4,9 +4,11 @@
   momentum and weight decay, 3 steps on dp2, dp4 and dp2 x tp2 meshes with
   the recipe's plan (batch ``S(0)`` over all ranks, FC ``S(0)`` over classes
   on every axis): loss, every gradient, every parameter and batch-norm
-  statistic after each step equal the single-device run to 1e-5 (relative to
-  the tensor's largest magnitude; gradients that are zero up to rounding,
-  biases feeding a batch norm, compared absolutely below 1e-11).
+  statistic after each step equal the single-device run, which trains on its
+  own, to 1e-7 (relative to the tensor's largest magnitude; measured at most
+  7.1e-9, in the gradients of biases that feed a batch norm, whose terms
+  cancel to ~1e-8 of their size; a tensor whose largest magnitude is below
+  1e-6, a gradient that is zero up to rounding, is held to 1e-13 absolute).
 - The head's traffic on dp2 x tp2 with 4000 classes: no collective moves
   logits; every one is at most the ``[N, E]`` embeddings.
 - Partial FC (sample_rate 0.3, CosFace) on dp2 x tp2: each shard keeps its
@@ -100,7 +102,7 @@ def test_plan_matches_one_device_for_three_sgd_steps():
     for mesh in MESHES:
         for rank, worst in enumerate(pool.run(_train, mesh)):
             for key, err in (worst or {}).items():
-                if not err <= 1e-5:
+                if not err <= 1e-7:  # float64; BatchNorm bias gradients cancel to ~1e-8 of their terms
                     bad.append(f"{mesh} rank {rank} {key}: {err:.2e}")
     assert not bad, "\n".join(bad)
 

@@ -1,4 +1,5 @@
-"""ZeRO stages 1-3 train the tiny GPT-2 exactly like stage 0 (plain data parallel via distribute_module).
+"""ZeRO stages 1-3 train the tiny GPT-2 exactly like stage 0 (plain data parallel via distribute_module),
+and in float64 like one device training on its own (1e-9, every step's loss and parameters).
 
 fp32, dropout 0, AdamW, 5 steps from the same seed and batches: after every
 step every master equals stage 0's parameter to 1e-6 (max relative
@@ -38,7 +39,7 @@ def _rel(a, b) -> float:
 
 
 def _train(mesh: str, stage: int, dtype=None, micro: int = 1, steps: int = STEPS, defer: bool = True,
-           shards=None):
+           shards=None, precision=torch.float32):
     """Train on every rank; members return (losses, params after each step, last step's ledger, bytes, Ψ, N, #units).
 
     ``defer``: stage 0 accumulates micro-batch gradients unreduced and reduces once (``defer_grad_boxing``).
@@ -47,7 +48,7 @@ def _train(mesh: str, stage: int, dtype=None, micro: int = 1, steps: int = STEPS
     """
     ranks, plan, in_sbp = MESHES[mesh]
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT_CFG)
+    model = GPT2LMHeadModel(GPT_CFG).to(precision)
     batches = [torch.randint(0, GPT_CFG.vocab_size, (8, 16)) for _ in range(steps * micro)]
     p = sc.placement("cpu", ranks)
     model, zero = apply_zero(model, p, plan, stage=stage, dp_axis=0, compute_dtype=dtype)
@@ -66,7 +67,7 @@ def _train(mesh: str, stage: int, dtype=None, micro: int = 1, steps: int = STEPS
             sc.clip_grad_norm_(model.parameters(), 1e9)
             opt.step()
             opt.zero_grad()
-        losses.append(loss.float().full_tensor())
+        losses.append(loss.detach().to(torch.promote_types(loss.dtype, torch.float32)).full_tensor())
         params.append({n: q.full_tensor().clone() for n, q in model.named_parameters()})
     if torch.distributed.get_rank() not in p:
         return None
@@ -102,6 +103,43 @@ def _compare(mesh: str, runs: list, micro: int = 1, steps: int = STEPS):
 @pytest.fixture(scope="module")
 def pool():
     return get_pool(WORLD)
+
+
+def _one_device(steps: int = STEPS):
+    """The same training on one device, on its own (float64): per-step losses and parameters."""
+    torch.manual_seed(0)
+    ref = GPT2LMHeadModel(GPT_CFG).double()
+    batches = [torch.randint(0, GPT_CFG.vocab_size, (8, 16)) for _ in range(steps)]
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1)
+    losses, params = [], []
+    for x in batches:
+        loss = ref(x, x)[1]
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        params.append({n: q.detach().clone() for n, q in ref.named_parameters()})
+    return losses, params
+
+
+def _against_one_device(mesh: str, stages):
+    """Worker: each ZeRO stage trained in float64 against one device training on its own."""
+    ref = _one_device()
+    out = []
+    for stage in stages:
+        got = _train(mesh, stage, precision=torch.float64)
+        out.append(None if got is None else _summary(got, ref))
+    return out
+
+
+@pytest.mark.parametrize("mesh", ["dp2", "dp2_tp2"])
+def test_float64_stages_equal_one_device_training_on_its_own(pool, mesh):
+    """Stages 0-3, every step's loss and parameters, against an independent one-device AdamW run."""
+    for rank, res in enumerate(pool.run(_against_one_device, mesh, (0, 1, 2, 3))):
+        for stage, r in enumerate(res):
+            if r is not None:
+                assert r["param_err"] <= 1e-9 and r["loss_err"] <= 1e-9, (mesh, rank, stage, r["param_err"],
+                                                                          r["loss_err"])
 
 
 @pytest.mark.parametrize("mesh,stages", [("dp2", (1, 2, 3)), ("dp2_tp2", (2, 3))])  # dp4 below
