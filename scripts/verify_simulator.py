@@ -102,10 +102,27 @@ def round_agreement(measured, strategies) -> float:
                         [measured[s].round_walls[j] for s in strategies]) for i, j in pairs)
 
 
-def spearman(a, b) -> float:
-    from scipy.stats import spearmanr
+def _ranks(values) -> list:
+    """1-based ranks of ``values``, ties sharing their mean rank."""
+    order = sorted(range(len(values)), key=values.__getitem__)
+    ranks = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return ranks
 
-    return float(spearmanr(a, b).statistic)
+
+def spearman(a, b) -> float:
+    """Spearman's rank correlation: Pearson's of the ranks (nan when either side is constant)."""
+    ra, rb = _ranks(list(a)), _ranks(list(b))
+    if len(set(ra)) < 2 or len(set(rb)) < 2:
+        return float("nan")
+    return statistics.correlation(ra, rb)
 
 
 def main() -> None:
