@@ -21,10 +21,13 @@ fp32 and with bf16 compute copies (fp32 masters):
 Then ``torch.distributed.optim.ZeroRedundancyOptimizer`` under DDP (ZeRO-1)
 and FSDP2 ``fully_shard`` per block and root (ZeRO-3) train the same model
 in fp32, each back to back with our fp32 stage 1 / stage 3 for ``--rounds``
-rounds (best median step of each): mem = our bytes held / the peer's (worst
-rank), thr = our tokens/s / the peer's; the line before the last compares
-the best median process CPU per step the same way (gloo's threads included),
-which other jobs on the machine move less than wall time. Last line:
+rounds, the peer first in every other round; each side's figure of a round
+is its median step (worst rank), both sides get the same rounds, and none of
+the table's runs count: mem = our bytes held / the peer's (worst rank), thr
+= the median over rounds of our tokens/s / the peer's in that round, with
+its 90% bootstrap interval; the line before the last compares process CPU
+per step the same way (gloo's threads included), which other jobs on the
+machine move less than wall time. Last line:
 ``zero bytes vs formula exact: K/K; vs ZeroRedundancyOptimizer mem X.XXx thr Y.YYx; vs FSDP2 mem X.XXx thr Y.YYx``.
 ``--json PATH`` also writes the rows (ours per stage and dtype, each peer).
 """
@@ -36,6 +39,7 @@ import gc
 import json
 import os
 import re
+import statistics
 import sys
 import time
 
@@ -45,6 +49,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import sbp_core as sc  # noqa: E402
+from scripts.paired import paired_ratio  # noqa: E402
 from recipes.gpt2.model import GPT2Config, GPT2LMHeadModel  # noqa: E402
 from recipes.zero import apply_zero, formula_bytes, held_bytes, model_elements, traffic_formula  # noqa: E402
 from recipes.zero.accounting import count_bytes, optimizer_state  # noqa: E402
@@ -230,7 +235,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=5, help="timed steps per run")
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=2, help="head-to-head rounds against each peer")
+    ap.add_argument("--rounds", type=int, default=4, help="head-to-head rounds against each peer")
     ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = ap.parse_args(argv)
     rows = []  # for --json: what each table line and peer line prints
@@ -243,7 +248,6 @@ def main(argv=None) -> int:
     print(f"{'stage':>5} {'dtype':>5} {'params':>17} {'grads':>17} {'optim states':>17} {'exact':>5} "
           f"{'sent':>7} {'formula':>7} {'peak RSS':>12} {'step s':>7} {'tok/s':>6} {'cpu s':>6}")
     exact = total = 0
-    best: dict = {}  # config -> (bytes held by the worst rank, best median step time)
     for bf16 in (False, True):
         for stage in (0, 1, 2, 3):
             res = pool.run(run_ours, stage, bf16, args.steps, args.warmup)
@@ -255,7 +259,6 @@ def main(argv=None) -> int:
             worst = max(res, key=lambda r: r["mem"]["total"])
             sent = max(sum(r["by_op"].get(op, 0) for op in ("all_gather", "reduce_scatter", "all_reduce")) for r in res)
             step_s = max(r["step_s"] for r in res)
-            best[(stage, bf16)] = (worst["mem"]["total"], step_s)
             cols = " ".join(f"{_mb(worst['mem'][k])}/{_mb(want[k])}" for k in ("params", "grads", "optimizer_states"))
             print(f"{stage:>5} {'bf16' if bf16 else 'fp32':>5} {cols} {'yes' if ok else 'NO':>5} "
                   f"{_mb(sent)} {_mb(traffic_formula(stage, psi, WORLD, bf16))} {_rss(res)} "
@@ -266,35 +269,50 @@ def main(argv=None) -> int:
           "sent = 2Ψ(N-1)/N for stages 0-2 and 3Ψ(N-1)/N for stage 3, in compute-dtype bytes "
           "(measured adds the loss's and the gradient norm's scalars)")
     peers = {"ZeroRedundancyOptimizer": (run_zero_redundancy, 1), "FSDP2": (run_fsdp2, 3)}
-    ratios, cpu_ratios = {}, {}  # name -> (ours, peer) best median process CPU per step (worst rank)
-    for rnd in range(args.rounds):  # ours and the peer back to back, so both see the same machine load
+    # Per peer, per round: (ours, peer) median step wall and process CPU (worst rank). Ours and the peer
+    # run back to back, first one then the other in alternate rounds, the same number of times each.
+    walls: dict = {n: ([], []) for n in peers}
+    cpus: dict = {n: ([], []) for n in peers}
+    held_ratio, failed = {}, set()
+    for rnd in range(args.rounds):
         for name, (fn, stage) in peers.items():
+            if name in failed:
+                continue
+            runs = [("ours", lambda stage=stage: pool.run(run_ours, stage, False, args.steps, args.warmup)),
+                    ("peer", lambda fn=fn: pool.run(fn, args.steps, args.warmup))]
+            got = {}
             try:
-                mine = pool.run(run_ours, stage, False, args.steps, args.warmup)
-                res = pool.run(fn, args.steps, args.warmup)
+                for side, run in runs if rnd % 2 == 0 else runs[::-1]:
+                    got[side] = run()
             except Exception as exc:  # noqa: BLE001  (report the peer's failure, keep the other numbers)
                 print(f"{name}: failed: {str(exc).splitlines()[0]}")
+                failed.add(name)
                 continue
-            held, step_s = best[(stage, False)]
-            step_s = min(step_s, max(r["step_s"] for r in mine))
-            best[(stage, False)] = (held, step_s)
+            mine, res = got["ours"], got["peer"]
+            walls[name][0].append(max(r["step_s"] for r in mine))
+            walls[name][1].append(max(r["step_s"] for r in res))
+            cpus[name][0].append(max(r["cpu_s"] for r in mine))
+            cpus[name][1].append(max(r["cpu_s"] for r in res))
             worst = max(res, key=lambda r: r["mem"]["total"])
-            peer_s = min(ratios.get(name, (0, 0, float("inf")))[2], max(r["step_s"] for r in res))
-            ratios[name] = (held / worst["mem"]["total"], step_s, peer_s)
-            ours_cpu, peer_cpu = cpu_ratios.get(name, (float("inf"), float("inf")))
-            cpu_ratios[name] = (min(ours_cpu, max(r["cpu_s"] for r in mine)), min(peer_cpu, max(r["cpu_s"] for r in res)))
+            held_ratio[name] = max(r["mem"]["total"] for r in mine) / worst["mem"]["total"]
             if rnd == args.rounds - 1:
+                ours_s, peer_s = statistics.median(walls[name][0]), statistics.median(walls[name][1])
                 cols = " ".join(f"{k} {_mb(worst['mem'][k])}" for k in ("params", "grads", "optimizer_states"))
-                print(f"{name} (vs our fp32 stage {stage}): {cols} MiB; peak RSS {_rss(res)} MB; best median step "
-                      f"{peer_s:.3f}s ({tokens / peer_s:.0f} tok/s) vs ours {step_s:.3f}s ({tokens / step_s:.0f} tok/s)")
-                rows.append(dict(kind=name, stage=stage, dtype="fp32", held=worst["mem"], step_s=peer_s, ours_step_s=step_s))
-    tail = "; ".join(f"vs {n} mem {ratios[n][0]:.2f}x thr {ratios[n][2] / ratios[n][1]:.2f}x" if n in ratios
-                     else f"vs {n} failed" for n in peers)
-    print("mem = our bytes held / the peer's (worst rank; lower is better); thr = our tokens/s / the peer's "
-          f"(best median step over {args.rounds} back-to-back rounds; higher is better)")
-    print("by CPU time (best median process CPU per step, worst rank, gloo's threads included; the load "
-          "of other jobs moves it less than wall time): " + "; ".join(
-              f"vs {n} {peer / ours:.2f}x ({ours * 1e3:.1f} vs {peer * 1e3:.1f} ms)" for n, (ours, peer) in cpu_ratios.items()))
+                print(f"{name} (vs our fp32 stage {stage}): {cols} MiB; peak RSS {_rss(res)} MB; median over "
+                      f"{args.rounds} rounds of the median step {peer_s:.3f}s ({tokens / peer_s:.0f} tok/s) vs ours "
+                      f"{ours_s:.3f}s ({tokens / ours_s:.0f} tok/s)")
+                rows.append(dict(kind=name, stage=stage, dtype="fp32", held=worst["mem"], step_s=peer_s,
+                                 ours_step_s=ours_s, rounds_ours=walls[name][0], rounds_peer=walls[name][1]))
+    thr = {n: paired_ratio(walls[n][1], walls[n][0]) for n in peers if n not in failed and walls[n][0]}
+    tail = "; ".join(f"vs {n} mem {held_ratio[n]:.2f}x thr {thr[n][0]:.2f}x" if n in thr else f"vs {n} failed"
+                     for n in peers)
+    print("mem = our bytes held / the peer's (worst rank; lower is better); thr = our tokens/s / the peer's, the "
+          f"median over {args.rounds} rounds of each round's ratio (ours and the peer back to back, alternating "
+          "which goes first; higher is better), 90% intervals: " + "; ".join(
+              f"{n} {lo:.2f}-{hi:.2f}" for n, (_, lo, hi) in thr.items()))
+    print("by CPU time (median process CPU per step, worst rank, gloo's threads included; the load of other jobs "
+          "moves it less than wall time): " + "; ".join(
+              f"vs {n} {paired_ratio(cpus[n][1], cpus[n][0])[0]:.2f}x" for n in thr))
     print(f"zero bytes vs formula exact: {exact}/{total}; {tail}")
     if args.json:
         with open(args.json, "w") as f:
