@@ -1,33 +1,36 @@
-"""Checkpoint save and load time and bytes, ours vs ``torch.save`` of the full state dict on one rank.
+"""Checkpoint save and load, ours against ``torch.distributed.checkpoint`` on the same tensor-parallel model.
 
-    python scripts/bench_checkpoint.py [--repeats 3] [--skip-100m]
+    python scripts/bench_checkpoint.py [--repeats 5] [--skip-100m]
 
 Models: gpt2-tiny (``configs/model/gpt2-tiny.yaml``: 4 layers, 128 wide,
 8192 tokens, 1.6M parameters) and a ~100M GPT-2 (GPT-2 small's 12 layers of
-768 with a 16384-token vocabulary, 98M parameters), fp32 weights.
+768 with a 16384-token vocabulary, 98M parameters), fp32 weights, on two
+ranks with Megatron's tensor-parallel plan. Every method writes durably
+(fsync of every file) and loads into a model that is already built:
 
-- ``torch.save``: rank 0 saves the full ``state_dict`` to one file and loads
-  it back (``torch.load(weights_only=True)``), the usual single-rank way;
-  ``torch.save+fsync`` also flushes the file to disk, as a checkpoint that
-  must survive a machine crash has to (ours always does).
-- ``ours single``: ``toolkit.checkpoint.save``/``load`` on one rank: DCP's
-  planning, raw chunk bytes with a CRC-32 per record (computed on save,
-  checked on load), fsync of every file, JSON metadata and state, manifest,
-  rename and ``latest`` (``torch.save`` does none of the durability work).
-- ``ours tp2``: the same model tensor-parallel on two ranks (Megatron's
-  plan): each rank writes and reads its own half.
+- ``ours tp2``: ``toolkit.checkpoint.save``/``load`` of our global tensors
+  (each rank writes and reads its own half; raw chunks with a CRC-32 per
+  record, checked on load; JSON metadata, manifest, rename and ``latest``);
+- ``DCP tp2``: what a DTensor user runs, ``torch.distributed.checkpoint``'s
+  ``save``/``load`` with ``FileSystemWriter`` (``sync_files=True``, its
+  default) and ``FileSystemReader``, of the same model parallelised by
+  ``parallelize_module`` (``scripts.bench_dispatch.DTGPT2``, the same
+  weights), loaded in place into its DTensors;
+- ``torch.save`` (one rank, for reference): rank 0 saves the full state dict
+  to one file and fsyncs it, and loads it back with
+  ``torch.load(weights_only=True)`` then ``load_state_dict`` into a model.
 
-Every time is the best of ``--repeats`` runs; a row's seconds are the slowest
-rank's. Two ranks share this machine's cores with everything else running,
-so absolute times vary; ratios come from the same run. Last line: speed
-ratios of ``ours tp2`` on the ~100M model, ``torch.save`` seconds divided by
-ours (above 1: ours is faster).
+Each repeat runs every method once, in a rotating order; a method's save and
+load times are the medians over repeats of the slowest rank's. Last line:
+``save X.XXx, load Y.YYx vs DCP (tp2, ~100M)``: DCP's seconds over ours
+(above 1: ours is faster).
 """
 from __future__ import annotations
 
 import argparse
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -73,74 +76,122 @@ def _timed(fn):
     return out, dt
 
 
+class Ours:
+    def __init__(self, name, workdir):
+        self.model = _model(name)
+        sc.distribute_module(self.model, sc.placement("cpu", [0, 1]), GPT_TP)
+        self.root, self.step, self.saved = os.path.join(workdir, f"{name}-ours"), 0, None
+
+    def save(self):
+        self.step += 1
+        self.saved = ckpt.save(self.root, self.step, {"model": self.model.state_dict()}, keep_last=1)
+
+    def load(self):
+        ckpt.load(self.saved, {"model": self.model.state_dict()})
+
+    def nbytes(self):
+        return _dir_bytes(self.saved)
+
+
+class DCP:
+    def __init__(self, name, workdir):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from scripts.bench_dispatch import DTGPT2, _dtensor_tp
+
+        ref = _model(name)
+        self.model = DTGPT2(ref.config)
+        self.model.load_from(ref)
+        _dtensor_tp(self.model, init_device_mesh("cpu", (2,)))
+        self.base, self.n, self.path = os.path.join(workdir, f"{name}-dcp"), 0, None
+
+    def save(self):
+        import torch.distributed.checkpoint as dcp
+
+        self.n += 1  # a new directory each time, as ours writes step_<n> (DCP warns when it overwrites)
+        self.path = f"{self.base}-{self.n}"
+        dcp.save(self.model.state_dict(), storage_writer=dcp.FileSystemWriter(self.path, sync_files=True))
+
+    def load(self):
+        import torch.distributed.checkpoint as dcp
+
+        state = self.model.state_dict()
+        dcp.load(state, storage_reader=dcp.FileSystemReader(self.path))
+        self.model.load_state_dict(state)
+
+    def nbytes(self):
+        return _dir_bytes(self.path)
+
+
+class TorchSave:
+    def __init__(self, name, workdir):
+        self.model = _model(name)
+        self.path = os.path.join(workdir, f"{name}.pt")
+
+    def save(self):
+        if dist.get_rank() == 0:
+            _save_fsync(self.model.state_dict(), self.path)
+
+    def load(self):
+        if dist.get_rank() == 0:
+            self.model.load_state_dict(torch.load(self.path, map_location="cpu", weights_only=True))
+
+    def nbytes(self):
+        return os.path.getsize(self.path)
+
+
+METHODS = {"ours tp2": Ours, "DCP tp2": DCP, "torch.save": TorchSave}
+
+
 def bench_rank(name, workdir, repeats):
-    """Worker: every method on this model; returns ``{method: (save s, load s, bytes)}`` (slowest rank's times)."""
+    """Worker: every method on this model; ``{method: ([save s], [load s], bytes)}`` per repeat, this rank's."""
+    methods = {m: cls(name, workdir) for m, cls in METHODS.items()}
+    times = {m: ([], []) for m in methods}
+    order = list(methods)
+    for r in range(repeats):
+        for m in order[r % len(order):] + order[: r % len(order)]:
+            _, s = _timed(methods[m].save)
+            _, ld = _timed(methods[m].load)
+            times[m][0].append(s)
+            times[m][1].append(ld)
+    dist.barrier()
     me = dist.get_rank()
-    model = _model(name)
-    full = model.state_dict()  # the tied LM head shares the embedding's storage: torch.save writes it once
-    results = {}
-    # torch.save on rank 0
-    path = os.path.join(workdir, f"{name}.pt")
-    best_s = best_l = float("inf")
-    for _ in range(repeats):
-        if me == 0:
-            _, s = _timed(lambda: torch.save(full, path))
-            _, ld = _timed(lambda: torch.load(path, map_location="cpu", weights_only=True))
-        else:
-            _, s = _timed(lambda: None)
-            _, ld = _timed(lambda: None)
-        best_s, best_l = min(best_s, s), min(best_l, ld)
-    nbytes = os.path.getsize(path) if me == 0 else 0
-    results["torch.save"] = (best_s, best_l, nbytes)
-    best_s = float("inf")
-    for _ in range(repeats):
-        _, s = _timed(lambda: _save_fsync(full, path) if me == 0 else None)
-        best_s = min(best_s, s)
-    results["torch.save+fsync"] = (best_s, results["torch.save"][1], nbytes)
-    for layout, ranks, plan in (("ours single", [0], {}), ("ours tp2", [0, 1], GPT_TP)):
-        m = _model(name)
-        sc.distribute_module(m, sc.placement("cpu", ranks), plan)
-        root = os.path.join(workdir, f"{name}-{layout.replace(' ', '_')}")
-        best_s = best_l = float("inf")
-        for step in range(repeats):
-            state = {"model": m.state_dict()}
-            saved, s = _timed(lambda: ckpt.save(root, step, state, keep_last=1))
-            template = {"model": m.state_dict()}
-            _, ld = _timed(lambda: ckpt.load(saved, template))
-            best_s, best_l = min(best_s, s), min(best_l, ld)
-        nbytes = _dir_bytes(saved) if me == 0 else 0
-        results[layout] = (best_s, best_l, nbytes)
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, results)
-    return {k: (max(g[k][0] for g in gathered), max(g[k][1] for g in gathered), gathered[0][k][2])
-            for k in results}
+    return {m: (times[m][0], times[m][1], methods[m].nbytes() if me == 0 else 0) for m in methods}
+
+
+def _slowest(per_rank, method, k):
+    """Median over repeats of the slowest rank's seconds (``k``: 0 save, 1 load)."""
+    return statistics.median(max(rank[method][k][r] for rank in per_rank) for r in range(len(per_rank[0][method][k])))
 
 
 def main(argv=None) -> int:
     from toolkit.rank_pool import get_pool
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--skip-100m", action="store_true", help="gpt2-tiny only")
     args = ap.parse_args(argv)
     names = ["gpt2-tiny"] if args.skip_100m else list(MODELS)
     pool = get_pool(2, timeout=600.0)
     workdir = tempfile.mkdtemp(prefix="bench_ckpt_")
-    print(f"{'model':10s} {'params':>8s} {'method':17s} {'save s':>8s} {'load s':>8s} {'MB':>9s}")
+    print(f"{'model':10s} {'params':>8s} {'method':12s} {'save s':>8s} {'load s':>8s} {'MB':>9s}  "
+          f"(median of {args.repeats} repeats, slowest rank)")
     last = None
     try:
         for name in names:
             params = sum(p.numel() for p in _model(name).parameters())
-            res = pool.run(bench_rank, name, workdir, args.repeats)[0]
+            per_rank = pool.run(bench_rank, name, workdir, args.repeats)
+            res = {m: (_slowest(per_rank, m, 0), _slowest(per_rank, m, 1), per_rank[0][m][2]) for m in METHODS}
             for method, (s, ld, nbytes) in res.items():
-                print(f"{name:10s} {params / 1e6:7.1f}M {method:17s} {s:8.3f} {ld:8.3f} {nbytes / 1e6:9.2f}")
-            base, durable, ours = res["torch.save"], res["torch.save+fsync"], res["ours tp2"]
-            print(f"{name:10s} ours tp2 vs torch.save: save {base[0] / ours[0]:.2f}x, load {base[1] / ours[1]:.2f}x, "
-                  f"bytes {ours[2] / base[2]:.3f}x; save {durable[0] / ours[0]:.2f}x vs torch.save+fsync")
-            last = (base[0] / ours[0], base[1] / ours[1])
+                print(f"{name:10s} {params / 1e6:7.1f}M {method:12s} {s:8.3f} {ld:8.3f} {nbytes / 1e6:9.2f}")
+            ours, peer, single = res["ours tp2"], res["DCP tp2"], res["torch.save"]
+            print(f"{name:10s} ours tp2 vs DCP tp2: save {peer[0] / ours[0]:.2f}x, load {peer[1] / ours[1]:.2f}x, "
+                  f"bytes {ours[2] / peer[2]:.3f}x; vs torch.save on one rank: save {single[0] / ours[0]:.2f}x, "
+                  f"load {single[1] / ours[1]:.2f}x")
+            last = (name, peer[0] / ours[0], peer[1] / ours[1])
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    print(f"save {last[0]:.2f}x, load {last[1]:.2f}x vs torch.save")
+    print(f"save {last[1]:.2f}x, load {last[2]:.2f}x vs DCP (tp2, {last[0]})")
     return 0
 
 
