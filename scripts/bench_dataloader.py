@@ -14,9 +14,12 @@ seed and over the same batches:
   consuming the last stage (``run(plan, STEPS)``; with every actor on one
   thread, the executor runs that thread's loop on the caller's, here the
   main thread);
-- DataLoader with 1 and with 2 worker processes over the same ``TokenFile``
-  as a map-style dataset (``batch_size=None``: each item is one batch made by
-  the same read, decode and collate calls);
+- DataLoader with 0 (loading on the training thread, as our pipeline does
+  on a CPU host), 1 and 2 persistent worker processes over the same
+  ``TokenFile`` as a map-style dataset (``batch_size=None``: each item is one
+  batch made by the same read, decode and collate calls). Each loader is
+  built and iterated once before any timing, so its workers' start-up is
+  outside every timed loop, as the executor's threads' is;
 - synthetic: the same batches built in memory beforehand, a plain step loop;
 - synthetic again (``synthetic'``), timed as a way of its own: the ratio
   ``synthetic'/synthetic`` is what two identical loops read here, the bench's
@@ -34,8 +37,8 @@ on one thread now stays on the caller's.
 The training step runs with ``torch.set_num_threads(1)`` (DataLoader workers
 use one thread each too) so that on a 2-core machine data loading has a core
 to overlap with instead of competing with intra-op threads. Each time is the
-whole loop, start-up included (executor threads; DataLoader worker
-processes), median of ``REPEATS`` runs interleaved across the five ways, each repeat in
+whole loop (the executor's threads and the loaders' workers already
+running), median of ``REPEATS`` runs interleaved across the six ways, each repeat in
 an order of a carryover-balanced design (``scripts.paired.balanced_orders``:
 over every 10 repeats each way runs twice in each slot and twice right after
 each other way). A fixed order put the synthetic loop right after the
@@ -61,10 +64,12 @@ one draw of it.
 
 Each loop's time outside its training steps (the steps timed inside, the
 same function in every way) is what a way adds besides the steps, without
-the steps' drift between turns; the last line sets those beside the
-synthetic loop's median step time for a ratio the drift does not reach. It
-does not see a way that makes the steps themselves slower (a thread taking
-the GIL from them, say); the whole-loop ratios do.
+the steps' drift between turns; the line before the last sets those beside
+the synthetic loop's median step time for a ratio the drift does not reach
+(it does not see a way that makes the steps themselves slower, a thread
+taking the GIL from them, say; the whole-loop ratios do). The last line is
+measured, whole-loop, paired per repeat: ``data: actor pipeline A.AAx
+synthetic (lo-hi), B.BBx DataLoader(0), C.CCx DataLoader(best of 1, 2)``.
 
 ``--steps``, ``--repeats`` and ``--processes`` override ``STEPS``,
 ``REPEATS`` and ``PROCESSES``; ``--json PATH`` also writes the printed rows
@@ -131,10 +136,18 @@ def actor_pipeline(data: TokenFile) -> list:
     return run(plan, STEPS, timeout=60).outputs["train.step"]
 
 
-def dataloader(data: TokenFile, workers: int) -> list:
+def loader(data: TokenFile, workers: int) -> DataLoader:
+    """A DataLoader as its users configure it for a long run (persistent workers), iterated once: started."""
+    kw = dict(prefetch_factor=2, persistent_workers=True) if workers else {}
+    dl = DataLoader(data, batch_size=None, shuffle=False, num_workers=workers, **kw)
+    for _ in dl:
+        pass
+    return dl
+
+
+def dataloader(dl: DataLoader) -> list:
     step = _trainer()
-    loader = DataLoader(data, batch_size=None, shuffle=False, num_workers=workers, prefetch_factor=2)
-    return [step(b) for b in loader]
+    return [step(b) for b in dl]
 
 
 def synthetic(batches: list) -> list:
@@ -167,14 +180,17 @@ def _measure(order_seed: int) -> tuple:
         data = TokenFile(path, SEQ, BATCH)
         assert len(data) == STEPS
         batches = [data[k] for k in range(STEPS)]
+        loaders = {w: loader(data, w) for w in (0, 1, 2)}
         ways = {
             "actor pipeline": lambda: actor_pipeline(data),
-            "DataLoader (1 worker)": lambda: dataloader(data, 1),
-            "DataLoader (2 workers)": lambda: dataloader(data, 2),
+            "DataLoader (0 workers)": lambda: dataloader(loaders[0]),
+            "DataLoader (1 worker)": lambda: dataloader(loaders[1]),
+            "DataLoader (2 workers)": lambda: dataloader(loaders[2]),
             "synthetic (in memory)": lambda: synthetic(batches),
             "synthetic' (again)": lambda: synthetic(batches),
         }
         synthetic(batches[:10])  # warm up allocator and kernels before any timing
+        actor_pipeline(data)  # and the executor's queue threads
         times = {name: [] for name in ways}
         outside = {name: [] for name in ways}
         losses = {}
@@ -238,7 +254,6 @@ def main(argv=None) -> None:
         print(f"  {name:24s} {med * 1e3:8.1f} ms (min {min(times[name]) * 1e3:7.1f})  "
               f"{rate[name]:6.1f} steps/s  ({same} as synthetic)")
     actor = rate["actor pipeline"]
-    best_dl = max(rate["DataLoader (1 worker)"], rate["DataLoader (2 workers)"])
     if args.json:
         _write_json(args.json, times, losses, ref, processes)
     again = "synthetic' (again)"
@@ -248,8 +263,8 @@ def main(argv=None) -> None:
     print(f"paired, the median over repeats of each repeat's own ratio (drift between repeats cancels): "
           f"actor pipeline / synthetic {mid:.2f} (90% interval {lo:.2f}-{hi:.2f}), "
           f"synthetic'/synthetic {paired_ratio(base, times[again])[0]:.2f}")
-    print(f"actor pipeline / synthetic: {actor / rate['synthetic (in memory)']:.2f}; vs best DataLoader: "
-          f"{actor / best_dl:.2f}x; noise floor (synthetic'/synthetic): {floor:.2f}")
+    print(f"ratio of medians: actor pipeline / synthetic {actor / rate['synthetic (in memory)']:.2f}; "
+          f"noise floor (synthetic'/synthetic): {floor:.2f}")
     out = {name: statistics.median(v) for name, v in outside.items()}
     inside = {name: statistics.median(t - o for t, o in zip(times[name], outside[name])) for name in ways}
     steps = inside["synthetic (in memory)"]
@@ -258,6 +273,11 @@ def main(argv=None) -> None:
           + "; inside them: " + ", ".join(f"{name} {v * 1e3:.0f}" for name, v in inside.items())
           + f"; with the synthetic loop's steps as the common cost, actor pipeline / "
           f"synthetic {(steps + out['synthetic (in memory)']) / (steps + out['actor pipeline']):.3f}")
+    best = max(("DataLoader (1 worker)", "DataLoader (2 workers)"), key=lambda n: rate[n])
+    dl0 = paired_ratio(times["DataLoader (0 workers)"], times["actor pipeline"])[0]
+    dlb = paired_ratio(times[best], times["actor pipeline"])[0]
+    print(f"data: actor pipeline {mid:.2f}x synthetic ({lo:.2f}-{hi:.2f}), {dl0:.2f}x DataLoader(0), "
+          f"{dlb:.2f}x DataLoader(best of 1, 2: {best.split('(')[1].split()[0]})")
 
 
 def _write_json(path: str, times: dict, losses: dict, ref: list, processes: int) -> None:
