@@ -1,7 +1,7 @@
 """InsightFace's FC at scale: per-rank memory and images/s vs identities, DDP vs our class-split FC vs Partial FC.
 
     python scripts/bench_insightface.py [--ranks 4] [--classes 10000,100000,300000,1000000]
-                                        [--budget-mib 1024] [--steps 3] [--batch 64]
+                                        [--budget-mib 1024] [--steps 3] [--batch 64] [--rounds 3]
 
 On ``--ranks`` local gloo ranks, a small iResNet-18 (width 8, 32x32 images,
 128-d embeddings) with an ArcFace head over C identities, global batch
@@ -18,15 +18,18 @@ On ``--ranks`` local gloo ranks, a small iResNet-18 (width 8, 32x32 images,
 Memory: the peak C-heap bytes of the worst rank during warmup and the timed
 steps, above the heap before the model was built (``scripts/heap.py``):
 parameters, gradients (DDP's buckets too), momentum and activations.
-Throughput: the global batch over the median step time of the worst rank;
-the three kinds run back to back at each C so they see the same machine load.
-A run whose memory the measured points predict (linear fit in C) above
-``--budget-mib`` is not started ("over budget", as InsightFace's table shows
-DP running out first); the largest C each kind fits in the budget comes from
-the same fit. Last line:
-``insightface: mp vs ddp mem 0.XXx thr X.XXx at N classes; max classes ddp A, mp B, pfc C``
-(N: the largest C both ran; mem and thr are ours / DDP's). ``--json PATH``
-also writes the rows (one per classes and kind) and the largest class counts.
+Throughput: the global batch over the median step time of the worst rank.
+At each C the kinds run back to back ``--rounds`` times, each round in an
+order of a carryover-balanced design (``scripts.paired``), so they see the
+same machine load and none always goes first; a kind's figures at C are the
+medians over rounds, and the mp/ddp throughput ratio is the median of the
+rounds' paired ratios. A run whose memory the measured points predict
+(linear fit in C) above ``--budget-mib`` is not started ("over budget", as
+InsightFace's table shows DP running out first). The largest C each kind
+would fit in the budget is a prediction from that fit, and is printed as
+one. Last line, every C both ran:
+``insightface mp/ddp: thr C1 X.XXx, C2 Y.YYx, ...; mem C1 0.XXx, ...; predicted max classes (linear fit) ddp A, mp B, pfc C``.
+``--json PATH`` also writes the rows (one per classes and kind) and the predictions.
 """
 from __future__ import annotations
 
@@ -51,6 +54,7 @@ from recipes.insightface.model import FaceModel  # noqa: E402
 from recipes.insightface.optim import PartialFCSGD  # noqa: E402
 from recipes.insightface.plan import DATA_SBP, PLAN  # noqa: E402
 from scripts.heap import HeapPeak, heap_bytes  # noqa: E402
+from scripts.paired import balanced_orders, paired_ratio  # noqa: E402
 
 KINDS = ("ddp", "mp", "pfc")
 WIDTH, IMAGE, EMB = 8, 32, 128
@@ -117,6 +121,12 @@ def _max_classes(points: dict, budget: float) -> str:
     return f"{int((budget - fit[0]) / fit[1]):,}"
 
 
+def _over(points: dict, classes: int, budget: float) -> bool:
+    """Does the fit through the measured points put ``classes`` above the budget (so the run is not started)?"""
+    fit = _fit(points)
+    return fit is not None and fit[0] + fit[1] * classes > budget
+
+
 def _mib(n: float) -> str:
     return f"{n / 2 ** 20:8.1f}"
 
@@ -130,6 +140,7 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-mib", type=float, default=1024.0, help="per-rank memory budget for 'fits'")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--batch", type=int, default=64, help="global batch (images)")
+    ap.add_argument("--rounds", type=int, default=3, help="back-to-back rounds of the kinds at each C")
     ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = ap.parse_args(argv)
     classes = [int(c) for c in args.classes.split(",")]
@@ -141,27 +152,35 @@ def main(argv=None) -> int:
     print(f"{'classes':>9} | {'ddp MiB':>8} {'img/s':>7} | {'mp MiB':>8} {'img/s':>7} | {'pfc0.1 MiB':>10} {'img/s':>7}")
     measured = {k: {} for k in KINDS}
     speed = {k: {} for k in KINDS}
-    for c in classes:
+    thr_ratio = {}
+    orders = balanced_orders(list(KINDS))
+    for ci, c in enumerate(classes):
+        kinds = [k for k in KINDS if not _over(measured[k], c, budget)]
+        rounds = {k: [] for k in kinds}  # (peak bytes, step s) per round
+        for r in range(args.rounds):
+            for kind in (k for k in orders[(ci * args.rounds + r) % len(orders)] if k in kinds):
+                res = pool.run(run, kind, c, args.batch, args.steps)
+                rounds[kind].append((max(x["peak"] for x in res), max(x["step_s"] for x in res)))
         cells = []
         for kind in KINDS:
-            fit = _fit(measured[kind])
-            if fit is not None and fit[0] + fit[1] * c > budget:
+            if kind not in kinds:
                 cells.append(f"{'over budget':>16}")
                 continue
-            res = pool.run(run, kind, c, args.batch, args.steps)
-            mem, step_s = max(r["peak"] for r in res), max(r["step_s"] for r in res)
+            mem = statistics.median(m for m, _ in rounds[kind])
+            step_s = statistics.median(t for _, t in rounds[kind])
             measured[kind][c], speed[kind][c] = mem, args.batch / step_s
             cells.append(f"{_mib(mem)} {args.batch / step_s:7.1f}")
+        if "ddp" in kinds and "mp" in kinds:
+            thr_ratio[c] = paired_ratio([t for _, t in rounds["ddp"]], [t for _, t in rounds["mp"]])[0]
         print(f"{c:>9,} | {cells[0]} | {cells[1]} | {'  ' + cells[2]}")
-    both = [c for c in classes if c in measured["ddp"] and c in measured["mp"]]
-    n = both[-1]
-    mem_ratio = measured["mp"][n] / measured["ddp"][n]
-    thr_ratio = speed["mp"][n] / speed["ddp"][n]
-    print("MiB: peak heap of the worst rank above its start; img/s: global batch / median step of the worst rank; "
-          "max classes: linear fit of the measured MiB, within the budget")
-    print(f"insightface: mp vs ddp mem {mem_ratio:.2f}x thr {thr_ratio:.2f}x at {n} classes; max classes "
-          f"ddp {_max_classes(measured['ddp'], budget)}, mp {_max_classes(measured['mp'], budget)}, "
-          f"pfc {_max_classes(measured['pfc'], budget)}")
+    both = [c for c in classes if c in thr_ratio]
+    print(f"MiB: peak heap of the worst rank above its start; img/s: global batch / median step of the worst rank; "
+          f"medians over {args.rounds} rounds. Predicted max classes: a linear fit of the measured MiB, "
+          "extrapolated to the budget (not run)")
+    print("insightface mp/ddp: thr " + ", ".join(f"{c:,} {thr_ratio[c]:.2f}x" for c in both)
+          + "; mem " + ", ".join(f"{c:,} {measured['mp'][c] / measured['ddp'][c]:.2f}x" for c in both)
+          + f"; predicted max classes (linear fit) ddp {_max_classes(measured['ddp'], budget)}, "
+          f"mp {_max_classes(measured['mp'], budget)}, pfc {_max_classes(measured['pfc'], budget)}")
     if args.json:
         _write_json(args.json, args, classes, measured, speed, budget)
     return 0
@@ -174,7 +193,8 @@ def _write_json(path: str, args, classes: list, measured: dict, speed: dict, bud
     most = {k: _max_classes(measured[k], budget).replace(",", "") for k in KINDS}
     with open(path, "w") as f:
         json.dump({"setting": vars(args), "budget_bytes": budget, "rows": rows,
-                   "max_classes": {k: int(v) if v.isdigit() else None for k, v in most.items()}}, f, indent=1)
+                   "predicted_max_classes": {k: int(v) if v.isdigit() else None for k, v in most.items()}}, f,
+                  indent=1)
 
 
 if __name__ == "__main__":
