@@ -20,7 +20,7 @@ TITLE = "OneFlow Fig 12 / InsightFace: model-parallel FC vs data parallel, memor
 COLUMNS = ["classes", "kind", "peak_mib", "images_per_s", "status"]
 KIND_NAMES = {"ddp": "DDP (FC replicated)", "mp": "ours: class-split FC", "pfc": "ours: Partial FC 0.1"}
 MIB = 2 ** 20
-QUICK = {"classes": "10000,100000", "steps": 1, "batch": 32}
+QUICK = {"classes": "10000,100000", "steps": 1, "batch": 32, "rounds": 1}
 
 
 def add_arguments(ap) -> None:
@@ -29,11 +29,13 @@ def add_arguments(ap) -> None:
     ap.add_argument("--steps", type=int, default=2, help="timed steps per point (median)")
     ap.add_argument("--batch", type=int, default=64, help="global batch (images)")
     ap.add_argument("--budget-mib", type=float, default=1024.0, help="per-rank memory budget")
+    ap.add_argument("--rounds", type=int, default=3, help="back-to-back rounds of the kinds at each count")
 
 
 def reproduce(args, bench) -> Result:
     data = bench.run("bench_insightface", ["--ranks", args.ranks, "--classes", args.classes, "--steps", args.steps,
-                                           "--batch", args.batch, "--budget-mib", args.budget_mib])
+                                           "--batch", args.batch, "--budget-mib", args.budget_mib,
+                                           "--rounds", args.rounds])
     rows = [{"classes": r["classes"], "kind": KIND_NAMES[r["kind"]],
              "peak_mib": None if r["peak_bytes"] is None else r["peak_bytes"] / MIB, "images_per_s": r["images_per_s"],
              "status": "measured" if r["peak_bytes"] is not None else "over budget (predicted, not run)"}
