@@ -1,6 +1,6 @@
 """ZeRO stages 0-3 on a small GPT-2: bytes each rank holds and sends against the ZeRO paper, and two peers.
 
-    python scripts/bench_zero.py [--steps 5] [--warmup 2] [--rounds 2]
+    python scripts/bench_zero.py [--steps 5] [--warmup 2] [--rounds 4]
 
 On 4 local gloo ranks (pure data parallel, N = 4), AdamW, for each stage in
 fp32 and with bf16 compute copies (fp32 masters):
