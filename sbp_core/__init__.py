@@ -11,7 +11,7 @@ Public API (OneFlow-like names)::
     y.to_local(); y.full_tensor(); y.placement; y.sbp
     with sc.comm_ledger() as ledger: ...
 
-Imports nothing of this project but itself (DESIGN.md layers).
+Imports nothing of this project but itself (docs/design.md layers).
 """
 from . import ops, sbp  # noqa: F401  (ops registers the signature rules)
 from .boxing.cost import disjoint as disjoint_cost, same_placement as same_placement_cost

@@ -2,7 +2,7 @@
 
 For an op and its inputs' layouts the op's rule proposes 1-d signatures per
 mesh axis; their N-d products are costed by the boxing planner's bytes
-(DESIGN.md's table) and the cheapest wins, ties going to the one that
+(docs/design.md's table) and the cheapest wins, ties going to the one that
 changes fewest inputs. Output shapes and strides come from running the op
 once on meta tensors. Everything the hot path needs is precomputed into the
 ``Decision``: which inputs to box, the output layouts and how to wrap them,

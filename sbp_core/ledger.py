@@ -3,7 +3,7 @@
 ``record`` is called by the one choke point, ``boxing.collectives``. Bytes
 are what this rank *sends* under the algorithm named by ``op`` (ring
 all-reduce, direct reduce-scatter/all-gather/all-to-all, point-to-point), so
-summing a record's bytes over ranks gives the DESIGN.md cost table.
+summing a record's bytes over ranks gives the docs/design.md cost table.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Check every boxing pair against the single-device tensor and DESIGN.md's cost table.
+"""Check every boxing pair against the single-device tensor and docs/design.md's cost table.
 
     python scripts/verify_boxing.py
 
@@ -30,7 +30,7 @@ ONE_D = [sbp.split(0), sbp.split(1), sbp.broadcast, sbp.partial_sum, sbp.partial
 TWO_D_AXIS = [sbp.split(0), sbp.split(1), sbp.broadcast, sbp.partial_sum]
 
 
-# -- the DESIGN.md table, written out independently of sbp_core's cost model --
+# -- the docs/design.md table, written out independently of sbp_core's cost model --
 def table_same(a, b, p, T, shape):
     if a == b or p == 1:
         return 0

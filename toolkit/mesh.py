@@ -1,6 +1,6 @@
 """The device mesh of a ``dpD_tpT_ppP`` job: one ``(D, T)`` placement per pipeline stage.
 
-DESIGN.md's rank layout: pp outermost, tp innermost,
+docs/design.md's rank layout: pp outermost, tp innermost,
 ``rank = pp_i*D*T + dp_i*T + tp_i``. Every rank builds every stage's
 placement, in stage order (building a placement creates its process groups,
 a collective over the world).

@@ -1,6 +1,6 @@
 """GPT-2's parallel plan as data: Megatron's layout in SBP terms, and the pipeline split.
 
-On a stage's ``(dp, tp)`` mesh (DESIGN.md: every stage is the ``(D, T)``
+On a stage's ``(dp, tp)`` mesh (docs/design.md: every stage is the ``(D, T)``
 mesh of its ranks) parameters are ``B`` on the dp axis and, on the tp axis:
 qkv and fc weights column-split ``S(1)`` (their biases ``S(0)``),
 projections row-split ``S(0)``, the token embedding and the LM head

@@ -8,7 +8,7 @@ and every destination rank an *assemble* actor that reads the cuts of all
 its sources — the runtime turns those cross-rank edges into send/receive
 actors on channels of their own — and writes them into its new local shard.
 Gradients go back the same way with the two layouts swapped. Bytes are
-DESIGN.md's disjoint-placement row (``S→S`` |T|, ``B→B`` p2·|T|).
+docs/design.md's disjoint-placement row (``S→S`` |T|, ``B→B`` p2·|T|).
 """
 from __future__ import annotations
 

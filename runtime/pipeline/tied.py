@@ -4,7 +4,7 @@ GPT-2's token embedding (first stage) and LM head (last stage) are one
 parameter in the full model; split into stages they are two copies with
 equal initial values. After each step's gradient reduction each stage's
 gradient is boxed to the other's layout (cross-placement boxing: the
-disjoint-placement row of DESIGN.md's table, |T| each way for splits) and
+disjoint-placement row of docs/design.md's table, |T| each way for splits) and
 added, so both hold ``g_first + g_last`` — bit-identical, since addition
 commutes — and the optimizers, starting from equal states, keep the copies
 equal.

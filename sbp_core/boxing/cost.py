@@ -1,4 +1,4 @@
-"""Boxing cost: total bytes moved over all devices (DESIGN.md's table).
+"""Boxing cost: total bytes moved over all devices (docs/design.md's table).
 
 ``|T|`` is the global tensor's bytes. Same-placement costs count what a ring
 or direct algorithm sends; disjoint costs count every byte that leaves its

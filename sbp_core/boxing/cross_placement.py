@@ -13,7 +13,7 @@ two layouts, then each sends and receives its part point-to-point.
 - A partial destination: ranks whose partial coordinates are all 0 receive
   the data, the others hold the reduction's identity.
 
-Bytes (disjoint placements) therefore match DESIGN.md's table.
+Bytes (disjoint placements) therefore match docs/design.md's table.
 """
 from __future__ import annotations
 
@@ -98,7 +98,7 @@ def transfer_slices(src, dst) -> list:
     ``dst_rank`` writes it to ``new_local[dst_local_slices]`` (a local piece
     when the two ranks are one). For callers that run the two sides as
     separate actors (pipeline stage boundaries); ``box_cross_placement``
-    runs both sides in one call. Bytes are DESIGN.md's disjoint-devices row.
+    runs both sides in one call. Bytes are docs/design.md's disjoint-devices row.
     """
     if any(s.is_partial for s in src.sbp):
         raise ValueError(f"transfer_slices needs a split/broadcast source, got {src.sbp}: reduce it inside its placement first")

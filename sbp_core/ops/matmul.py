@@ -1,4 +1,4 @@
-"""Matrix products: DESIGN.md's MatMul table, for ``mm``, ``addmm`` and ``bmm``.
+"""Matrix products: docs/design.md's MatMul table, for ``mm``, ``addmm`` and ``bmm``.
 
 ``Y = X W`` on one mesh axis::
 

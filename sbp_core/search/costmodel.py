@@ -2,7 +2,7 @@
 
 A collective's time is ``steps * latency + bytes / bandwidth``, with the
 bytes this rank sends (the communication ledger's count, which sums to
-DESIGN.md's boxing cost table over the ranks) and the steps of its
+docs/design.md's boxing cost table over the ranks) and the steps of its
 algorithm (ring all-reduce ``2(p-1)``, all-gather / reduce-scatter /
 all-to-all ``p-1``, a send 1). The link is the node's own (NVLink,
 shared memory) when every rank of the group is on one node, else the

@@ -1,4 +1,4 @@
-"""Rehearsals record what our dispatcher really does, and costs follow DESIGN.md's table and the links."""
+"""Rehearsals record what our dispatcher really does, and costs follow docs/design.md's table and the links."""
 from __future__ import annotations
 
 import json

@@ -48,7 +48,7 @@ from toolkit.config.parallel_name import ZERO_STAGES, parallel_name
 class JobLayout:
     """What a valid config means for the job (all derived, nothing to look up again).
 
-    ``rank = pp_i * dp * tp + dp_i * tp + tp_i`` (DESIGN.md). ``zero`` is the
+    ``rank = pp_i * dp * tp + dp_i * tp + tp_i`` (docs/design.md). ``zero`` is the
     effective stage (0 when ``dp == 1``). ``stage_layers[s]`` is the number
     of transformer blocks of pipeline chunk ``s`` (``pp * pp_virtual``
     chunks; chunk ``s`` runs on stage ``s % pp``). ``data_shards``: the
