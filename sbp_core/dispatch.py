@@ -103,7 +103,7 @@ def _miss(func, args, kwargs, key):
 def dispatch(func, types, args=(), kwargs=None):
     """``GlobalTensor.__torch_dispatch__`` (a staticmethod: torch then calls this function as it is,
     with no bound method made per op). Kept flat on purpose: every Python frame and bytecode here
-    is paid per op (see the README's performance notes)."""
+    is paid per op (``python scripts/bench_dispatch.py`` measures it; docs/performance.md)."""
     n = len(args)
     if n == 1 and not kwargs and type(args[0]) is GlobalTensor:  # unary ops: the key without a list
         a = args[0]

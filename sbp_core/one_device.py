@@ -4,7 +4,7 @@ On a placement of one device every SBP is trivial: the local tensor is the
 whole global tensor, every op takes its plain signature (run the op on the
 local, wrap the output) and nothing is communicated. Dispatching each op
 through ``GlobalTensor.__torch_dispatch__`` then adds only host time, about
-5 µs an op over plain torch's 1.7 µs (README, performance notes), which a
+5 µs an op over plain torch's 1.7 µs (``scripts/bench_dispatch.py``), which a
 pipeline stage pays for every op of every micro-batch's forward and
 backward. ``runs_local(placement)`` says when a caller may skip it;
 ``LocalParameters(module)`` does the skipping:

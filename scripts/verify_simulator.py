@@ -1,6 +1,6 @@
 """The execution simulator against measured training steps on this machine, delta vs full, and the search's pick.
 
-    python scripts/verify_simulator.py [--layouts single,dp2,...] [--rounds 3] [--steps 2] [--budget 60]
+    python scripts/verify_simulator.py [--layouts single,dp2,...] [--rounds 3] [--steps 3] [--budget 60]
 
 1. **Measured**: each layout of ``gpt2-tiny`` (default config: 16 sequences
    of 256 tokens per step, micro-batches of 4, AdamW, clipping) trains with

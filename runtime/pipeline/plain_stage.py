@@ -43,7 +43,7 @@ from sbp_core import GlobalTensor, Layout
 from sbp_core.dispatch import explaining
 from sbp_core.sbp import Partial, Split
 
-AUDIT_RTOL = 1e-5  # the parity tolerance of every layout (README, tests)
+AUDIT_RTOL = 1e-5  # the float32 parity bar for a stage's outputs and loss (scripts/verify_parity.py's)
 _S0 = Split(0)
 
 

@@ -8,7 +8,7 @@ file). What an op costs beyond its kernel inside a training step — the
 dispatcher, the global tensor's autograd node, the boxing's Python around
 a collective, the local views and copies a decomposition adds — depends on
 the model's ops: gpt2-tiny's tensor-parallel stages took 25-70% more CPU
-than their priced kernels and dispatch (README, the simulator's round 7).
+than their priced kernels and dispatch (``scripts/verify_simulator.py``).
 
 ``model_host_costs`` measures it on the model being searched, together
 with the kernel factor (``kernel_factor``), in one loop: one micro-batch's

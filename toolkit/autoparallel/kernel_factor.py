@@ -4,9 +4,9 @@
 tensors, and the cost model multiplies those seconds by the cluster's
 ``device.kernel_factor``. ``scripts/calibrate_machine.py`` fits that factor
 on two small calibration GPT-2s; on gpt2-tiny the calls timed alone summed
-to 1.25-4x what the same phases took inside a real step (README, the
-simulator's round 5), so every layout whose stages run on plain tensors was
-over-predicted by 27-55%. This module measures the factor on the model
+to 1.25-4x what the same phases took inside a real step, so every layout
+whose stages run on plain tensors was over-predicted by 27-55% with the
+calibration models' factor. This module measures the factor on the model
 being searched instead: one plain one-device training step of a
 micro-batch (forward, backward, the recipe's optimizer step; one intra-op
 thread, best of several by process CPU time — what the runtime's one-device

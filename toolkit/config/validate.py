@@ -148,7 +148,8 @@ def validate(cfg: Any, recipe, world_size: Optional[int] = None) -> JobLayout:
     p: list[str] = []
     par, tr, log = cfg.parallel, cfg.trainer, cfg.logger
 
-    if cfg.recipe.name != recipe.name:
+    # A recipe of one's own is named by its import path (module:attribute, recipes.registry).
+    if cfg.recipe.name != recipe.name and ":" not in str(cfg.recipe.name):
         p.append(f"recipe.name={cfg.recipe.name!r}: does not name the recipe validated against, {recipe.name!r}")
     _choice(p, "device", cfg.device, S.DEVICES)
 
