@@ -1,6 +1,6 @@
 """Our trainer against a plain PyTorch loop on one device, recipe by recipe: how much host work we add.
 
-    python scripts/bench_gpu.py                 # one GPU: the issue's shapes, about 8 minutes on an H100
+    python scripts/bench_gpu.py                 # one GPU, the shapes users train: about 8 minutes on an H100
     python scripts/bench_gpu.py --host-only     # CPU, shapes where kernels are cheap and host work dominates
 
 Cases (GPU / ``--host-only``):

@@ -8,7 +8,7 @@ whole run: ``local``, our 1F1B as the trainer runs it (every stage's
 placement is one device, so ``sc.runs_local`` holds and each stage runs its
 micro-batches on plain tensors, ``sc.LocalParameters``); ``dispatched``,
 the same with the stages' ``LocalParameters`` removed, so every op goes
-through ``GlobalTensor.__torch_dispatch__`` as before this path existed;
+through ``GlobalTensor.__torch_dispatch__``;
 ``torch``, ``Schedule1F1B``. After two untimed steps each, ``--steps``
 steps of each run round-robin (the order rotates every round); a step's
 wall and process CPU time are the max over ranks, a variant's the median

@@ -1,14 +1,13 @@
 """Model FLOPs, achieved TFLOP/s and model FLOPs utilisation (MFU).
 
-FLOPs per token (forward + backward) follow the formula of the GPT-2 issue,
-after PaLM's appendix B:
+FLOPs per token (forward + backward) follow PaLM's appendix B:
 
     flops_per_token = 6 * N + 12 * L * H * Q * T
 
 - ``N``: the model's parameter count, *all* of it (token and position
   embeddings included, the tied ``lm_head`` counted once, as
   ``sum(p.numel() for p in model.parameters())`` counts it). PaLM uses the
-  non-embedding count; we follow the issue, which makes MFU slightly higher
+  non-embedding count; counting every parameter makes MFU slightly higher
   for small models (for gpt2-tiny the embeddings are ~1/3 of ``N``).
 - ``L`` layers, ``H`` heads, ``Q`` head dimension, ``T`` sequence length: the
   ``12·L·H·Q·T`` term is attention's ``QK^T`` and ``AV`` matmuls (2 × 2·T·H·Q
