@@ -48,10 +48,13 @@ def _tensor(spec: TensorSpec, device: str):
         raise ValueError(f"dtype {spec.dtype!r} of an op argument is not one of {sorted(_DTYPES)}")
     t = torch.empty_strided(spec.shape, spec.stride, dtype=dtype, device=device)
     if device != "meta":
+        # Fill the storage through a flat view: an expanded argument (a stride of 0) has elements that
+        # share memory, which an in-place fill of ``t`` itself refuses.
+        flat = t.as_strided((t.untyped_storage().nbytes() // t.element_size(),), (1,), 0)
         if dtype.is_floating_point:
-            t.normal_()
+            flat.normal_()
         else:
-            t.zero_()
+            flat.zero_()
     return t
 
 

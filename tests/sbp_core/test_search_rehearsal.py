@@ -281,3 +281,11 @@ def test_op_costs_refresh_measures_the_files_calls_again(tmp_path):
     assert 0.0 < got < 1.0 and fresh.seconds(mm) == got  # measured once, then kept for the process
     fresh.save()
     assert json.loads(path.read_text())[repr(mm.key)] == got
+
+
+def test_an_expanded_argument_is_rebuilt_with_values():
+    from sbp_core.search.opcost import build_args
+    from sbp_core.search.rehearsal import TensorSpec
+
+    t = build_args(TensorSpec((4, 3), (0, 1), "float32"))  # one row seen four times (an expand)
+    assert t.shape == (4, 3) and t.stride() == (0, 1) and torch.equal(t[0], t[3]) and t.abs().sum() > 0
