@@ -289,3 +289,18 @@ def test_an_expanded_argument_is_rebuilt_with_values():
 
     t = build_args(TensorSpec((4, 3), (0, 1), "float32"))  # one row seen four times (an expand)
     assert t.shape == (4, 3) and t.stride() == (0, 1) and torch.equal(t[0], t[3]) and t.abs().sum() > 0
+
+
+def test_a_local_view_the_shard_refuses_falls_back_to_a_copy_under_fake_tensors_too():
+    from types import SimpleNamespace
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from sbp_core.ops.views import _view_local
+
+    aten = torch.ops.aten
+    with FakeTensorMode():
+        whole = torch.empty(4, 3 + 2 * 5)
+        part = whole[:, 3:].view(4, 2, 5)  # strides (13, 5, 1): no view to (8, 5)
+        out = _view_local(aten.view.default, (part, [8, 5]), {}, SimpleNamespace(local_out_shapes=[(8, 5)]))
+    assert tuple(out.shape) == (8, 5)
