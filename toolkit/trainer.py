@@ -17,9 +17,10 @@
    ``pp = 1``): micro-batches through the runtime data pipeline, forward and
    backward, one gradient reduction, global-norm clipping, the update;
 5. logs loss, lr, grad norm, throughput (``<unit>_per_s``, over the steps
-   since the last logged one), TFLOP/s, MFU and peak memory; the host waits
-   for the device only there, every ``trainer.log_every`` steps (``toolkit.metrics``: console, ``metrics.jsonl``, W&B on
-   rank 0) and evaluates periodically (``recipe.evaluate``);
+   since the last logged one), TFLOP/s, MFU and peak memory
+   (``toolkit.metrics``: console, ``metrics.jsonl``, W&B on rank 0), the
+   host waiting for the device only there, every ``trainer.log_every``
+   steps, and evaluates periodically (``recipe.evaluate``);
 6. checkpoints every ``trainer.save_every`` steps and at the end, resumes
    with ``trainer.resume=auto``, starts from ``trainer.init_from`` weights
    (``toolkit.run_state``).
@@ -38,11 +39,11 @@ import sbp_core as sc
 from runtime.host_memory import keep_freed_host_memory
 from runtime.pipeline import PipelineConfig, PipelineStep
 from toolkit import run_state
-from toolkit.peak import device_peak
 from toolkit.config import typed, validate
 from toolkit.mesh import model_names, plan_for_module, stage_placements, with_overrides
 from toolkit.metrics import MetricsLogger
 from toolkit.optim import build_scheduler, lr_at
+from toolkit.peak import device_peak
 from toolkit.recipe import data_shard, recipe_batch
 from toolkit.stages import keep_stage, stage_ranges
 
@@ -156,8 +157,9 @@ def compiled_forward(forward, module, verbose: bool = False):
     calls the compiled module, whose parameters are the swapped-in leaves of
     the step (inputs to the graph, so swapping them recompiles nothing); the
     stage's last backward is not split (``split_last_backward``: the compiled
-    backward gives every gradient at once). A call on global tensors (a data-parallel stage's first, audited
-    micro-batch; ``sc.explain``) runs eager, and says so once.
+    backward gives every gradient at once). A call on global tensors (a
+    data-parallel stage's first, audited micro-batch; ``sc.explain``) runs
+    eager, and says so once.
     """
     compiled = torch.compile(module)
     told = []

@@ -273,8 +273,9 @@ class PipelineStep:
 
     def _backward(self, k, stash: Stash, grad=None):
         m = self.cfg.micro_batches
-        output = stash.output if grad is not None else stash.output / m if self.loss_scale is None else \
-            stash.output / m * self.loss_scale.scale
+        output = stash.output
+        if grad is None:  # the last stage: its share of the mean loss, times fp16's loss scale if any
+            output = output / m if self.loss_scale is None else output / m * self.loss_scale.scale
         grad = grad._local if self._local and grad is not None else grad
         if self.stage == 0 and k == m - 1:
             self.tied.expect()  # the last stage's tied gradients arrive while this backward runs
