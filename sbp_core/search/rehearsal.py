@@ -159,13 +159,20 @@ class _Recorder(FakeTensorMode):
                for a in leaves if isinstance(a, (torch.Tensor, torch.device))):
             # The dispatcher's shape inference (``dispatch._decide`` runs the op on meta tensors): no work.
             return super().__torch_dispatch__(func, types, args, kwargs)
+        events = r.current.events
         if func.namespace == "aten":
             r.flush_ledger()
-            r.current.events.append(OpCall(_op_name(func), (spec_of(tuple(args)), tuple(
+            events.append(OpCall(_op_name(func), (spec_of(tuple(args)), tuple(
                 (k, spec_of(v)) for k, v in kwargs.items())), r.module()))
         self._depth += 1
         try:
             out = super().__torch_dispatch__(func, types, args, kwargs)
+        except Exception:
+            # A call that raised did no work (e.g. a view the shard's strides refuse, which the caller
+            # then makes from a copy): it is not a kernel to price.
+            if func.namespace == "aten":
+                events.pop()
+            raise
         finally:
             self._depth -= 1
         for t in tree_leaves(out):
