@@ -73,9 +73,9 @@ def build(dp: int, tp: int, pp: int, micro: int = MICRO, schedule: str = "1f1b",
         return batch_of(step).tensor_split(micro)[k].tensor_split(dp)[d]
 
     pcfg = PipelineConfig(placements, micro, {"input_ids": ((batch // micro, seq), torch.int64)},
-                          (batch // micro, seq, cfg.n_embd), DATA_SBP, ACT_SBP, ("input_ids",), ("input_ids",),
-                          schedule=schedule, tied=TIED, max_grad_norm=max_grad_norm, timeout=20,
-                          rows_weigh_equally=rows_weigh_equally, act_dtype=dtype)
+                          [(((batch // micro, seq, cfg.n_embd), dtype),)] * (pp - 1), DATA_SBP, ACT_SBP,
+                          ("input_ids",), ("input_ids",), schedule=schedule, tied=TIED, max_grad_norm=max_grad_norm,
+                          timeout=20, rows_weigh_equally=rows_weigh_equally)
     trace = (lambda: Trace(rank=me)) if traced else None
     return PipelineStep(pcfg, module, opt, stage_forward, batches, trace_factory=trace, loss_scale=loss_scale), module
 

@@ -22,22 +22,29 @@ source does the sampling and sharding). The first stage reads the
 ``inputs`` fields, the last stage the ``labels`` fields.
 
 Computation. ``stage_forward(module, x, labels)``: ``x`` is the dict of input
-fields (global tensors) on the first stage, else the boundary activation
-(``act_shape``/``act_sbp``); ``labels`` the dict of label fields on the last
-stage, else ``None``. It returns the stage's output, or the scalar loss on
-the last stage. ``pipeline`` names the repeated layers and the modules before
-and after them (``toolkit.stages``); ``None`` means the model is not split
-into stages (``check`` refuses ``pp > 1``).
+fields (global tensors) on the first stage, else what the stage before
+returned (one tensor, or a tuple of them; laid out ``act_sbp``); ``labels``
+the dict of label fields on the last stage, else ``None``. It returns the
+stage's output (a tensor or a tuple of tensors, of any shapes and dtypes:
+``toolkit.stages.boundary_specs`` finds them by running the stages on meta
+tensors), or the scalar loss on the last stage. ``pipeline`` names the
+repeated layers and the modules before and after them
+(``toolkit.stages``); the model's ``forward`` skips the modules a stage
+does not hold (set to ``None``). ``None`` means the model is not split into
+stages (``check`` refuses ``pp > 1``).
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from sbp_core.sbp import Broadcast, Split
+from toolkit.stages import layer_paths, layers_of
 
 
 def sbp_text(sbp: tuple) -> str:
@@ -82,14 +89,23 @@ class Recipe(ABC):
         before any process starts. The base refuses ``pp > 1`` without a
         ``pipeline``.
         """
-        if self.pipeline is None and layout.pp > 1:
+        if layout.pp > 1 and self.pipeline_plan(cfg.model) is None:
             return [f"parallel.pp={layout.pp}: recipe {self.name} is not split into pipeline stages; valid: pp=1 "
                     f"(use dp and tp)"]
         return []
 
+    def pipeline_plan(self, model_cfg) -> dict | None:
+        """The pipeline split of the model ``model_cfg`` builds (``toolkit.stages``), or ``None``: ``pipeline``."""
+        return self.pipeline
+
     def n_layers(self, model_cfg) -> int:
-        """Length of the ``pipeline["layers"]`` ModuleList (the unit of the stage split)."""
-        raise NotImplementedError(f"recipe {self.name} has no pipeline split")
+        """How many repeated layers (``pipeline_plan``'s ``layers``, the unit of the stage split), counted on a meta model."""
+        plan = self.pipeline_plan(model_cfg)
+        if plan is None:
+            raise NotImplementedError(f"recipe {self.name} has no pipeline split")
+        with torch.random.fork_rng(devices=[]), torch.device("meta"):
+            model = self.build_model(model_cfg)
+        return len(layer_paths(model, plan))
 
     # -- model and plan ------------------------------------------------------------------------
 
@@ -105,13 +121,16 @@ class Recipe(ABC):
     def stage_forward(self, module, x, labels=None):
         """One stage's forward on a micro-batch, as the module docstring's "Computation" states."""
 
-    def act_shape(self, cfg, rows: int) -> tuple:
-        """A micro-batch's stage-boundary activation (global shape) for ``rows`` samples."""
-        raise NotImplementedError(f"recipe {self.name} has no pipeline split")
-
-    def checkpoint_layers(self, module) -> None:
-        """Wrap each repeated layer in activation checkpointing, in place."""
-        raise NotImplementedError(f"recipe {self.name} does not support trainer.activation_checkpointing")
+    def checkpoint_layers(self, module, model_cfg) -> None:
+        """Wrap each repeated layer (``pipeline_plan``'s ``layers``) this stage holds in activation checkpointing,
+        in place: its activations are recomputed in backward instead of kept (``torch.utils.checkpoint``)."""
+        plan = self.pipeline_plan(model_cfg)
+        if plan is None:
+            raise NotImplementedError(f"recipe {self.name} does not support trainer.activation_checkpointing")
+        for layer in layers_of(module, plan):
+            if layer is not None:
+                inner = layer.forward
+                layer.forward = partial(checkpoint, inner, use_reentrant=False)
 
     def build_optimizer(self, module, cfg):
         """The optimizer of this rank's stage; ``cfg`` is the job's (typed) config (default:

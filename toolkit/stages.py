@@ -6,18 +6,26 @@ A recipe's pipeline plan is data::
      "first": ["transformer.wte", "transformer.wpe"], # modules before the layers (stage 0)
      "last": ["transformer.ln_f", "lm_head"]}         # modules after them (last stage)
 
-``stage_ranges`` assigns layer indices to stages (uniform by default, or
-explicit counts); ``keep_stage`` turns a full model into one stage's module
-in place by setting every other module to ``None`` (the model's ``forward``
-skips absent modules), so parameter names stay the full model's.
-``tied_names`` lists parameters that one module object shares under several
+``layers`` may also list several ``ModuleList``/``Sequential`` containers
+(a ResNet's four stages of blocks): their layers, concatenated in order,
+are the unit of the split, which is where a stage's output may change shape
+(``boundary_specs``). ``stage_ranges`` assigns layer indices to stages
+(uniform by default, or explicit counts); ``keep_stage`` turns a full
+model into one stage's module in place by setting every other module to
+``None`` (the model's ``forward`` skips absent modules), so parameter
+names stay the full model's.
+``boundary_specs`` finds what crosses each stage boundary by running the
+stages on meta tensors. ``tied_names`` lists parameters that one module object shares under several
 names (GPT-2's embedding and LM head): after a split they are separate
 copies on the first and last stage, which the pipeline keeps equal by
 summing their gradients.
 """
 from __future__ import annotations
 
+import torch
 from torch import nn
+
+from runtime.pipeline.boundary import as_tuple
 
 
 def stage_ranges(n_layers: int, pp: int, counts=None) -> list:
@@ -54,6 +62,29 @@ def _get(model: nn.Module, path: str):
     return mod
 
 
+def _containers(model: nn.Module, plan: dict) -> list:
+    """``[(path, container)]`` of the plan's ``layers`` (one path or a list), each a ModuleList or Sequential."""
+    paths = [plan["layers"]] if isinstance(plan["layers"], str) else list(plan["layers"])
+    out = []
+    for path in paths:
+        mods = _get(model, path)
+        if not isinstance(mods, (nn.ModuleList, nn.Sequential)):
+            raise TypeError(f"pipeline plan 'layers' = {path!r} must name an nn.ModuleList or nn.Sequential, "
+                            f"got {type(mods).__name__}")
+        out.append((path, mods))
+    return out
+
+
+def layer_paths(model: nn.Module, plan: dict) -> list:
+    """The module path of every repeated layer, in order (``"transformer.h.0"``, ..., ``"backbone.layer4.2"``)."""
+    return [f"{path}.{name}" for path, mods in _containers(model, plan) for name in mods._modules]
+
+
+def layers_of(model: nn.Module, plan: dict) -> list:
+    """The repeated layers (``None`` where a stage dropped one), in order."""
+    return [m for _, mods in _containers(model, plan) for m in mods._modules.values()]
+
+
 def _drop(model: nn.Module, path: str) -> None:
     parent, _, name = path.rpartition(".")
     setattr(_get(model, parent) if parent else model, name, None)
@@ -69,20 +100,20 @@ def tied_names(model: nn.Module) -> list:
 
 def keep_stage(model: nn.Module, plan: dict, ranges: list, stage: int) -> nn.Module:
     """``model`` with only stage ``stage``'s modules (in place; returns it)."""
-    layers = _get(model, plan["layers"])
-    if not isinstance(layers, nn.ModuleList):
-        raise TypeError(f"pipeline plan 'layers' = {plan['layers']!r} must name an nn.ModuleList, got {type(layers).__name__}")
-    if sum(len(r) for r in ranges) != len(layers):
-        raise ValueError(f"stage ranges cover {sum(len(r) for r in ranges)} layers, {plan['layers']} has {len(layers)}")
+    n = len(layer_paths(model, plan))
+    if sum(len(r) for r in ranges) != n:
+        raise ValueError(f"stage ranges cover {sum(len(r) for r in ranges)} layers, {plan['layers']} has {n}")
     return keep_layers(model, plan, ranges[stage], stage == 0, stage == len(ranges) - 1)
 
 
 def keep_layers(model: nn.Module, plan: dict, layers, first: bool, last: bool) -> nn.Module:
     """``model`` with only the repeated layers in ``layers``, and the first/last modules if ``first``/``last`` (in place)."""
-    mods = _get(model, plan["layers"])
-    for i in range(len(mods)):
-        if i not in layers:
-            mods[i] = None
+    i = 0
+    for _, mods in _containers(model, plan):
+        for name in list(mods._modules):
+            if i not in layers:
+                mods._modules[name] = None
+            i += 1
     if not first:
         for path in plan.get("first", ()):
             _drop(model, path)
@@ -90,3 +121,26 @@ def keep_layers(model: nn.Module, plan: dict, layers, first: bool, last: bool) -
         for path in plan.get("last", ()):
             _drop(model, path)
     return model
+
+
+def boundary_specs(build, forward, plan: dict, ranges: list, batch: dict, inputs: tuple) -> list:
+    """Per stage boundary, the ``(shape, dtype)`` of each tensor the stage before it returns, in order.
+
+    Runs stages ``0 .. pp - 2`` on meta tensors (shapes only; no memory, no
+    data): each a fresh ``build()`` made under the meta device and cut to
+    its stage (``keep_stage``), fed the micro-batch's ``inputs`` fields
+    (``batch``: ``{field: (global shape, dtype)}``) or the previous stage's
+    outputs, through ``forward(module, x, None)``. So the shapes and dtypes
+    are those the real stages produce in the model's own precision (a
+    boundary's cut casts to them). The global RNG is left as it was.
+    """
+    specs, x = [], None
+    with torch.random.fork_rng(devices=[]), torch.device("meta"), torch.no_grad():
+        for stage in range(len(ranges) - 1):
+            module = keep_stage(build(), plan, ranges, stage)
+            if stage == 0:
+                x = {k: torch.empty(batch[k][0], dtype=batch[k][1]) for k in inputs}
+            out = as_tuple(forward(module, x, None))
+            specs.append(tuple((tuple(t.shape), t.dtype) for t in out))
+            x = out[0] if len(out) == 1 else out
+    return specs

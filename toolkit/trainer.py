@@ -45,7 +45,7 @@ from toolkit.metrics import MetricsLogger
 from toolkit.optim import build_scheduler, lr_at
 from toolkit.peak import device_peak
 from toolkit.recipe import data_shard, recipe_batch
-from toolkit.stages import keep_stage, stage_ranges
+from toolkit.stages import boundary_specs, keep_stage, stage_ranges
 
 
 def _progress(total: int, initial: int, enabled: bool):
@@ -81,12 +81,13 @@ class Job:
         names = model_names(model)
         self.n_params = sum(p.numel() for p in model.parameters())
         self.module = model
-        if recipe.pipeline is not None:
+        ranges, split = None, recipe.pipeline_plan(cfg.model)
+        if split is not None:
             ranges = stage_ranges(recipe.n_layers(cfg.model), lay.pp,
                                   list(lay.stage_layers) if lay.stage_layers else None)
-            self.module = keep_stage(model, recipe.pipeline, ranges, self.stage)
+            self.module = keep_stage(model, split, ranges, self.stage)
         if tr.activation_checkpointing:
-            recipe.checkpoint_layers(self.module)
+            recipe.checkpoint_layers(self.module, cfg.model)
         plan = plan_for_module(self.module, with_overrides(recipe.mesh_plan(cfg), cfg.parallel.plan), names)
         self.zero = None
         bucket_bytes = max(1, int(float(cfg.parallel.bucket_mb) * 2**20))
@@ -105,8 +106,10 @@ class Job:
         self.scheduler = build_scheduler(self.optimizer, tr)
         rows = lay.micro_batch_size * lay.data_shards
         batch = {k: ((rows, *shape), dtype) for k, (shape, dtype) in recipe_batch(cfg, recipe).items()}
+        acts = boundary_specs(lambda: recipe.build_model(cfg.model), recipe.stage_forward, split, ranges,
+                              batch, recipe.inputs) if lay.pp > 1 else []
         self.pipe_cfg = PipelineConfig(
-            self.placements, lay.accumulation, batch, recipe.act_shape(cfg, rows) if lay.pp > 1 else None,
+            self.placements, lay.accumulation, batch, acts,
             recipe.data_sbp, recipe.act_sbp, recipe.inputs, recipe.labels, schedule=str(cfg.parallel.pp_schedule),
             max_grad_norm=float(tr.grad_clip) if tr.grad_clip else None, tied=list(recipe.tied),
             rows_weigh_equally=recipe.rows_weigh_equally, split_last_backward=not tr.compile)
@@ -181,7 +184,10 @@ def autocast_forward(forward, device_type, dtype=torch.bfloat16):
     def run(module, x, labels=None):
         with torch.autocast(device_type, dtype=dtype):
             out = forward(module, x, labels)
-        return out.float() if labels is not None else out.to(torch.float32)
+        if labels is not None:
+            return out.float()
+        return tuple(t.float() if t.is_floating_point() else t for t in out) if isinstance(out, (tuple, list)) \
+            else out.float() if out.is_floating_point() else out
 
     return run
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 import os
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from toolkit import flops
 from toolkit.data import MicroBatches, prepare
@@ -47,16 +46,6 @@ class GPT2Recipe(Recipe):
 
     def stage_forward(self, module, x, labels=None):
         return stage_forward(module, x, labels)
-
-    def act_shape(self, cfg, rows: int) -> tuple:
-        return (rows, int(cfg.data.seq_len), int(cfg.model.n_embd))
-
-    def checkpoint_layers(self, module) -> None:
-        """Recompute each transformer block's activations in backward instead of keeping them."""
-        for block in module.transformer.h:
-            if block is not None:
-                inner = block.forward
-                block.forward = lambda x, inner=inner: checkpoint(inner, x, use_reentrant=False)
 
     def batch_fields(self, cfg) -> dict:
         return {"input_ids": ((int(cfg.data.seq_len),), torch.int64)}

@@ -50,7 +50,7 @@ class MarginSoftmaxHead(nn.Module):
         self.weight = nn.Parameter(torch.normal(0.0, 0.01, (num_classes, embedding_size)))
         self.register_buffer("class_ids", torch.arange(num_classes), persistent=False)
         self.register_buffer("draws", torch.zeros((), dtype=torch.int64))
-        self.seed = int(torch.randint(0, 2 ** 62, ()))
+        self.seed = int(torch.randint(0, 2 ** 62, (), device="cpu"))  # a host value, whatever the default device
         self._touched = None  # local row mask of the weight's shard, since the last sampled_rows()
 
     def forward(self, emb, labels):

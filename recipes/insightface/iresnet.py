@@ -83,10 +83,24 @@ class IResNet(nn.Module):
                 nn.init.constant_(m.bias, 0.0)
 
     def forward(self, x):
-        x = self.prelu(self.bn1(self.conv1(x)))
-        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        # A pipeline stage holds some of the modules (``PIPELINE``); the others are None and skipped.
+        if self.conv1 is not None:
+            x = self.prelu(self.bn1(self.conv1(x)))
+        for block in (b for layer in (self.layer1, self.layer2, self.layer3, self.layer4) for b in layer):
+            if block is not None:
+                x = block(x)
+        if self.fc is None:
+            return x
         x = self.dropout(self.bn2(x).flatten(1))
         return self.features(self.fc(x))
+
+
+# The pipeline split (``toolkit.stages``) of an IResNet at ``backbone`` (a path prefix): its blocks are the
+# repeated layers; the stem runs on the first stage, the embedding on the last.
+def pipeline(backbone: str) -> dict:
+    return {"layers": [f"{backbone}.layer{i}" for i in range(1, 5)],
+            "first": [f"{backbone}.{m}" for m in ("conv1", "bn1", "prelu")],
+            "last": [f"{backbone}.{m}" for m in ("bn2", "dropout", "fc", "features")]}
 
 
 def iresnet(name: str, **kwargs) -> IResNet:

@@ -80,5 +80,18 @@ class MobileFaceNet(nn.Module):
                 nn.init.constant_(m.bias, 0.0)
 
     def forward(self, x):
-        x = self.gdc(self.conv_sep(self.layers(x)))
+        # A pipeline stage holds some of the modules (``pipeline``); the others are None and skipped.
+        for layer in self.layers:
+            if layer is not None:
+                x = layer(x)
+        if self.fc is None:
+            return x
+        x = self.gdc(self.conv_sep(x))
         return self.features(self.fc(x.flatten(1)))
+
+
+# The pipeline split (``toolkit.stages``) of a MobileFaceNet at ``backbone`` (a path prefix): the stem and the
+# bottlenecks are the repeated layers; the separable conv, GDC and embedding run on the last stage.
+def pipeline(backbone: str) -> dict:
+    return {"layers": f"{backbone}.layers", "first": [],
+            "last": [f"{backbone}.{m}" for m in ("conv_sep", "gdc", "fc", "features")]}

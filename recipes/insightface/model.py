@@ -2,13 +2,16 @@
 
 ``FaceModel(backbone, head)(images, labels)`` is the training loss;
 ``embed(images)`` the embeddings verification compares. ``build(...)`` makes
-one from the recipe's model config values.
+one from the recipe's model config values; ``pipeline_plan(arch)`` is its
+split into pipeline stages.
 """
 from __future__ import annotations
 
 from torch import nn
 
 from .head import MarginSoftmaxHead
+from . import iresnet as _iresnet
+from . import mobilefacenet as _mobilefacenet
 from .iresnet import DEPTHS, iresnet
 from .margin import CombinedMargin
 from .mobilefacenet import MobileFaceNet
@@ -24,8 +27,10 @@ class FaceModel(nn.Module):
     def embed(self, images):
         return self.backbone(images)
 
-    def forward(self, images, labels):
-        return self.head(self.backbone(images), labels)
+    def forward(self, images, labels=None):
+        """The loss; on a pipeline stage without the head (``pipeline_plan``), the backbone's output."""
+        x = self.backbone(images)
+        return x if self.head is None else self.head(x, labels)
 
 
 def build_backbone(arch: str, width: int, image_size: int, embedding_size: int, dropout: float = 0.0) -> nn.Module:
@@ -34,6 +39,13 @@ def build_backbone(arch: str, width: int, image_size: int, embedding_size: int, 
     if arch in DEPTHS:
         return iresnet(arch, width=width, image_size=image_size, embedding_size=embedding_size, dropout=dropout)
     raise ValueError(f"model arch {arch!r} is unknown; valid: {', '.join(ARCHS)}")
+
+
+def pipeline_plan(arch: str) -> dict:
+    """The pipeline split of a ``FaceModel`` with backbone ``arch``: the backbone's blocks are the repeated
+    layers, its stem the first stage's, its embedding and the margin-softmax head the last stage's."""
+    plan = (_mobilefacenet if arch == "mobilefacenet" else _iresnet).pipeline("backbone")
+    return {**plan, "last": [*plan["last"], "head"]}
 
 
 def build(arch: str, width: int, image_size: int, embedding_size: int, num_classes: int, loss: str = "arcface",

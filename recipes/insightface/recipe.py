@@ -2,8 +2,10 @@
 
 Batch fields ``image`` (``float32 [3, S, S]``, read by the model) and
 ``label`` (``int64``, read by the loss), both ``S(0)`` over every rank of the
-``(dp, tp)`` mesh (``plan.py``); the model is not split into pipeline stages
-(``pp > 1`` is refused before spawn). Data: ``data.source`` synthetic
+``(dp, tp)`` mesh (``plan.py``). Pipeline stages split the backbone's blocks
+(``model.pipeline_plan``): the stem on the first stage, the embedding and
+the head on the last; a boundary's feature map is ``S(0)`` like the batch,
+its shape the producing block's (found on meta tensors by the trainer). Data: ``data.source`` synthetic
 (default), rec or image_folder, decoded on the runtime's data queue.
 Evaluation every ``trainer.eval_every`` steps: verification accuracy and
 TAR@FAR=1e-3 on the pairs ``.bin`` (embeddings of each image plus its
@@ -33,7 +35,7 @@ from .data.image_folder import ImageFolder
 from .data.images import ImageSource, normalize
 from .data.pairs import read_pairs
 from .data.verification import verification_metrics
-from .model import FaceModel, build, build_backbone
+from .model import FaceModel, build, build_backbone, pipeline_plan
 from .optim import PartialFCSGD
 from .plan import DATA_SBP, mesh_plan
 
@@ -54,7 +56,7 @@ class InsightFaceRecipe(Recipe):
     data_sbp = DATA_SBP
     inputs = ("image",)
     labels = ("label",)
-    pipeline = None
+    act_sbp = DATA_SBP
     throughput_unit = "images"
     rows_weigh_equally = True  # margin softmax loss, the mean over images
 
@@ -71,14 +73,18 @@ class InsightFaceRecipe(Recipe):
     def mesh_plan(self, cfg) -> dict:
         return mesh_plan(cfg)
 
+    def pipeline_plan(self, model_cfg) -> dict:
+        return pipeline_plan(str(model_cfg.arch))
+
     def stage_forward(self, module, x, labels=None):
-        return module(x["image"], labels["label"])
+        """The loss on the last stage; the backbone's feature map (or embedding) before it."""
+        return module(x["image"] if isinstance(x, dict) else x, None if labels is None else labels["label"])
 
     def build_optimizer(self, module, cfg):
         tr = cfg.trainer
-        if str(tr.optimizer) != "sgd":
+        head = module.head  # None on a pipeline stage before the last: no class centres
+        if str(tr.optimizer) != "sgd" or head is None:
             return super().build_optimizer(module, cfg)
-        head = module.head
         return PartialFCSGD(param_groups(module, float(tr.weight_decay)), {head.weight: head.sampled_rows},
                             lr=float(tr.lr), momentum=float(tr.momentum))
 

@@ -20,6 +20,11 @@ from sbp_core.boxing.cross_placement import transfer_slices
 from ..plan import ActorSpec
 
 
+def as_tuple(out) -> tuple:
+    """A stage's boundary output as a tuple of tensors (a forward returns one tensor, or a tuple or list)."""
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
 def _cut(slices, select, dtype):
     """The cut's action: ``slices`` of the selected local, contiguous, in the boundary layout's ``dtype``
     (the shape and dtype the cut declares as its ``out``, so its channel sends the data alone)."""

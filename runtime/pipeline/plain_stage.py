@@ -43,6 +43,8 @@ from sbp_core import GlobalTensor, Layout
 from sbp_core.dispatch import explaining
 from sbp_core.sbp import Partial, Split
 
+from .boundary import as_tuple
+
 AUDIT_RTOL = 1e-5  # the float32 parity bar for a stage's outputs and loss (scripts/verify_parity.py's)
 _S0 = Split(0)
 
@@ -56,7 +58,7 @@ def replicas(cfg, stage: int, module) -> int:
     sbps = [cfg.data_sbp] + ([cfg.act_sbp] if len(cfg.placements) > 1 else [])
     if any(n > 1 and s != _S0 for sbp in sbps for n, s in zip(p.shape, sbp)):
         return 0
-    rows = [shape[0] for shape, _ in cfg.batch.values()] + ([cfg.act_shape[0]] if cfg.act_shape else [])
+    rows = [shape[0] for shape, _ in cfg.batch.values()] + [shape[0] for acts in cfg.acts for shape, _ in acts]
     if any(r % p.size for r in rows):
         return 0
     return p.size
@@ -80,6 +82,14 @@ def _set_rng_state(state: tuple) -> None:
     torch.set_rng_state(state[0])
     if state[1] is not None:
         torch.cuda.set_rng_state(state[1])
+
+
+def _close(theirs: torch.Tensor, mine: torch.Tensor) -> bool:
+    if theirs.shape != mine.shape or theirs.dtype != mine.dtype:
+        return False
+    if not theirs.is_floating_point():
+        return bool(torch.equal(theirs, mine))
+    return bool((theirs - mine).abs().max() <= AUDIT_RTOL * torch.maximum(theirs.abs().max(), mine.abs().max()))
 
 
 def audit(dispatched, plain_forward, placement, n: int, last: bool):
@@ -111,10 +121,9 @@ def audit(dispatched, plain_forward, placement, n: int, last: bool):
             theirs = out._local.detach() / n
         else:
             theirs = None
-    else:
-        theirs = out._local.detach()  # laid out act_sbp: S(0) on every axis of size > 1 (``replicas``)
-    ok = theirs is not None and theirs.shape == mine.shape and \
-        bool((theirs - mine).abs().max() <= AUDIT_RTOL * torch.maximum(theirs.abs().max(), mine.abs().max()))
+    else:  # the boundary's tensors, laid out act_sbp: S(0) on every axis of size > 1 (``replicas``)
+        theirs = tuple(t._local.detach() for t in out)
+    ok = theirs is not None and all(_close(a, b) for a, b in zip(as_tuple(theirs), as_tuple(mine)))
     flag = torch.tensor(0.0 if ok else 1.0, device=placement.device())
     verdict = GlobalTensor(flag, Layout(placement, (Partial("max"),) * placement.ndim, (), flag.dtype)).full_tensor()
     return st, float(verdict) == 0.0

@@ -8,7 +8,7 @@ own actors. For stage ``s`` of ``pp`` on each of its ranks ``r``:
   communication); the first stage reads the ``inputs`` fields, the last the
   ``labels`` fields;
 - ``s{s}.F@r`` (compute): the stage's forward of micro-batch ``k``; its out
-  register is the *activation stash* (the input leaf, the output and the
+  register is the *activation stash* (the input leaves, the outputs and the
   autograd graph between them). Its quota is ``pp - s`` under 1F1B and
   ``m`` under GPipe: stage ``s`` cannot start a forward while that many
   micro-batches await their backward;
@@ -18,13 +18,16 @@ own actors. For stage ``s`` of ``pp`` on each of its ranks ``r``:
   (``defer_grad_boxing``: partial sums add locally, no traffic) except in
   the last micro-batch's backward, which boxes them to their parameters'
   layouts in buckets overlapping it (``sbp_core.grad_buckets``); its output
-  is the gradient of the stage's input boxed to the boundary layout. On a
+  is the gradient of each floating-point input boxed to the boundary layout. On a
   stage after the first that runs plain tensors (below), the last
   micro-batch's backward computes that input gradient alone and leaves the
   weights' gradients to ``reduce`` (``weight_pass``): the stage before,
   waiting for it, starts its last backward one weight pass earlier;
 - boundary actors (``runtime.pipeline.boundary``) carry activations from
-  stage ``s`` to ``s + 1`` and gradients back, by cross-placement boxing;
+  stage ``s`` to ``s + 1`` and gradients back, by cross-placement boxing:
+  one set per tensor of the boundary (``acts[s]``: any number, any shapes
+  and dtypes, as stage ``s``'s forward returns them; a tensor that is not
+  floating point carries no gradient back);
 - ``s{s}.reduce@r`` (compute, once per step): runs the deferred weight
   pass if any, boxes any gradient left in
   another layout than its parameter's (``box_grads``, or ZeRO's
@@ -72,7 +75,7 @@ from sbp_core.process_groups import world_rank
 from ..executor import run
 from ..plan import ActorSpec, Plan
 from . import plain_stage
-from .boundary import boundary_actors
+from .boundary import as_tuple, boundary_actors
 from .tied import TiedGrads
 from .weight_pass import input_first
 
@@ -83,8 +86,8 @@ SCHEDULES = ("1f1b", "gpipe")
 class Stash:
     """One micro-batch's activations held between its forward and its backward."""
 
-    inputs: object  # the stage's input leaf (None on the first stage)
-    output: object  # the boundary output, or the loss on the last stage
+    inputs: tuple | None  # the stage's input leaves, one per boundary tensor (None on the first stage)
+    output: object  # the boundary tensors (a tuple), or the loss on the last stage
 
 
 @dataclass
@@ -93,14 +96,18 @@ class PipelineConfig:
 
     ``batch``: ``{field: (global shape, dtype)}`` of one micro-batch, every
     field laid out ``data_sbp``; ``inputs``/``labels``: the fields the first
-    and the last stage read; ``act_shape``: a micro-batch's boundary
-    activation (global; ``None`` for one stage).
+    and the last stage read; ``acts``: per boundary (stage ``s`` to
+    ``s + 1``), the ``(global shape, dtype)`` of each tensor of a
+    micro-batch that stage ``s``'s forward returns, in order (``[]`` for one
+    stage; ``toolkit.stages.boundary_specs`` finds them from the model), all
+    laid out ``act_sbp``. A stage whose boundary holds one tensor gets and
+    returns that tensor; several, a tuple.
     """
 
     placements: list
     micro_batches: int
     batch: dict
-    act_shape: tuple | None
+    acts: list
     data_sbp: tuple
     act_sbp: tuple
     inputs: tuple
@@ -113,7 +120,6 @@ class PipelineConfig:
     # A plain stage after the first splits its last backward (input gradient first: weight_pass).
     # Not under torch.compile: a compiled graph's backward is one node, which gives every gradient at once.
     split_last_backward: bool = True
-    act_dtype: torch.dtype = torch.float32  # the boundary activations' (autocast stages hand over float32)
 
     def check(self) -> None:
         pp, m = len(self.placements), self.micro_batches
@@ -125,8 +131,8 @@ class PipelineConfig:
         missing = [f for f in (*self.inputs, *self.labels) if f not in self.batch]
         if missing:
             raise ValueError(f"inputs/labels {missing} are not fields of the batch {sorted(self.batch)}")
-        if pp > 1 and self.act_shape is None:
-            raise ValueError(f"{pp} stages need act_shape, the boundary activation's global shape")
+        if len(self.acts) != pp - 1 or not all(self.acts):
+            raise ValueError(f"{pp} stages need acts, {pp - 1} boundaries of (shape, dtype) tensors; got {self.acts!r}")
         seen = set()
         for s, p in enumerate(self.placements):
             if seen & set(p.ranks):
@@ -135,6 +141,15 @@ class PipelineConfig:
 
     def stash_quota(self, stage: int) -> int:
         return len(self.placements) - stage if self.schedule == "1f1b" else self.micro_batches
+
+    def act_layouts(self, boundary: int, stage: int) -> list:
+        """The layouts of boundary ``boundary``'s tensors on stage ``stage``'s placement."""
+        return [Layout(self.placements[stage], tuple(self.act_sbp), torch.Size(shape), dtype)
+                for shape, dtype in self.acts[boundary]]
+
+    def grad_slots(self, boundary: int) -> list:
+        """The indices of boundary ``boundary``'s tensors that carry a gradient back (floating point)."""
+        return [i for i, (_, dtype) in enumerate(self.acts[boundary]) if dtype.is_floating_point]
 
 
 class PipelineStep:
@@ -223,40 +238,60 @@ class PipelineStep:
             out[name] = GlobalTensor(local[name], layout)
         return out
 
-    def _forward(self, k, x, labels=None):
+    def _split_inputs(self, ins: tuple) -> tuple:
+        """``(x, labels)`` from an F actor's inputs: the first stage's data, else the boundary's tensors;
+        then, on the last stage, its data again (the labels)."""
+        s, last = self.stage, self.stage == self.pp - 1
+        if s == 0:
+            return ins[0], (ins[1] if last else None)
+        return ins[:len(self.cfg.acts[s - 1])], (ins[-1] if last else None)
+
+    def _forward(self, k, *ins):
         if self._auditing and k == 0:
             self._auditing = self._audit = False
             st, self._audited = plain_stage.audit(
-                lambda: self._forward(k, x, labels), lambda: self._plain_forward(k, x, labels),
+                lambda: self._forward(k, *ins), lambda: self._plain_forward(k, *ins),
                 self.cfg.placements[self.stage], self._replicas, self.stage == self.pp - 1)
             return st
         s, last = self.stage, self.stage == self.pp - 1
+        x, labels = self._split_inputs(ins)
         if s == 0:
             x = self._global_fields(x, self.cfg.inputs)
-        elif self._local:  # the received activation's local, a leaf of this stage's graph
-            x = x._local.detach().requires_grad_(x.requires_grad)
+        elif self._local:  # the received activations' locals, leaves of this stage's graph
+            x = tuple(t._local.detach().requires_grad_(t.requires_grad) for t in x)
         if last:
             labels = self._global_fields(labels, self.cfg.labels)
-        out = self.forward(self.module, x, labels)
-        if not last and not self._local:  # one device: any act_sbp's local is the whole tensor
-            out = out.to_global(sbp=self.cfg.act_sbp)
+        out = self.forward(self.module, x if s == 0 or len(x) > 1 else x[0], labels)
+        if not last:
+            out = as_tuple(out)
+            if len(out) != len(self.cfg.acts[s]):
+                raise ValueError(f"stage {s}'s forward returned {len(out)} tensors; its boundary has "
+                                 f"{len(self.cfg.acts[s])} ({self.cfg.acts[s]})")
+            if not self._local:  # one device: any act_sbp's local is the whole tensor
+                out = tuple(t.to_global(sbp=self.cfg.act_sbp) for t in out)
         if last and self._local and self._replicas:  # this replica's share of the mean: the dispatched loss's partial
             out = out / self._replicas
         return Stash(x if s > 0 else None, out)
 
-    def _plain_forward(self, k, x, labels):
-        """``_forward`` on plain tensors, this once (the audit's other side)."""
+    def _plain_forward(self, k, *ins):
+        """``_forward`` on plain tensors, this once (the audit's other side); the module's buffers
+        (e.g. batch norm's running statistics, which a training forward updates) are left as they were."""
+        buffers = [b.to_local() if isinstance(b, GlobalTensor) else b for b in self.module.buffers()]
+        saved = [b.detach().clone() for b in buffers]
         self._shards.swap()
         self._local = True
         try:
-            return self._forward(k, x, labels)
+            return self._forward(k, *ins)
         finally:
             self._local = False
             self._shards.restore()
+            with torch.no_grad():
+                for b, v in zip(buffers, saved):
+                    b.copy_(v)
 
-    def _eval_forward(self, k, x, labels=None):
+    def _eval_forward(self, k, *ins):
         with torch.no_grad():
-            st = self._forward(k, x, labels)
+            st = self._forward(k, *ins)
         if self.stage == self.pp - 1:
             self._losses.append(st.output)
         return st
@@ -271,29 +306,36 @@ class PipelineStep:
         self.last_loss = float(self._value(total / len(losses)))
         return self.last_loss
 
-    def _backward(self, k, stash: Stash, grad=None):
-        m = self.cfg.micro_batches
-        output = stash.output
-        if grad is None:  # the last stage: its share of the mean loss, times fp16's loss scale if any
-            output = output / m if self.loss_scale is None else output / m * self.loss_scale.scale
-        grad = grad._local if self._local and grad is not None else grad
-        if self.stage == 0 and k == m - 1:
+    def _backward(self, k, stash: Stash, *grads):
+        m, s = self.cfg.micro_batches, self.stage
+        if s == self.pp - 1:  # the last stage: its share of the mean loss, times fp16's loss scale if any
+            loss = stash.output
+            outputs, grads = [loss / m if self.loss_scale is None else loss / m * self.loss_scale.scale], None
+        else:  # the boundary's floating-point tensors, seeded with the gradients the next stage sent
+            slots = self.cfg.grad_slots(s)
+            outputs = [stash.output[i] for i in slots]
+            grads = [g._local if self._local else g for g in grads]
+            kept = [j for j, t in enumerate(outputs) if t.requires_grad]  # an output cut from the graph has none
+            outputs, grads = [outputs[j] for j in kept], [grads[j] for j in kept]
+        if s == 0 and k == m - 1:
             self.tied.expect()  # the last stage's tied gradients arrive while this backward runs
-        if self._local and stash.inputs is not None and k == m - 1 and self.cfg.split_last_backward:
-            # The stage before waits for this input gradient: the weights' gradients come in reduce (weight_pass).
-            self._weight_pass = input_first(output, grad, stash.inputs, self.module.parameters())
-        else:
+        inputs = None if stash.inputs is None else [stash.inputs[i] for i in self.cfg.grad_slots(s - 1)]
+        if self._local and inputs and k == m - 1 and self.cfg.split_last_backward:
+            # The stage before waits for these input gradients: the weights' gradients come in reduce (weight_pass).
+            self._weight_pass = input_first(outputs, grads, inputs, self.module.parameters())
+        elif outputs:
             # All but the last micro-batch accumulate partial sums locally; the last one's backward
             # boxes the sums in buckets that overlap it (sbp_core.grad_buckets), as DDP's no_sync.
             with sc.defer_grad_boxing() if k < m - 1 else contextlib.nullcontext():
-                output.backward(grad)
-        if self.stage == self.pp - 1:
+                torch.autograd.backward(outputs, grads)
+        if s == self.pp - 1:
             self._losses.append(stash.output.detach())
-        if stash.inputs is None:
+        if inputs is None:
             return None
-        if self._local:  # the boundary's cut takes a plain tensor as the whole (one-device) value
-            return stash.inputs.grad
-        return stash.inputs.grad.to_global(sbp=self.cfg.act_sbp)
+        # An input that no output depends on gets a zero gradient; on a plain stage the boundary's cut
+        # takes a plain tensor as the whole (one-device) value.
+        out = [x.grad if x.grad is not None else torch.zeros_like(x) for x in inputs]
+        return tuple(out if self._local else (g.to_global(sbp=self.cfg.act_sbp) for g in out))
 
     def _reduce(self, k, outs):
         if self._weight_pass is not None:
@@ -358,25 +400,31 @@ class PipelineStep:
         cfg, pp = self.cfg, self.pp
         device = cfg.placements[0].device()
         actors, lockstep = [], []
-        act = [Layout(p, tuple(cfg.act_sbp), torch.Size(cfg.act_shape), cfg.act_dtype) for p in cfg.placements] \
-            if pp > 1 else []
-        fwd_in, bwd_in = {}, {}
+        fwd_in, bwd_in = {}, {}  # rank -> the assemble actors of the boundary tensors it receives, in order
         for s in range(pp - 1):
-            acts, asm = boundary_actors(f"s{s}.act", {r: f"s{s}.F@{r}" for r in cfg.placements[s].ranks},
-                                        act[s], act[s + 1], train, device, select=lambda st: st.output)
-            actors += acts
-            fwd_in.update(asm)
+            src, dst = cfg.act_layouts(s, s), cfg.act_layouts(s, s + 1)
+            for i in range(len(cfg.acts[s])):
+                acts, asm = boundary_actors(f"s{s}.act" + (f".{i}" if i else ""),
+                                            {r: f"s{s}.F@{r}" for r in cfg.placements[s].ranks}, src[i], dst[i],
+                                            train and dst[i].dtype.is_floating_point, device,
+                                            select=lambda st, i=i: st.output[i])
+                actors += acts
+                for r, name in asm.items():
+                    fwd_in[r] = fwd_in.get(r, ()) + (name,)
             if train:
-                grads, gasm = boundary_actors(f"s{s + 1}.grad", {r: f"s{s + 1}.B@{r}" for r in cfg.placements[s + 1].ranks},
-                                              act[s + 1], act[s], False, device)
-                actors += grads
-                bwd_in.update(gasm)
+                for j, i in enumerate(cfg.grad_slots(s)):
+                    grads, gasm = boundary_actors(f"s{s + 1}.grad" + (f".{i}" if i else ""),
+                                                  {r: f"s{s + 1}.B@{r}" for r in cfg.placements[s + 1].ranks},
+                                                  dst[i], src[i], False, device, select=lambda g, j=j: g[j])
+                    actors += grads
+                    for r, name in gasm.items():
+                        bwd_in[r] = bwd_in.get(r, ()) + (name,)
         for s, p in enumerate(cfg.placements):
             if len(p.ranks) > 1 and self._order_varies(s, train):
                 lockstep.append(tuple(p.ranks))
             for r in p.ranks:
                 first, last = s == 0, s == pp - 1
-                f_in = () if first else (fwd_in[r],)
+                f_in = () if first else fwd_in[r]
                 if first or last:
                     specs, data = self._data_actors(batches, s, r, self.stage == s and world_rank() == r)
                     actors += specs
@@ -389,7 +437,7 @@ class PipelineStep:
                                   rank=r, every=m, role="loss"),
                     ]
                     continue
-                b_in = (f"s{s}.F@{r}",) if last else (f"s{s}.F@{r}", bwd_in[r])
+                b_in = (f"s{s}.F@{r}",) + (() if last else bwd_in.get(r, ()))
                 actors += [
                     ActorSpec(f"s{s}.F@{r}", self._forward, inputs=f_in, quota=cfg.stash_quota(s), rank=r, role="F"),
                     ActorSpec(f"s{s}.B@{r}", self._backward, inputs=b_in, quota=2, priority=1, rank=r, role="B"),

@@ -27,16 +27,17 @@ import torch
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 
-def input_first(output: torch.Tensor, grad, stage_input: torch.Tensor, weights) -> Callable[[], None]:
-    """Backward of ``output`` (seeded with ``grad``; ``None`` for a scalar loss) into ``stage_input.grad`` alone.
+def input_first(outputs: list, grads, stage_inputs: list, weights) -> Callable[[], None]:
+    """Backward of ``outputs`` (seeded with ``grads``; ``None`` for a scalar loss) into the ``stage_inputs``' ``.grad`` alone.
 
     Returns the weight pass: calling it (once) accumulates every weight's
-    gradient into its ``.grad`` as ``output.backward(grad)`` would have, and
-    frees the graph. Until then the graph and each parameter group's
-    incoming gradients stay alive.
+    gradient into its ``.grad`` as ``torch.autograd.backward(outputs,
+    grads)`` would have, and frees the graph. Until then the graph and each
+    parameter group's incoming gradients stay alive.
     """
     weights = [w for w in weights if w.requires_grad]
-    _, groups = stage_backward_input([output], None if grad is None else [grad], [stage_input], iter(weights))
+    _, groups = stage_backward_input(list(outputs), None if grads is None else list(grads), list(stage_inputs),
+                                     iter(weights))
 
     def weight_pass() -> None:
         stage_backward_weight(iter(weights), groups)

@@ -42,8 +42,10 @@ class StageSpec:
     - ``build(placement) -> (module, optimizer)``: the stage's module with its
       plan applied (``sc.distribute_module`` or ZeRO's rewrite) and its optimizer;
     - ``inputs(placement) -> (x, labels)``: one micro-batch's global inputs
-      (``labels`` ``None`` unless ``last``); ``global_input`` builds them;
-    - ``forward(module, x, labels)``: the stage output, or the loss when ``last``;
+      (the boundary's tensor, or a tuple of them, after the first stage;
+      ``labels`` ``None`` unless ``last``); ``global_input`` builds them;
+    - ``forward(module, x, labels)``: the stage output (a tensor or a tuple),
+      or the loss when ``last``;
     - ``act_sbp``: the stage-boundary layout (outputs are boxed to it before
       they leave, input gradients before they go back); ``micro_batches``
       scales the loss like the runtime; ``grad_clip`` clips when set.
@@ -124,20 +126,23 @@ def trace_stage(spec: StageSpec) -> StageTrace:
             x, labels = spec.inputs(placement)
             with r.phase("F") as f:
                 y = spec.forward(module, x, labels if spec.last else None)
-                if not spec.last:
-                    y = y.to_global(sbp=spec.act_sbp)
+                if not spec.last:  # the boundary's tensors: one, or a tuple
+                    y = [t.to_global(sbp=spec.act_sbp) for t in (y if isinstance(y, (tuple, list)) else (y,))]
             if k == 0:
                 out.phases["F"] = f
                 out.stash_bytes = f.end_bytes
-                out.act_bytes = 0 if spec.last else _local_bytes([y])
+                out.act_bytes = 0 if spec.last else _local_bytes(y)
             with r.phase("B0" if k == 0 else "B") as b:
                 with defer_grad_boxing():
                     if spec.last:
                         (y / spec.micro_batches).backward()
                     else:
-                        y.backward(global_input(y.shape, y.dtype, placement, spec.act_sbp))
-                if not spec.first and isinstance(x, GlobalTensor) and x.grad is not None:
-                    x.grad.to_global(sbp=spec.act_sbp)
+                        ys = [t for t in y if t.requires_grad]
+                        torch.autograd.backward(ys, [global_input(t.shape, t.dtype, placement, spec.act_sbp)
+                                                     for t in ys])
+                for t in () if spec.first else (x if isinstance(x, (tuple, list)) else (x,)):
+                    if isinstance(t, GlobalTensor) and t.grad is not None:
+                        t.grad.to_global(sbp=spec.act_sbp)
             out.phases[b.name] = b
             del x, labels, y
         with r.phase("reduce") as red:

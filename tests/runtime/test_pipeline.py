@@ -14,6 +14,7 @@ from toolkit.rank_pool import get_pool
 from toolkit.stages import stage_ranges
 
 BATCH = {"ids": ((2, 4), torch.int64)}
+ACT = (((2, 4, 8), torch.float32),)
 
 
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
@@ -112,11 +113,11 @@ def test_timeline_counts_held_micro_batches_and_idle_time():
 
 def test_bad_pipeline_input_is_refused_before_anything_runs():
     with pytest.raises(ValueError, match="at least as many micro-batches as stages"):
-        PipelineConfig([object()] * 4, 2, BATCH, (2, 4, 8), (), (), ("ids",), ("ids",)).check()
+        PipelineConfig([object()] * 4, 2, BATCH, [ACT] * 3, (), (), ("ids",), ("ids",)).check()
     with pytest.raises(ValueError, match="pp_schedule 'zb' is not one of"):
-        PipelineConfig([], 2, BATCH, (2, 4, 8), (), (), ("ids",), ("ids",), schedule="zb").check()
+        PipelineConfig([], 2, BATCH, [], (), (), ("ids",), ("ids",), schedule="zb").check()
     with pytest.raises(ValueError, match=r"inputs/labels \['labels'\] are not fields of the batch \['ids'\]"):
-        PipelineConfig([object()] * 2, 2, BATCH, (2, 4, 8), (), (), ("ids",), ("labels",)).check()
+        PipelineConfig([object()] * 2, 2, BATCH, [ACT], (), (), ("ids",), ("labels",)).check()
     with pytest.raises(ValueError, match="cannot be split uniformly into pp=3"):
         stage_ranges(4, 3)
     with pytest.raises(ValueError, match="every stage needs at least one layer"):

@@ -30,7 +30,7 @@ def _run(split: bool, scalar: bool):
     if not split:
         out.backward(grad)
         return x.grad, {n: p.grad for n, p in block.named_parameters()}
-    weight_pass = input_first(out, grad, x, block.parameters())
+    weight_pass = input_first([out], None if grad is None else [grad], [x], block.parameters())
     assert x.grad is not None
     assert all(p.grad is None for p in block.parameters()), "weights' gradients wait for the weight pass"
     weight_pass()

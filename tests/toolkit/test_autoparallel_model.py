@@ -64,7 +64,9 @@ def test_insightface_is_traced_and_priced():
     model = RecipeSearchModel(get("insightface"), cfg)
     assert [c.name for c in model.choices] == ["head"]
     assert model.micro_batches(Strategy(dp=2, tp=2, micro_batch_size=4)) == 1  # 4 data shards
-    assert model.problems(Strategy(dp=1, tp=1, pp=2, micro_batch_size=4))  # no pipeline split
+    # Verification embeds with the whole backbone: a pipeline only without it.
+    assert any("eval_every" in p for p in model.problems(Strategy(dp=1, tp=1, pp=2, micro_batch_size=4)))
+    assert not model.layers_alike  # a ResNet's blocks change width: each stage is rehearsed whole
     cluster = cluster_from_dict({"name": "toy", "nodes": 1, "devices_per_node": 4,
                                  "device": {"memory_gib": 1, "peak_tflops": {"float32": 1.0},
                                             "memory_bandwidth_gbs": 10},
@@ -78,3 +80,10 @@ def test_insightface_is_traced_and_priced():
     assert head and head[0].outputs[0][1].is_split  # logits split over the classes on the tp axis
     assert four.traces[0].phases["reduce"].collectives and not one.traces[0].phases["reduce"].collectives
     assert four.step_seconds < one.step_seconds
+    piped = RecipeSearchModel(get("insightface"), compose(
+        ["recipe=insightface", "trainer.global_batch_size=16", "trainer.micro_batch_size=4", "trainer.eval_every=0"],
+        run_dir="/tmp/autoparallel-insightface"))
+    pp2 = Strategy(pp=2, micro_batch_size=4)
+    assert not piped.problems(pp2)
+    two = Evaluator(piped, cluster, RooflineOpCosts(cluster.peak_flops, cluster.mem_bandwidth)).predict(pp2)
+    assert [t.act_bytes for t in two.traces] == [4 * 32 * 8 * 8 * 4, 0]  # layer2 out: [4, 2*16, 32/4, 32/4] fp32

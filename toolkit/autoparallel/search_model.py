@@ -30,7 +30,7 @@ from sbp_core.search.stage_trace import StageTrace, trace_stage
 from sbp_core.search.strategy import Strategy, parse_sbp
 from toolkit.config import ConfigError, typed, validate
 from toolkit.recipe import data_shard
-from toolkit.stages import stage_ranges
+from toolkit.stages import layer_paths, stage_ranges
 
 from .extrapolate import extrapolate
 from .stage_spec import mesh_plan, stage_layers, stage_spec, strategy_cfg
@@ -51,6 +51,11 @@ def _layer_uniform(pattern: str) -> bool:
     return _INDEX.search(pattern) is None
 
 
+def _signature(layer) -> tuple:
+    """What makes two repeated layers alike for pricing: their parameters' and buffers' names and shapes."""
+    return tuple((n, tuple(t.shape)) for n, t in [*layer.named_parameters(), *layer.named_buffers()])
+
+
 class RecipeSearchModel:
     def __init__(self, recipe, cfg, zero=None, per_layer: bool | None = None, direct_blocks: int = 3):
         self.recipe, self.zero = recipe, zero
@@ -58,12 +63,17 @@ class RecipeSearchModel:
         self.global_batch = int(cfg.trainer.global_batch_size)
         self.schedule = str(cfg.parallel.pp_schedule)
         self.grad_clip = float(cfg.trainer.grad_clip) > 0
-        self.n_layer = recipe.n_layers(cfg.model) if recipe.pipeline is not None else 0
+        self.split = recipe.pipeline_plan(cfg.model)
+        self.n_layer = recipe.n_layers(cfg.model) if self.split is not None else 0
         self.direct_blocks = direct_blocks
         self.per_layer = self.n_layer <= 8 if per_layer is None else per_layer
         with fake_tensors():  # shapes only, however big the model
             model = recipe.build_model(cfg.model)
         self.shapes = {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
+        self.layer_paths = layer_paths(model, self.split) if self.split is not None else []
+        # A deep stage is priced from rehearsals of 2 and 3 of its layers only when every layer is alike
+        # (the same parameter and buffer shapes: GPT-2's blocks, not a ResNet's, whose widths change).
+        self.layers_alike = len({_signature(model.get_submodule(p)) for p in self.layer_paths}) <= 1
         self.tied = [tuple(t) for t in recipe.tied]
         self._traces: dict = {}
         self.rehearsals = 0
@@ -181,20 +191,19 @@ class RecipeSearchModel:
 
     def _stage_names(self, strategy: Strategy, stage: int) -> set:
         """Parameter names on ``stage``: its layers', the pipeline's first modules' on stage 0, last ones' on the last."""
-        pipe = self.recipe.pipeline
+        pipe = self.split
         if pipe is None:
             return set(self.shapes)
         r = stage_ranges(self.n_layer, strategy.pp)[stage]
-        layer = re.compile(re.escape(pipe["layers"]) + r"\.(\d+)\.")
 
         def under(n, paths):
             return any(n.startswith(p + ".") for p in paths)
 
         out = set()
         for n in self.shapes:
-            m = layer.match(n)
-            if m:
-                keep = int(m.group(1)) in r
+            i = next((i for i, path in enumerate(self.layer_paths) if n.startswith(path + ".")), None)
+            if i is not None:
+                keep = i in r
             elif under(n, pipe.get("first", ())):
                 keep = stage == 0
             elif under(n, pipe.get("last", ())):
@@ -212,7 +221,7 @@ class RecipeSearchModel:
         pp = strategy.pp
         layers = stage_layers(self.recipe, self.cfg, pp, stage)
         ops = self._ops_for(strategy, stage, self._stage_names(strategy, stage))
-        uniform = all(_layer_uniform(p) for p, _ in ops)
+        uniform = self.layers_alike and all(_layer_uniform(p) for p, _ in ops)
         where = (stage == 0, stage == pp - 1)
         common = (strategy.dp, strategy.tp, strategy.zero, strategy.micro_batch_size, strategy.sequence_parallel,
                   where, ops)

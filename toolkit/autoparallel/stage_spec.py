@@ -23,7 +23,7 @@ from sbp_core.search.strategy import Strategy
 from toolkit.config import typed
 from toolkit.mesh import model_names, plan_for_module, with_overrides
 from toolkit.recipe import data_shard, recipe_batch
-from toolkit.stages import keep_layers, stage_ranges
+from toolkit.stages import boundary_specs, keep_layers, stage_ranges
 from toolkit.trainer import AUTOCAST, autocast_forward
 
 
@@ -39,7 +39,7 @@ def strategy_cfg(cfg, recipe, strategy: Strategy):
 
 
 def stage_layers(recipe, cfg, pp: int, stage: int) -> range:
-    if recipe.pipeline is None:
+    if recipe.pipeline_plan(cfg.model) is None:
         return range(0)
     return stage_ranges(recipe.n_layers(cfg.model), pp)[stage]
 
@@ -50,6 +50,7 @@ def stage_spec(recipe, cfg, strategy: Strategy, stage: int, layers=None, zero=No
     pp = strategy.pp
     layers = stage_layers(recipe, cfg, pp, stage) if layers is None else layers
     first, last = stage == 0, stage == pp - 1
+    split = recipe.pipeline_plan(cfg.model)
     mesh_shape, origin = (strategy.dp, strategy.tp), (0, 0)
     rows = strategy.micro_batch_size * data_shard(recipe.data_sbp, mesh_shape, origin)[1]
     fields = recipe_batch(cfg, recipe)
@@ -58,9 +59,9 @@ def stage_spec(recipe, cfg, strategy: Strategy, stage: int, layers=None, zero=No
         torch.manual_seed(int(cfg.trainer.seed))
         model = recipe.build_model(cfg.model)
         names = model_names(model)
-        module = model if recipe.pipeline is None else keep_layers(model, recipe.pipeline, layers, first, last)
+        module = model if split is None else keep_layers(model, split, layers, first, last)
         if cfg.trainer.activation_checkpointing:
-            recipe.checkpoint_layers(module)
+            recipe.checkpoint_layers(module, cfg.model)
         plan = plan_for_module(module, with_overrides(recipe.mesh_plan(cfg), cfg.parallel.plan), names)
         if strategy.zero and strategy.dp > 1:
             if zero is None:
@@ -76,11 +77,19 @@ def stage_spec(recipe, cfg, strategy: Strategy, stage: int, layers=None, zero=No
     def batch(placement, names):
         return {k: global_input((rows, *fields[k][0]), fields[k][1], placement, recipe.data_sbp) for k in names}
 
+    acts = None
+    if not first:  # what the stages before send: the model up to this stage's first layer, run on meta tensors
+        acts = boundary_specs(lambda: recipe.build_model(cfg.model), recipe.stage_forward, split,
+                              [range(0, layers.start), range(layers.start, recipe.n_layers(cfg.model))],
+                              {k: ((rows, *fields[k][0]), fields[k][1]) for k in recipe.inputs}, recipe.inputs)[0]
+
     def inputs(placement):
         if first:
             x = batch(placement, recipe.inputs)
         else:
-            x = global_input(recipe.act_shape(cfg, rows), torch.float32, placement, recipe.act_sbp, requires_grad=True)
+            x = tuple(global_input(shape, dtype, placement, recipe.act_sbp, requires_grad=dtype.is_floating_point)
+                      for shape, dtype in acts)
+            x = x[0] if len(x) == 1 else x
         return x, (batch(placement, recipe.labels) if last else None)
 
     m = int(cfg.trainer.global_batch_size) // rows

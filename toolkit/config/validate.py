@@ -179,7 +179,7 @@ def validate(cfg: Any, recipe, world_size: Optional[int] = None) -> JobLayout:
         if par.pp_virtual != 1:
             p.append(f"parallel.pp_virtual={par.pp_virtual}: interleaved (virtual) stages are not supported "
                      "by the pipeline executor; valid: 1")
-        if recipe.pipeline is not None:
+        if recipe.pipeline_plan(cfg.model) is not None:
             stage_layers = _check_stages(p, par, recipe.n_layers(cfg.model))
         if world_size is None:
             world_size = env.world_size if env is not None else world
