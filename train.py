@@ -23,10 +23,9 @@ from toolkit.launcher import launch  # noqa: E402
 def run(cfg):
     """On every rank."""
     from recipes.registry import get
-    from recipes.zero import apply_zero
     from toolkit.trainer import train
 
-    return train(cfg, get(cfg.recipe.name), apply_zero)
+    return train(cfg, get(cfg.recipe.name))
 
 
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="config")
@@ -35,11 +34,10 @@ def main(cfg):
 
     recipe = get(cfg.recipe.name)
     if cfg.parallel.auto:  # search (or load) the plan here, before any rank exists
-        from recipes.zero import apply_zero
         from toolkit.autoparallel.auto import resolve
 
         run_dir = str(cfg.run_dir)
-        cfg = resolve(cfg, recipe, apply_zero)
+        cfg = resolve(cfg, recipe)
         cfg.run_dir = run_dir
     layout = validate(cfg, recipe)
     save_resolved_config(cfg, cfg.run_dir)

@@ -76,10 +76,9 @@ HOST = {
 class Ours:
     def __init__(self, cfg):
         from recipes.registry import get
-        from recipes.zero import apply_zero
         from toolkit.trainer import Job
 
-        self.job = Job(cfg, get(cfg.recipe.name), apply_zero)
+        self.job = Job(cfg, get(cfg.recipe.name))
 
     def step(self, i):
         return self.job.pipe.step(i)

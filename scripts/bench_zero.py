@@ -7,7 +7,7 @@ fp32 and with bf16 compute copies (fp32 masters):
 
 - bytes of parameters, gradients and optimizer states this rank holds after
   backward (before the step), counted from its tensors' storages
-  (``recipes.zero.held_bytes``), next to the ZeRO paper's formulas (mixed
+  (``toolkit.zero.held_bytes``), next to the ZeRO paper's formulas (mixed
   precision: stage 0 (2+2+K)Ψ, stage 1 4Ψ+KΨ/N, stage 2 2Ψ+(2+K)Ψ/N,
   stage 3 (2+2+K)Ψ/N with K = 12; fp32: 2, 2, K = 4, 4, 8), Ψ the model's
   parameter count. During the optimizer step the masters' fp32 gradient
@@ -51,8 +51,8 @@ sys.path.insert(0, ROOT)
 import sbp_core as sc  # noqa: E402
 from scripts.paired import paired_ratio  # noqa: E402
 from recipes.gpt2.model import GPT2Config, GPT2LMHeadModel  # noqa: E402
-from recipes.zero import apply_zero, formula_bytes, held_bytes, model_elements, traffic_formula  # noqa: E402
-from recipes.zero.accounting import count_bytes, optimizer_state  # noqa: E402
+from toolkit.zero import apply_zero, formula_bytes, held_bytes, model_elements, traffic_formula  # noqa: E402
+from toolkit.zero.accounting import count_bytes, optimizer_state  # noqa: E402
 from sbp_core.sbp import Split  # noqa: E402
 
 WORLD = 4
@@ -214,7 +214,7 @@ def _code_lines(text: str) -> int:
 
 
 def _lines_of_zero() -> str:
-    files = ["recipes/zero/plan.py", "recipes/zero/apply.py", "sbp_core/cast.py", "sbp_core/boxing/coalesced.py"]
+    files = ["toolkit/zero/plan.py", "toolkit/zero/apply.py", "sbp_core/cast.py", "sbp_core/boxing/coalesced.py"]
     total = code = 0
     for f in files:
         with open(os.path.join(ROOT, f)) as fh:

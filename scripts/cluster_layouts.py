@@ -50,7 +50,6 @@ def _layouts(devices: int) -> list:
 
 def predict_layouts(cluster_name: str, overrides: list, micro: int, log=print) -> tuple:
     from recipes.registry import get
-    from recipes.zero import apply_zero
     from sbp_core.search.evaluate import Evaluator
     from sbp_core.search.opcost import RooflineOpCosts
     from sbp_core.search.strategy import Strategy
@@ -60,7 +59,7 @@ def predict_layouts(cluster_name: str, overrides: list, micro: int, log=print) -
 
     cluster = load_cluster(cluster_name)
     cfg = compose(overrides, run_dir="/tmp/cluster_layouts")
-    model = RecipeSearchModel(get(cfg.recipe.name), cfg, apply_zero, per_layer=False)
+    model = RecipeSearchModel(get(cfg.recipe.name), cfg, per_layer=False)
     ev = Evaluator(model, cluster, RooflineOpCosts(cluster.peak_flops, cluster.mem_bandwidth, cluster.kernel_overhead))
     rows = []
     for name in _layouts(cluster.devices):

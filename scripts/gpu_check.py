@@ -37,7 +37,6 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from recipes.registry import get  # noqa: E402
-from recipes.zero import apply_zero  # noqa: E402
 from toolkit.config import compose, validate  # noqa: E402
 from toolkit.launcher import launch  # noqa: E402
 from toolkit.plain_loop import PlainLoop  # noqa: E402
@@ -66,7 +65,7 @@ TOLERANCE = {"bf16": 2e-2, "fp16": 2e-2, "fp32": 1e-4}
 
 
 def _rank_main(cfg):
-    return train(cfg, get(cfg.recipe.name), apply_zero)
+    return train(cfg, get(cfg.recipe.name))
 
 
 def ours(cfg, device: str) -> list:

@@ -46,7 +46,6 @@ _JOBS: dict = {}
 def _job(key, overrides, strategy_dict):
     if key not in _JOBS:
         from recipes.registry import get
-        from recipes.zero import apply_zero
         from sbp_core.search.strategy import Strategy
         from toolkit.autoparallel.stage_spec import strategy_cfg
         from toolkit.config import compose
@@ -56,7 +55,7 @@ def _job(key, overrides, strategy_dict):
                        run_dir=tempfile.mkdtemp())
         recipe = get(base.recipe.name)
         cfg = strategy_cfg(base, recipe, Strategy.from_dict(strategy_dict))
-        _JOBS[key] = [Job(cfg, recipe, apply_zero), 0]
+        _JOBS[key] = [Job(cfg, recipe), 0]
     return _JOBS[key]
 
 

@@ -35,7 +35,6 @@ def main() -> None:
     o = ap.parse_args()
 
     from recipes.registry import get
-    from recipes.zero import apply_zero
     from toolkit.autoparallel.auto import plan_path, search_plan, write_plan
     from toolkit.autoparallel.cluster_file import load_cluster
     from toolkit.autoparallel.report import describe
@@ -49,7 +48,7 @@ def main() -> None:
     cfg = compose(["parallel=auto", "logger=none"] + list(o.overrides) + extra, run_dir="/tmp/search_plan")
     recipe = get(cfg.recipe.name)
     t0 = time.time()
-    result, model = search_plan(cfg, recipe, apply_zero)
+    result, model = search_plan(cfg, recipe)
     cluster = load_cluster(o.cluster)
     best = result.best
     print(f"searched {result.evaluated} plans in {time.time() - t0:.0f} s ({model.rehearsals} stage rehearsals; "

@@ -176,7 +176,6 @@ def main() -> None:
     from calibrate_machine import calibrate, contention, op_cost_path
     from layout_timing import LayoutTimer
     from recipes.registry import get
-    from recipes.zero import apply_zero
     from sbp_core.search.cluster import GB, Link
     from sbp_core.search.evaluate import Evaluator
     from sbp_core.search.mcmc import search
@@ -195,7 +194,7 @@ def main() -> None:
     overrides = ["model=gpt2-tiny"]
     cfg = compose(overrides, run_dir="/tmp/verify_simulator")
     recipe = get(cfg.recipe.name)
-    model = RecipeSearchModel(recipe, cfg, apply_zero)
+    model = RecipeSearchModel(recipe, cfg)
     names = o.layouts.split(",")
     strategies = [_strategy(n, o.micro) for n in names]
 
@@ -286,7 +285,7 @@ def main() -> None:
     out_of_sample = {}
     for label, (overrides_b, layouts_b, micro_b) in OUT_OF_SAMPLE.items():
         cfg_b = compose(overrides_b, run_dir="/tmp/verify_simulator")
-        model_b = RecipeSearchModel(get(cfg_b.recipe.name), cfg_b, apply_zero)
+        model_b = RecipeSearchModel(get(cfg_b.recipe.name), cfg_b)
         names_b = layouts_b.split(",")
         strategies_b = [_strategy(n, micro_b) for n in names_b]
         own = dataclasses.replace(cluster, **dict(zip(("kernel_factor", "host_overhead"),

@@ -46,6 +46,7 @@ from toolkit.optim import build_scheduler, lr_at
 from toolkit.peak import device_peak
 from toolkit.recipe import data_shard, recipe_batch
 from toolkit.stages import boundary_specs, keep_stage, stage_ranges
+from toolkit.zero import apply_zero
 
 
 def _progress(total: int, initial: int, enabled: bool):
@@ -59,7 +60,7 @@ def _progress(total: int, initial: int, enabled: bool):
 class Job:
     """One rank's share of a training job: its stage module, optimizer, data and pipelined step."""
 
-    def __init__(self, cfg, recipe, zero=None):
+    def __init__(self, cfg, recipe):
         self.recipe = recipe
         self.layout = lay = validate(cfg, recipe, world_size=dist.get_world_size())
         self.cfg = cfg = typed(cfg, recipe)
@@ -91,13 +92,10 @@ class Job:
         plan = plan_for_module(self.module, with_overrides(recipe.mesh_plan(cfg), cfg.parallel.plan), names)
         self.zero = None
         bucket_bytes = max(1, int(float(cfg.parallel.bucket_mb) * 2**20))
-        if lay.zero and zero is None:
-            raise ValueError(f"parallel.zero={lay.zero} needs ZeRO's apply function: call "
-                             "train(cfg, recipe, recipes.zero.apply_zero) as train.py does")
         if lay.zero:
             # ZeRO rewrites the plan: masters S on the dp axis, a cast to B feeds the compute.
-            self.module, self.zero = zero(self.module, mesh, plan, stage=lay.zero, dp_axis=0,
-                                          bucket_bytes=bucket_bytes)
+            self.module, self.zero = apply_zero(self.module, mesh, plan, stage=lay.zero, dp_axis=0,
+                                                bucket_bytes=bucket_bytes)
         else:
             sc.distribute_module(self.module, mesh, plan, bucket_bytes)
         self.optimizer = recipe.build_optimizer(self.module, cfg)
@@ -121,7 +119,7 @@ class Job:
         # fp16 needs its loss scaled (GradScaler's dynamic scale; the skip is decided for the whole job).
         scaler = sc.LossScaler() if tr.precision == "fp16" else None
         self.pipe = PipelineStep(self.pipe_cfg, self.module, self.optimizer, forward, self.train_batches,
-                                 self.scheduler, loss_scale=scaler)
+                                 self.scheduler, loss_scale=scaler, zero=self.zero)
         self.val_batches = None
         if tr.eval_every:
             self.val_batches = recipe.data(cfg, self.data, "val", self.data_shard, self.data_shards, lay)
@@ -197,9 +195,10 @@ def _synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def train(cfg, recipe, zero=None):
-    """``zero``: ``recipes.zero.apply_zero`` (passed in: toolkit does not import recipes), used when ``parallel.zero > 0``."""
-    job = Job(cfg, recipe, zero)
+def train(cfg, recipe):
+    """Train ``recipe`` as ``cfg`` says, on this rank (every rank of the job calls it); rank 0 returns the last
+    logged metrics."""
+    job = Job(cfg, recipe)
     cfg, lay, tr = job.cfg, job.layout, job.cfg.trainer
     peak = device_peak(lay.device if lay.device == "cuda" else "cpu", str(tr.precision), tr.peak_tflops)
     if job.rank == 0:

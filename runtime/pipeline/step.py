@@ -171,13 +171,18 @@ class PipelineStep:
     ``evaluate(batches, m)`` the mean loss of ``m`` micro-batches, forward
     only, likewise. ``loss_scale``: the last stage's backward starts from
     the loss times its scale, and each update unscales the gradients and
-    skips the step (``skipped``) where any rank's overflowed.
+    skips the step (``skipped``) where any rank's overflowed. ``zero``: the
+    ZeRO strategy that distributed ``module`` (``toolkit.zero.Zero``), or
+    ``None``: it keeps gradients in its masters' layout (``reduce`` calls
+    its ``sync_grads`` instead of boxing them) and its stage stays on the
+    dispatched path (its cast module keeps masters and compute copies apart).
     """
 
     def __init__(self, cfg: PipelineConfig, module, optimizer, forward: Callable, batches: Callable,
-                 scheduler=None, trace_factory=None, loss_scale: "sc.LossScaler | None" = None):
+                 scheduler=None, trace_factory=None, loss_scale: "sc.LossScaler | None" = None, zero=None):
         cfg.check()
         self.cfg, self.module, self.optimizer, self.scheduler = cfg, module, optimizer, scheduler
+        self.zero = zero
         self.loss_scale = loss_scale
         self.skipped = False  # the last step overflowed under the loss scale and did not update
         self.forward, self.batches = forward, batches
@@ -192,8 +197,9 @@ class PipelineStep:
         sc.placement(cfg.placements[0].device_type, sorted(r for p in cfg.placements for r in p.ranks))
         self.tied = TiedGrads(cfg.tied, module, cfg.placements, self.stage)
         # ZeRO's cast module keeps masters and compute copies apart: it stays on the dispatched path.
-        one = self.stage is not None and cfg.placements[self.stage].size == 1 and getattr(module, "_zero", None) is None
-        self._replicas = plain_stage.replicas(cfg, self.stage, module) if self.stage is not None and not one else 0
+        one = self.stage is not None and cfg.placements[self.stage].size == 1 and zero is None
+        self._replicas = plain_stage.replicas(cfg, self.stage, module, zero) if self.stage is not None and not one \
+            else 0
         self._shards = sc.LocalParameters(module) if one else \
             sc.LocalParameters(module, partial=True) if self._replicas else None
         self._audit = bool(self._replicas)  # the next training step's first micro-batch audits the plain path
@@ -343,9 +349,8 @@ class PipelineStep:
             weight_pass()
         if self._local:
             self._shards.restore()
-        zero = getattr(self.module, "_zero", None)  # ZeRO keeps gradients in its masters' layout
-        if zero is not None:
-            zero.sync_grads()
+        if self.zero is not None:  # ZeRO keeps gradients in its masters' layout
+            self.zero.sync_grads()
         else:
             sc.box_grads(self.module)
         self.tied.sum_grads()

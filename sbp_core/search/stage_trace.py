@@ -39,8 +39,9 @@ PHASES = ("F", "B0", "B", "reduce", "update")
 class StageSpec:
     """Everything ``trace_stage`` needs about one stage; the callables run inside the fake world.
 
-    - ``build(placement) -> (module, optimizer)``: the stage's module with its
-      plan applied (``sc.distribute_module`` or ZeRO's rewrite) and its optimizer;
+    - ``build(placement) -> (module, optimizer, zero)``: the stage's module with its
+      plan applied (``sc.distribute_module`` or ZeRO's rewrite), its optimizer,
+      and the ZeRO strategy object (``None`` without ZeRO);
     - ``inputs(placement) -> (x, labels)``: one micro-batch's global inputs
       (the boundary's tensor, or a tuple of them, after the first stage;
       ``labels`` ``None`` unless ``last``); ``global_input`` builds them;
@@ -118,10 +119,9 @@ def trace_stage(spec: StageSpec) -> StageTrace:
     with Rehearsal(world) as r:
         mesh = [[d * spec.tp + t for t in range(spec.tp)] for d in range(spec.dp)]
         placement = make_placement(spec.device_type, mesh)
-        module, optimizer = spec.build(placement)
+        module, optimizer, zero = spec.build(placement)
         r.name_modules(module)
-        out.plain = world == 1 or (spec.rows_weigh_equally and getattr(module, "_zero", None) is None
-                                   and replicated(module))
+        out.plain = world == 1 or (spec.rows_weigh_equally and zero is None and replicated(module))
         for k in range(2):
             x, labels = spec.inputs(placement)
             with r.phase("F") as f:
@@ -146,7 +146,7 @@ def trace_stage(spec: StageSpec) -> StageTrace:
             out.phases[b.name] = b
             del x, labels, y
         with r.phase("reduce") as red:
-            zero = getattr(module, "_zero", None)  # as runtime.pipeline.step: ZeRO syncs its own gradients
+            # as runtime.pipeline.step: ZeRO syncs its own gradients
             zero.sync_grads() if zero is not None else box_grads(module)
         out.phases["reduce"] = red
         with r.phase("update") as up:

@@ -23,12 +23,11 @@ def gpt_overrides(model: str, global_batch: int, micro: int, seq: int | None = N
 def gpt_model(overrides: list, per_layer: bool = False):
     """The recipe's search model for ``overrides`` (shapes only: no weights are allocated, whatever the size)."""
     from recipes.registry import get
-    from recipes.zero import apply_zero
     from toolkit.autoparallel.search_model import RecipeSearchModel
     from toolkit.config import compose
 
     cfg = compose(overrides, run_dir="/tmp/reproduce-simulated")
-    return RecipeSearchModel(get(cfg.recipe.name), cfg, apply_zero, per_layer=per_layer)
+    return RecipeSearchModel(get(cfg.recipe.name), cfg, per_layer=per_layer)
 
 
 def load_cluster(name: str, nodes: int | None = None):

@@ -22,11 +22,10 @@ from toolkit.rank_pool import get_pool
 
 def _rank_train(container: dict):
     from recipes.registry import get
-    from recipes.zero import apply_zero
     from toolkit.trainer import train
 
     cfg = OmegaConf.create(container)
-    return train(cfg, get(cfg.recipe.name), apply_zero)
+    return train(cfg, get(cfg.recipe.name))
 
 
 def train_pooled(overrides: list, run_dir, cache: str, timeout: float = 900.0) -> list:

@@ -52,7 +52,6 @@ def test_auto_plan_with_per_op_layouts_trains_like_single(single_run, sbp_cache,
 
 def test_search_writes_a_plan_file_that_resolve_reuses(tmp_path, sbp_cache):
     from recipes.registry import get
-    from recipes.zero import apply_zero
     from toolkit.autoparallel.auto import plan_path, read_plan, resolve
     from toolkit.config import compose
 
@@ -69,11 +68,11 @@ links: {intra_node: {bandwidth_gbs: 1, latency_us: 10}}
                   run_dir=str(tmp_path / "run"))
     recipe = get(cfg.recipe.name)
     lines = []
-    out = resolve(cfg, recipe, apply_zero, log=lines.append)
+    out = resolve(cfg, recipe, log=lines.append)
     path, _ = plan_path(cfg, recipe)
     found = read_plan(path)
     assert found.world == 2 and (out.parallel.dp, out.parallel.tp, out.parallel.pp) == (found.dp, found.tp, found.pp)
     assert any("per-op signatures" in line for line in lines)
     again = []
-    resolve(cfg, recipe, apply_zero, log=again.append)
+    resolve(cfg, recipe, log=again.append)
     assert again and "cached plan" in again[0]

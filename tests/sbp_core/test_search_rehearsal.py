@@ -39,7 +39,7 @@ def _build(placement, plan):
 
 
 def _spec(plan):
-    return StageSpec(dp=1, tp=2, first=True, last=True, build=lambda p: _build(p, plan),
+    return StageSpec(dp=1, tp=2, first=True, last=True, build=lambda p: (*_build(p, plan), None),
                      inputs=lambda p: (global_input((8, 16), torch.float32, p, (S0, B), requires_grad=True), {}),
                      forward=lambda m, x, labels: m(x).sum(), act_sbp=(S0, B), micro_batches=2)
 

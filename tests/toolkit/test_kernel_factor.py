@@ -31,7 +31,6 @@ def test_a_plain_step_runs_on_synthetic_fields(tmp_path):
 
 
 def test_rehearsed_kernels_sum_the_step_phases_calls(tmp_path):
-    from recipes.zero import apply_zero
     from sbp_core.search.rehearsal import OpCall
     from sbp_core.search.strategy import Strategy
     from toolkit.autoparallel.kernel_factor import rehearsed_kernel_seconds
@@ -42,7 +41,7 @@ def test_rehearsed_kernels_sum_the_step_phases_calls(tmp_path):
             return 1e-3
 
     recipe, cfg = _cfg(GPT2, tmp_path)
-    model = RecipeSearchModel(recipe, cfg, apply_zero)
+    model = RecipeSearchModel(recipe, cfg)
     trace = model.trace(Strategy(micro_batch_size=2), 0)
     calls = sum(isinstance(e, OpCall) for name in ("F", "B0", "update") for e in trace.phases[name].events)
     assert calls > 0
@@ -58,7 +57,6 @@ def test_host_costs_run_the_two_device_stage_in_a_fake_world(overrides, tmp_path
     real one can start)."""
     import torch.distributed as dist
 
-    from recipes.zero import apply_zero
     from toolkit.autoparallel.dispatch_cost import model_host_costs
     from toolkit.autoparallel.search_model import RecipeSearchModel
 
@@ -67,7 +65,7 @@ def test_host_costs_run_the_two_device_stage_in_a_fake_world(overrides, tmp_path
             return 1e-9
 
     recipe, cfg = _cfg(overrides, tmp_path)
-    model = RecipeSearchModel(recipe, cfg, apply_zero)
+    model = RecipeSearchModel(recipe, cfg)
     factor, dispatch = model_host_costs(model, Fixed(), rows=2, repeats=1)
     assert math.isfinite(factor) and factor > 0
     assert 0 < dispatch < 0.1  # seconds per op: the step's CPU spread over its hundreds of global ops

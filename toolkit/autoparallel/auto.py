@@ -1,6 +1,6 @@
 """``parallel=auto``: search a plan for this model on a cluster (or reuse the cached one), then train with it.
 
-``find_plan(cfg, recipe, zero)`` runs ``sbp_core.search``'s Metropolis-Hastings
+``find_plan(cfg, recipe)`` runs ``sbp_core.search``'s Metropolis-Hastings
 search (``parallel.search.*``: cluster file, devices, budget, beta, seed)
 over dp/tp/pp, ZeRO, micro-batch size, sequence parallel and per-op layouts,
 seeded with data parallel and Megatron's layout, and writes the best plan as
@@ -70,7 +70,7 @@ def plan_path(cfg, recipe) -> tuple:
     return cache / f"{recipe.name}-{key}.json", cluster
 
 
-def search_plan(cfg, recipe, zero=None, progress: bool = True, log=print):
+def search_plan(cfg, recipe, progress: bool = True, log=print):
     """Run the search; returns ``(SearchResult, search model)``."""
     from sbp_core.search.evaluate import Evaluator
     from sbp_core.search.mcmc import search
@@ -91,7 +91,7 @@ def search_plan(cfg, recipe, zero=None, progress: bool = True, log=print):
         gains = MeasuredThreadGain(measurement_cache(2), threads=2)
     else:
         costs = RooflineOpCosts(cluster.peak_flops, cluster.mem_bandwidth, cluster.kernel_overhead)
-    model = RecipeSearchModel(recipe, cfg, zero)
+    model = RecipeSearchModel(recipe, cfg)
     if cluster.costs == "measured":  # this model's kernels and dispatch in its own steps, not the calibration GPT-2s'
         factor, dispatch = model_host_costs(model, costs, int(cfg.trainer.micro_batch_size))
         cluster = dataclasses.replace(cluster, kernel_factor=factor, host_overhead=dispatch)
@@ -130,7 +130,7 @@ def read_plan(path) -> Strategy:
     return Strategy.from_dict(doc["strategy"])
 
 
-def resolve(cfg, recipe, zero=None, log=print):
+def resolve(cfg, recipe, log=print):
     """``cfg`` with ``parallel.auto`` replaced by the found (or cached) plan."""
     cfg = typed(cfg, recipe)
     path, cluster = plan_path(cfg, recipe)
@@ -140,7 +140,7 @@ def resolve(cfg, recipe, zero=None, log=print):
     else:
         from .report import describe
 
-        result, model = search_plan(cfg, recipe, zero, log=log)
+        result, model = search_plan(cfg, recipe, log=log)
         write_plan(path, result, model, cluster)
         strategy = result.best.strategy
         log(describe(result.best, mesh_plan(recipe, cfg, strategy), model.shapes, model.micro_batches(strategy)))

@@ -50,10 +50,10 @@ def _forward_backward(model, strategy):
 
     from .stage_spec import stage_spec
 
-    spec = stage_spec(model.recipe, model.cfg, strategy, 0, zero=model.zero)
+    spec = stage_spec(model.recipe, model.cfg, strategy, 0)
     mesh = [[d * strategy.tp + t for t in range(strategy.tp)] for d in range(strategy.dp)]
     placement = make_placement(spec.device_type, mesh)
-    module, _ = spec.build(placement)
+    module, _, _ = spec.build(placement)
     x, labels = spec.inputs(placement)
     fill_synthetic(x)
     fill_synthetic(labels)

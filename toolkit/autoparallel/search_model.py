@@ -1,6 +1,6 @@
 """A recipe and its config as the search sees them: valid strategies, rehearsed stages, per-op choices.
 
-``RecipeSearchModel(recipe, cfg, zero)`` gives ``sbp_core.search``:
+``RecipeSearchModel(recipe, cfg)`` gives ``sbp_core.search``:
 
 - ``problems(strategy)``: why a strategy cannot run (``toolkit.config.validate``
   with its degrees and micro-batch size, plus the per-op layouts' divisibility);
@@ -57,8 +57,8 @@ def _signature(layer) -> tuple:
 
 
 class RecipeSearchModel:
-    def __init__(self, recipe, cfg, zero=None, per_layer: bool | None = None, direct_blocks: int = 3):
-        self.recipe, self.zero = recipe, zero
+    def __init__(self, recipe, cfg, per_layer: bool | None = None, direct_blocks: int = 3):
+        self.recipe = recipe
         self.cfg = cfg = typed(cfg, recipe)
         self.global_batch = int(cfg.trainer.global_batch_size)
         self.schedule = str(cfg.parallel.pp_schedule)
@@ -238,7 +238,7 @@ class RecipeSearchModel:
     def _rehearse(self, strategy, stage, layers, ops, key) -> StageTrace:
         got = self._traces.get(key)
         if got is None:
-            spec = stage_spec(self.recipe, self.cfg, replace(strategy, ops=ops), stage, layers, self.zero)
+            spec = stage_spec(self.recipe, self.cfg, replace(strategy, ops=ops), stage, layers)
             got = self._traces[key] = trace_stage(spec)
             self.rehearsals += 1
         return got

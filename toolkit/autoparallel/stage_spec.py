@@ -25,6 +25,7 @@ from toolkit.mesh import model_names, plan_for_module, with_overrides
 from toolkit.recipe import data_shard, recipe_batch
 from toolkit.stages import boundary_specs, keep_layers, stage_ranges
 from toolkit.trainer import AUTOCAST, autocast_forward
+from toolkit.zero import apply_zero
 
 
 def strategy_cfg(cfg, recipe, strategy: Strategy):
@@ -44,7 +45,7 @@ def stage_layers(recipe, cfg, pp: int, stage: int) -> range:
     return stage_ranges(recipe.n_layers(cfg.model), pp)[stage]
 
 
-def stage_spec(recipe, cfg, strategy: Strategy, stage: int, layers=None, zero=None) -> StageSpec:
+def stage_spec(recipe, cfg, strategy: Strategy, stage: int, layers=None) -> StageSpec:
     """``StageSpec`` of stage ``stage`` (``layers``: the repeated layers it holds, default the uniform split's)."""
     cfg = strategy_cfg(cfg, recipe, strategy)
     pp = strategy.pp
@@ -63,16 +64,15 @@ def stage_spec(recipe, cfg, strategy: Strategy, stage: int, layers=None, zero=No
         if cfg.trainer.activation_checkpointing:
             recipe.checkpoint_layers(module, cfg.model)
         plan = plan_for_module(module, with_overrides(recipe.mesh_plan(cfg), cfg.parallel.plan), names)
+        z = None
         if strategy.zero and strategy.dp > 1:
-            if zero is None:
-                raise ValueError(f"strategy {strategy.name} uses ZeRO: pass recipes.zero.apply_zero as zero=")
-            module, z = zero(module, placement, plan, stage=strategy.zero, dp_axis=0)
+            module, z = apply_zero(module, placement, plan, stage=strategy.zero, dp_axis=0)
             optimizer = recipe.build_optimizer(module, cfg)
             z.attach(optimizer)
         else:
             sc.distribute_module(module, placement, plan)
             optimizer = recipe.build_optimizer(module, cfg)
-        return module, optimizer
+        return module, optimizer, z
 
     def batch(placement, names):
         return {k: global_input((rows, *fields[k][0]), fields[k][1], placement, recipe.data_sbp) for k in names}

@@ -19,7 +19,7 @@ import torch
 
 import sbp_core as sc
 from recipes.gpt2.model import GPT2LMHeadModel
-from recipes.zero import apply_zero, check_stage, formula_bytes, held_bytes, model_elements, traffic_formula
+from toolkit.zero import apply_zero, check_stage, formula_bytes, held_bytes, model_elements, traffic_formula
 from scripts.verify_parity import GPT_CFG, GPT_TP, GPT_TP_PINS, _on_axis
 from sbp_core.sbp import Broadcast, Split
 from toolkit.rank_pool import get_pool
@@ -279,7 +279,7 @@ def test_unknown_stage_lists_valid_ones(pool):
 
 
 def test_plan_rewrite_shards_a_dim_no_other_axis_splits():
-    from recipes.zero import master_sbp, rewrite_plan
+    from toolkit.zero import master_sbp, rewrite_plan
 
     S1 = Split(1)
     assert master_sbp((B,), (256, 64), 0, 4) == (S0,)

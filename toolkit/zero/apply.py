@@ -44,6 +44,8 @@ Communication is never written here: it is boxing between the layouts above.
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import nn
 
@@ -364,6 +366,9 @@ class Zero:
         return [(m, m._local) for m in self.parameters()]
 
 
+_APPLIED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # modules apply_zero rewrote (it refuses a second time)
+
+
 def apply_zero(module: nn.Module, placement, plan: dict | None = None, stage: int = 1, dp_axis: int = 0,
                compute_dtype: torch.dtype | None = None, units: list | None = None,
                bucket_bytes: int = BUCKET_BYTES):
@@ -384,10 +389,10 @@ def apply_zero(module: nn.Module, placement, plan: dict | None = None, stage: in
         raise ValueError(f"dp_axis {dp_axis} is not a mesh axis of {placement} (valid: 0..{placement.ndim - 1})")
     if compute_dtype is not None and not compute_dtype.is_floating_point:
         raise ValueError(f"compute_dtype {compute_dtype} is not a floating dtype (e.g. torch.bfloat16)")
-    if getattr(module, "_zero", None) is not None:
+    if module in _APPLIED:
         raise ValueError(f"{type(module).__name__} already has ZeRO applied")
     stage = check_stage(stage, placement.shape[dp_axis])
     sc.distribute_module(module, placement, plan, bucket_bytes)
     zero = Zero(module, placement, stage, dp_axis, compute_dtype, units, bucket_bytes)
-    module._zero = zero
+    _APPLIED.add(module)
     return module, zero
