@@ -1,7 +1,7 @@
 """Train a recipe: ``python train.py recipe=gpt2 parallel=dp2_tp4_pp2``.
 
 Hydra composes ``configs/`` (``recipe=``, ``model=``, ``parallel=`` any ``dpX_tpY_ppZ``
-name or ``parallel.dp=..`` or ``auto`` (search the plan first, ``toolkit.autoparallel``),
+name or ``parallel.dp=..`` or ``auto`` (search the plan first, ``toolkit.search``),
 ``data=``, ``trainer.*``, ``logger=none``); the
 config is validated before any process starts; without torchrun or Slurm
 this spawns dp*tp*pp local processes (gloo on CPU, NCCL with a GPU each).
@@ -34,7 +34,7 @@ def main(cfg):
 
     recipe = get(cfg.recipe.name)
     if cfg.parallel.auto:  # search (or load) the plan here, before any rank exists
-        from toolkit.autoparallel.auto import resolve
+        from toolkit.search.auto import resolve
 
         run_dir = str(cfg.run_dir)
         cfg = resolve(cfg, recipe)

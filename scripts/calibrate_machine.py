@@ -13,7 +13,7 @@ A "device" here is one process of ours; the devices share the CPU. Measured:
 - ``device.thread_speedup``: what 2 intra-op threads give the kernels of a
   one-process training step (the large calibration GPT-2's): its kernels'
   one-thread seconds over their seconds divided by each call's measured gain
-  (``sbp_core.search.threadgain``, the same per-call gains the simulator uses,
+  (``toolkit.search.threadgain``, the same per-call gains the simulator uses,
   cached in ``op-costs-<host>-threads2.json``). A whole step timed with 2
   threads vs 1 is no measure of it: under load the second thread waits for a
   core at every kernel's barrier (such a probe said 1.1x where a gpt2-tiny
@@ -28,13 +28,13 @@ A "device" here is one process of ours; the devices share the CPU. Measured:
   a step than measured alone (cold caches, fresh memory) — from two real
   one-device GPT-2 steps (forward, backward, AdamW; process CPU time, best
   of 20), one dispatch-bound and one kernel-bound, against the measured
-  kernels of the same calls (from a rehearsal, ``sbp_core.search``);
+  kernels of the same calls (from a rehearsal, ``toolkit.search``);
 - ``device.memory_bandwidth_gbs``: best-of copy of 64 MB on one thread;
 - ``links.intra_node``: two gloo ranks (``toolkit.rank_pool``) all-reducing
   4 bytes (latency: half the median round) and 8 MB (bandwidth from the
   ring formula), through ``sbp_core.boxing.collectives``.
 
-Per-op kernel times are not written here: ``sbp_core.search.opcost.MeasuredOpCosts``
+Per-op kernel times are not written here: ``toolkit.search.opcost.MeasuredOpCosts``
 measures each distinct call once, on first use, into
 ``~/.cache/sbp-recipes/op-costs-<host>.json``. Takes about a minute.
 """
@@ -59,7 +59,7 @@ from sync_probe import sync_latency  # noqa: E402
 
 
 def op_cost_path(threads: int = 1) -> Path:
-    from sbp_core.search.opcost import measurement_cache
+    from toolkit.search.opcost import measurement_cache
 
     return measurement_cache(threads)
 
@@ -100,8 +100,8 @@ def _best(fn, repeats: int) -> float:
 
 def thread_speedup(costs=None) -> float:
     """2 intra-op threads vs 1 over the kernels of one step of the large calibration GPT-2 (see the module doc)."""
-    from sbp_core.search.opcost import MeasuredOpCosts
-    from sbp_core.search.threadgain import MeasuredThreadGain
+    from toolkit.search.opcost import MeasuredOpCosts
+    from toolkit.search.threadgain import MeasuredThreadGain
 
     costs = costs or MeasuredOpCosts(op_cost_path(), threads=1)
     gains = MeasuredThreadGain(op_cost_path(2), threads=2)
@@ -166,8 +166,8 @@ def _train_step(model, opt, ids) -> None:
 def _rehearsed_step(conf, rows: int) -> tuple:
     """``(local calls, global ops)`` of one one-device training step of ``conf`` (forward, backward, AdamW), rehearsed."""
     import sbp_core as sc
-    from sbp_core.search.rehearsal import Rehearsal
-    from sbp_core.search.stage_trace import global_input
+    from toolkit.search.rehearsal import Rehearsal
+    from toolkit.search.stage_trace import global_input
 
     with Rehearsal(1) as r:
         p = sc.placement("cpu", [[0]])
@@ -254,7 +254,7 @@ def host_costs() -> tuple:
     two numbers. Kernels measured alone run on warm caches and reused
     memory, so in a real step they take longer (``factor`` > 1).
     """
-    from sbp_core.search.opcost import MeasuredOpCosts
+    from toolkit.search.opcost import MeasuredOpCosts
 
     torch.set_num_threads(1)
     costs = MeasuredOpCosts(op_cost_path(), threads=1)

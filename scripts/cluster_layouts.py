@@ -7,7 +7,7 @@ For each cluster the GPT-2 recipe with ``--model`` (default ``gpt2-medium``:
 24 layers, 16 heads, hidden 1024 — LiBai's ``nl24_nah16_hs1024`` — with
 the vocabulary padded to 50304 as Megatron does, sequences of 1024 tokens,
 bf16, activation checkpointing) is rehearsed stage by stage
-(``sbp_core.search``; deep stages priced from 2- and 3-layer rehearsals) and
+(``toolkit.search``; deep stages priced from 2- and 3-layer rehearsals) and
 priced by the roofline of the cluster's devices and links; the task graph of
 one step is simulated. Two tables:
 
@@ -50,11 +50,11 @@ def _layouts(devices: int) -> list:
 
 def predict_layouts(cluster_name: str, overrides: list, micro: int, log=print) -> tuple:
     from recipes.registry import get
-    from sbp_core.search.evaluate import Evaluator
-    from sbp_core.search.opcost import RooflineOpCosts
-    from sbp_core.search.strategy import Strategy
-    from toolkit.autoparallel.cluster_file import load_cluster
-    from toolkit.autoparallel.search_model import RecipeSearchModel
+    from toolkit.search.evaluate import Evaluator
+    from toolkit.search.opcost import RooflineOpCosts
+    from toolkit.search.strategy import Strategy
+    from toolkit.search.cluster_file import load_cluster
+    from toolkit.search.search_model import RecipeSearchModel
     from toolkit.config import compose, parse_parallel_name
 
     cluster = load_cluster(cluster_name)

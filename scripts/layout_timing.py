@@ -46,8 +46,8 @@ _JOBS: dict = {}
 def _job(key, overrides, strategy_dict):
     if key not in _JOBS:
         from recipes.registry import get
-        from sbp_core.search.strategy import Strategy
-        from toolkit.autoparallel.stage_spec import strategy_cfg
+        from toolkit.search.strategy import Strategy
+        from toolkit.search.stage_spec import strategy_cfg
         from toolkit.config import compose
         from toolkit.trainer import Job
 

@@ -5,7 +5,7 @@
 
 Positional arguments are ``train.py``'s config overrides (recipe, model, data,
 trainer...). Runs the same search as ``train.py parallel=auto``
-(``toolkit.autoparallel.auto``: Metropolis-Hastings over dp/tp/pp, ZeRO,
+(``toolkit.search.auto``: Metropolis-Hastings over dp/tp/pp, ZeRO,
 micro-batch size, sequence parallel and per-op layouts, priced by the
 execution simulator on the cluster file) and prints the plan's
 ``dpX_tpY_ppZ`` name, its predicted step time and peak memory per device,
@@ -35,10 +35,10 @@ def main() -> None:
     o = ap.parse_args()
 
     from recipes.registry import get
-    from toolkit.autoparallel.auto import plan_path, search_plan, write_plan
-    from toolkit.autoparallel.cluster_file import load_cluster
-    from toolkit.autoparallel.report import describe
-    from toolkit.autoparallel.stage_spec import mesh_plan
+    from toolkit.search.auto import plan_path, search_plan, write_plan
+    from toolkit.search.cluster_file import load_cluster
+    from toolkit.search.report import describe
+    from toolkit.search.stage_spec import mesh_plan
     from toolkit.config import compose
 
     extra = [f"parallel.search.cluster={o.cluster}"]

@@ -21,7 +21,7 @@
    computing; both ``sync_probe.py``), and the CPU
    time a fixed probe step takes with 1-8 of our processes at once relative
    to its value alone at the start, measured with the per-op table (``contention``).
-2. **Predicted**: the simulator (``sbp_core.search``) on this machine's
+2. **Predicted**: the simulator (``toolkit.search``) on this machine's
    cluster file, calibrated first by ``scripts/calibrate_machine.py`` (into a
    scratch file; ``--cluster`` gives one instead)
    with the capacity, link, sync and contention measured in step 1 (medians) —
@@ -30,10 +30,10 @@
    per-op gains of 2 intra-op threads for one process, ``threadgain``),
    scaled by the model's own
    kernel factor (its plain one-device step over those per-op seconds,
-   ``toolkit.autoparallel.kernel_factor``, in place of the cluster file's),
+   ``toolkit.search.kernel_factor``, in place of the cluster file's),
    its own cost per op on global tensors (its tp2 forward and backward on
    rank 0 of a fake world, less its kernels, per op,
-   ``toolkit.autoparallel.dispatch_cost``, in place of ``dispatch_us``), the
+   ``toolkit.search.dispatch_cost``, in place of ``dispatch_us``), the
    task graph of the runtime's actors, processor sharing of the cores. No
    layout's step time from step 1 enters a
    prediction. Also printed: the predicted and measured CPU seconds per rank.
@@ -75,7 +75,7 @@ LAYOUTS = "single,dp2,tp2,pp2,dp4,tp4,pp4,dp2_tp2,dp2_pp2,tp2_pp2,dp2_tp2_pp2"
 
 
 def _strategy(name: str, micro: int):
-    from sbp_core.search.strategy import Strategy
+    from toolkit.search.strategy import Strategy
     from toolkit.config import parse_parallel_name
 
     d = parse_parallel_name(name)
@@ -176,15 +176,15 @@ def main() -> None:
     from calibrate_machine import calibrate, contention, op_cost_path
     from layout_timing import LayoutTimer
     from recipes.registry import get
-    from sbp_core.search.cluster import GB, Link
-    from sbp_core.search.evaluate import Evaluator
-    from sbp_core.search.mcmc import search
-    from sbp_core.search.opcost import MeasuredOpCosts
-    from sbp_core.search.space import SearchSpace
-    from sbp_core.search.threadgain import MeasuredThreadGain
-    from toolkit.autoparallel.cluster_file import load_cluster
-    from toolkit.autoparallel.dispatch_cost import model_host_costs
-    from toolkit.autoparallel.search_model import RecipeSearchModel
+    from toolkit.search.cluster import GB, Link
+    from toolkit.search.evaluate import Evaluator
+    from toolkit.search.mcmc import search
+    from toolkit.search.opcost import MeasuredOpCosts
+    from toolkit.search.space import SearchSpace
+    from toolkit.search.threadgain import MeasuredThreadGain
+    from toolkit.search.cluster_file import load_cluster
+    from toolkit.search.dispatch_cost import model_host_costs
+    from toolkit.search.search_model import RecipeSearchModel
     from toolkit.config import compose
 
     if o.cluster is None:  # the machine as it is now (scripts/calibrate_machine.py, into a scratch file)
@@ -205,7 +205,7 @@ def main() -> None:
     costs = MeasuredOpCosts(op_cost_path(), threads=1, refresh=True)
     gains = MeasuredThreadGain(op_cost_path(2), threads=2)
     # This model's kernels inside its own plain step against measured alone, and its cost per op on global
-    # tensors in its own tensor-parallel forward and backward (toolkit.autoparallel.dispatch_cost), in place of
+    # tensors in its own tensor-parallel forward and backward (toolkit.search.dispatch_cost), in place of
     # the calibration GPT-2s' fit: gpt2-tiny's calls summed alone to 1.25-4x their in-step time, and its tp
     # stages took 25-70% more CPU than kernels plus 13.9 us an op.
     factor, dispatch = model_host_costs(model, costs, o.micro)

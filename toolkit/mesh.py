@@ -54,7 +54,7 @@ def with_overrides(plan: dict, overrides) -> dict:
     ``distribute_module`` takes the first matching pattern, so an override
     wins over the recipe's entry for the same parameters.
     """
-    from sbp_core.search.strategy import parse_sbp
+    from toolkit.search.strategy import parse_sbp
 
     first = {str(k): (sc.sbp.broadcast, parse_sbp(v)) for k, v in dict(overrides or {}).items()}
     return {**first, **{k: v for k, v in plan.items() if k not in first}}

@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 import sbp_core as sc
 from runtime.host_memory import keep_freed_host_memory
-from runtime.pipeline import PipelineConfig, PipelineStep
+from runtime.pipeline import PipelineConfig, PipelineStep, stage_of
 from toolkit import run_state
 from toolkit.config import typed, validate
 from toolkit.mesh import model_names, plan_for_module, stage_placements, with_overrides
@@ -69,7 +69,7 @@ class Job:
         tr = cfg.trainer
         device_type = "cuda" if lay.device == "cuda" else "cpu"
         self.placements = stage_placements(lay.dp, lay.tp, lay.pp, device_type)
-        self.stage = rank // (lay.dp * lay.tp)
+        self.stage = stage_of(self.placements, rank)
         mesh = self.placements[self.stage]
         self.data_shard, self.data_shards = data_shard(recipe.data_sbp, mesh.shape, mesh.coords(rank))
         self.data = recipe.prepare(cfg)

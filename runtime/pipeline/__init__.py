@@ -4,6 +4,7 @@
 backward, boundary transfers, gradient reduction, optimizer update);
 ``timeline`` reads a step's trace back (micro-batches held per stage, bubble).
 """
-from .step import SCHEDULES, PipelineConfig, PipelineStep
+from .schedule import SCHEDULES
+from .step import PipelineConfig, PipelineStep, stage_of
 
-__all__ = ["PipelineConfig", "PipelineStep", "SCHEDULES"]
+__all__ = ["PipelineConfig", "PipelineStep", "SCHEDULES", "stage_of"]

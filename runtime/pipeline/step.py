@@ -76,10 +76,9 @@ from ..executor import run
 from ..plan import ActorSpec, Plan
 from . import plain_stage
 from .boundary import as_tuple, boundary_actors
+from .schedule import SCHEDULES, stash_quota, too_few_micro_batches
 from .tied import TiedGrads
 from .weight_pass import input_first
-
-SCHEDULES = ("1f1b", "gpipe")
 
 
 @dataclass
@@ -125,7 +124,7 @@ class PipelineConfig:
         pp, m = len(self.placements), self.micro_batches
         if self.schedule not in SCHEDULES:
             raise ValueError(f"pp_schedule {self.schedule!r} is not one of {SCHEDULES}")
-        if not isinstance(m, int) or m < pp:
+        if not isinstance(m, int) or m < 1 or too_few_micro_batches(m, pp):
             raise ValueError(f"{m} micro-batches for {pp} stages: a pipeline needs at least as many "
                              f"micro-batches as stages (raise gradient accumulation to >= {pp})")
         missing = [f for f in (*self.inputs, *self.labels) if f not in self.batch]
@@ -140,7 +139,7 @@ class PipelineConfig:
             seen |= set(p.ranks)
 
     def stash_quota(self, stage: int) -> int:
-        return len(self.placements) - stage if self.schedule == "1f1b" else self.micro_batches
+        return stash_quota(self.schedule, len(self.placements), stage, self.micro_batches)
 
     def act_layouts(self, boundary: int, stage: int) -> list:
         """The layouts of boundary ``boundary``'s tensors on stage ``stage``'s placement."""
@@ -150,6 +149,11 @@ class PipelineConfig:
     def grad_slots(self, boundary: int) -> list:
         """The indices of boundary ``boundary``'s tensors that carry a gradient back (floating point)."""
         return [i for i, (_, dtype) in enumerate(self.acts[boundary]) if dtype.is_floating_point]
+
+
+def stage_of(placements: list, rank: int) -> int | None:
+    """The stage whose placement holds ``rank`` (stages are disjoint), or ``None``."""
+    return next((s for s, p in enumerate(placements) if rank in p), None)
 
 
 class PipelineStep:
@@ -188,7 +192,7 @@ class PipelineStep:
         self.forward, self.batches = forward, batches
         self.trace_factory = trace_factory
         me = world_rank()
-        self.stage = next((s for s, p in enumerate(cfg.placements) if me in p), None)
+        self.stage = stage_of(cfg.placements, me)
         if self.stage is not None and module is None:
             raise ValueError(f"rank {me} is in stage {self.stage} but got no module")
         self.pp = len(cfg.placements)

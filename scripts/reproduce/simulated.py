@@ -3,10 +3,10 @@
 ``gpt_model(name, global_batch, micro)`` is the GPT-2 recipe as LiBai and
 Megatron benchmark it (``scripts/cluster_layouts.py``'s setting: vocabulary
 padded to 50304, bf16, activation checkpointing), wrapped for the search
-(``toolkit.autoparallel.search_model.RecipeSearchModel``). Its stage
+(``toolkit.search.search_model.RecipeSearchModel``). Its stage
 rehearsals are cached on the model and do not depend on the cluster, so one
 model serves every cluster preset: ``evaluator(model, cluster)`` prices the
-same traces with the cluster's roofline (``sbp_core.search``). Nothing here
+same traces with the cluster's roofline (``toolkit.search``). Nothing here
 runs a training step; every number it yields is simulated.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ def gpt_overrides(model: str, global_batch: int, micro: int, seq: int | None = N
 def gpt_model(overrides: list, per_layer: bool = False):
     """The recipe's search model for ``overrides`` (shapes only: no weights are allocated, whatever the size)."""
     from recipes.registry import get
-    from toolkit.autoparallel.search_model import RecipeSearchModel
+    from toolkit.search.search_model import RecipeSearchModel
     from toolkit.config import compose
 
     cfg = compose(overrides, run_dir="/tmp/reproduce-simulated")
@@ -34,7 +34,7 @@ def load_cluster(name: str, nodes: int | None = None):
     """The preset ``configs/cluster/<name>.yaml``, cut to its first ``nodes`` nodes when given."""
     import dataclasses
 
-    from toolkit.autoparallel.cluster_file import load_cluster as load
+    from toolkit.search.cluster_file import load_cluster as load
 
     cluster = load(name)
     if nodes is not None:
@@ -51,15 +51,15 @@ def load_cluster(name: str, nodes: int | None = None):
 
 def evaluator(model, cluster):
     """An ``Evaluator`` pricing ``model``'s rehearsed stages with ``cluster``'s roofline."""
-    from sbp_core.search.evaluate import Evaluator
-    from sbp_core.search.opcost import RooflineOpCosts
+    from toolkit.search.evaluate import Evaluator
+    from toolkit.search.opcost import RooflineOpCosts
 
     return Evaluator(model, cluster, RooflineOpCosts(cluster.peak_flops, cluster.mem_bandwidth, cluster.kernel_overhead))
 
 
 def strategy(name: str, micro: int):
     """The ``Strategy`` of a layout name like ``dp8_tp2_pp2`` (``_zero1`` allowed) with ``micro`` rows per micro-batch."""
-    from sbp_core.search.strategy import Strategy
+    from toolkit.search.strategy import Strategy
     from toolkit.config import parse_parallel_name
 
     d = parse_parallel_name(name)

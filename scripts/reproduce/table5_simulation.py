@@ -8,11 +8,11 @@ op's layout; here the same proposals (``--changes`` random per-layer op
 layouts, FlexFlow's move, drawn from the search model's choices with a
 fixed seed) are applied to GPT-2 ``dp2_tp4_pp1/2/4`` — 8, 16 and 32 devices,
 the first 1, 2 and 4 nodes of a cluster preset — and each is predicted by
-the auto-parallel simulator (``sbp_core.search.evaluate``) both ways:
+the auto-parallel simulator (``toolkit.search.evaluate``) both ways:
 ``predict(s)`` (every stage priced, the whole task graph simulated) and
 ``predict(s, base=unchanged)`` (the unchanged stages' works reused, the
 graph re-simulated from the last snapshot before the changed stage first
-acts), which is what the search (``sbp_core.search.mcmc``) does for an op
+acts), which is what the search (``toolkit.search.mcmc``) does for an op
 move. Stage rehearsals are done before the clock starts (their time is
 shown apart, ``rehearse_s``), so both sides price the same traces; the two
 timelines must be identical (checked: ``identical``). Simulated only: no

@@ -5,7 +5,7 @@ import json
 
 from omegaconf import OmegaConf
 
-from sbp_core.search.strategy import Strategy
+from toolkit.search.strategy import Strategy
 from tests.cli.test_train_cli import TINY
 
 # Exotic on purpose: a replicated MLP input projection, a row-split qkv and a column-split embedding.
@@ -17,7 +17,7 @@ OPS = {"transformer.h.0.mlp.c_fc.weight": "B", "transformer.h.0.mlp.c_fc.bias": 
 def _resolved(tmp_path, sbp_cache, strategy):
     """What ``parallel=auto`` resolves to when ``strategy``'s plan file is cached."""
     from recipes.registry import get
-    from toolkit.autoparallel.auto import plan_path, resolve
+    from toolkit.search.auto import plan_path, resolve
     from toolkit.config import compose
 
     base = [*TINY, "parallel=auto", f"parallel.search.cache_dir={tmp_path}/plans", f"data.cache_dir={sbp_cache}"]
@@ -52,7 +52,7 @@ def test_auto_plan_with_per_op_layouts_trains_like_single(single_run, sbp_cache,
 
 def test_search_writes_a_plan_file_that_resolve_reuses(tmp_path, sbp_cache):
     from recipes.registry import get
-    from toolkit.autoparallel.auto import plan_path, read_plan, resolve
+    from toolkit.search.auto import plan_path, read_plan, resolve
     from toolkit.config import compose
 
     cluster = tmp_path / "toy.yaml"

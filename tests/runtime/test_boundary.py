@@ -7,7 +7,7 @@ import sbp_core as sc
 from runtime.pipeline.boundary import _assemble, _cut, boundary_actors
 from sbp_core import Layout
 from sbp_core.boxing.cross_placement import transfer_slices
-from sbp_core.search.rehearsal import fake_world
+from toolkit.search.rehearsal import fake_world
 
 S0, B = sc.sbp.split(0), sc.sbp.broadcast
 

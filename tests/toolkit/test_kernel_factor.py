@@ -23,7 +23,7 @@ def _cfg(overrides, tmp_path):
 
 # GPT-2's and InsightFace's plain steps also run in ``test_host_costs_run_the_two_device_stage_in_a_fake_world``.
 def test_a_plain_step_runs_on_synthetic_fields(tmp_path):
-    from toolkit.autoparallel.kernel_factor import cpu_seconds, plain_step
+    from toolkit.search.kernel_factor import cpu_seconds, plain_step
 
     recipe, cfg = _cfg(WIDE_DEEP, tmp_path)
     seconds = cpu_seconds(plain_step(recipe, cfg, rows=2))
@@ -31,10 +31,10 @@ def test_a_plain_step_runs_on_synthetic_fields(tmp_path):
 
 
 def test_rehearsed_kernels_sum_the_step_phases_calls(tmp_path):
-    from sbp_core.search.rehearsal import OpCall
-    from sbp_core.search.strategy import Strategy
-    from toolkit.autoparallel.kernel_factor import rehearsed_kernel_seconds
-    from toolkit.autoparallel.search_model import RecipeSearchModel
+    from toolkit.search.rehearsal import OpCall
+    from toolkit.search.strategy import Strategy
+    from toolkit.search.kernel_factor import rehearsed_kernel_seconds
+    from toolkit.search.search_model import RecipeSearchModel
 
     class Fixed:  # 1 ms per call
         def seconds(self, call):
@@ -57,8 +57,8 @@ def test_host_costs_run_the_two_device_stage_in_a_fake_world(overrides, tmp_path
     real one can start)."""
     import torch.distributed as dist
 
-    from toolkit.autoparallel.dispatch_cost import model_host_costs
-    from toolkit.autoparallel.search_model import RecipeSearchModel
+    from toolkit.search.dispatch_cost import model_host_costs
+    from toolkit.search.search_model import RecipeSearchModel
 
     class Fixed:  # every kernel next to nothing: the residual is about the whole forward and backward
         def seconds(self, call):

@@ -27,8 +27,10 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from runtime.pipeline.schedule import SCHEDULES
+
 DEVICES = ("auto", "cpu", "cuda")
-PP_SCHEDULES = ("1f1b", "gpipe")
+PP_SCHEDULES = SCHEDULES  # the runtime's (runtime.pipeline.schedule)
 PRECISIONS = ("fp32", "bf16", "fp16")
 RESUME_MODES = ("none", "auto")
 OPTIMIZERS = ("adamw", "sgd")
@@ -45,7 +47,7 @@ class RecipeConfig:
 
 @dataclass
 class SearchConfig:
-    """``parallel=auto``'s search (``sbp_core.search``): a cluster file, and Metropolis-Hastings' knobs.
+    """``parallel=auto``'s search (``toolkit.search``): a cluster file, and Metropolis-Hastings' knobs.
 
     ``cluster``: a preset name in ``configs/cluster`` or a YAML path;
     ``devices``: devices to use (``None``: the launcher's world size, else
@@ -81,7 +83,7 @@ class ParallelConfig:
       (data-parallel all-reduce, ZeRO 1-2 reduce-scatter); DDP's
       ``bucket_cap_mb`` and its default, 25. The first bucket holds at most
       1 MiB of it so communication starts early.
-    - ``auto``: search the layout (``toolkit.autoparallel``, ``search.*``)
+    - ``auto``: search the layout (``toolkit.search``, ``search.*``)
       before training, or reuse the cached result for this model and cluster.
 
     The number of micro-batches is not a knob: it is the gradient accumulation

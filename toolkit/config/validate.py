@@ -42,6 +42,7 @@ from omegaconf.errors import OmegaConfBaseException
 from toolkit.config import schema as S
 from toolkit.config.environment import cluster_env, cuda_device_count, resolve_device
 from toolkit.config.errors import ConfigError, ConfigWarning
+from runtime.pipeline.schedule import too_few_micro_batches
 from toolkit.config.parallel_name import ZERO_STAGES, parallel_name
 
 @dataclass(frozen=True)
@@ -163,7 +164,7 @@ def validate(cfg: Any, recipe, world_size: Optional[int] = None) -> JobLayout:
         if not re.fullmatch(r"B|S\(\d+\)", str(text).strip()):
             p.append(f"parallel.plan[{pattern!r}]={text!r}: a tp-axis layout; valid: B or S(<dim>)")
     if par.auto:
-        p.append("parallel.auto=true: the search runs in train.py before the job (toolkit.autoparallel.resolve); "
+        p.append("parallel.auto=true: the search runs in train.py before the job (toolkit.search.resolve); "
                  "valid: a resolved config with parallel.auto=false")
     zero = par.zero if par.zero in ZERO_STAGES else 0
     if zero and par.dp == 1:
@@ -180,7 +181,12 @@ def validate(cfg: Any, recipe, world_size: Optional[int] = None) -> JobLayout:
             p.append(f"parallel.pp_virtual={par.pp_virtual}: interleaved (virtual) stages are not supported "
                      "by the pipeline executor; valid: 1")
         if recipe.pipeline_plan(cfg.model) is not None:
-            stage_layers = _check_stages(p, par, recipe.n_layers(cfg.model))
+            try:  # counted on a meta model (Recipe.n_layers): a bad model config may not build
+                n_layer = recipe.n_layers(cfg.model)
+            except (ValueError, TypeError, KeyError, RuntimeError) as err:
+                p.append(f"model: cannot be built to count its pipeline layers ({err})")
+            else:
+                stage_layers = _check_stages(p, par, n_layer)
         if world_size is None:
             world_size = env.world_size if env is not None else world
         if world != world_size:
@@ -220,7 +226,7 @@ def validate(cfg: Any, recipe, world_size: Optional[int] = None) -> JobLayout:
                      f"{max(per, gb // per * per)} or {(gb // per + 1) * per}")
         else:
             accumulation = gb // per
-            if par.pp > 1 and accumulation < par.pp:
+            if too_few_micro_batches(accumulation, par.pp):
                 p.append(f"trainer.global_batch_size={gb}: gives {accumulation} micro-batches per step "
                          f"(global/(micro*shards) = {gb}/({mb}*{shards})), fewer than parallel.pp={par.pp} "
                          f"stages; valid: global_batch_size >= {per * par.pp} (a multiple of "

@@ -77,7 +77,7 @@ def cpu_seconds(fn) -> float:
 
 def rehearsed_kernel_seconds(model, strategy, costs) -> float:
     """Summed measured seconds of the calls a one-device step of one micro-batch makes (``F + B0 + update``)."""
-    from sbp_core.search.rehearsal import OpCall
+    from toolkit.search.rehearsal import OpCall
 
     trace = model.trace(strategy, 0)
     return sum(costs.seconds(e) for name in ("F", "B0", "update") for e in trace.phases[name].events

@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from sbp_core.search.simulator import SimActor, TaskGraph, resimulate, simulate
-from sbp_core.search.taskgraph import StageWork, pipeline_graph, stage_actor_names
+from toolkit.search.simulator import SimActor, TaskGraph, resimulate, simulate
+from toolkit.search.taskgraph import StageWork, pipeline_graph, stage_actor_names
 
 
 def _times(tl, prefix):

@@ -1,4 +1,4 @@
-"""A cluster's topology and speeds, from the dict of a YAML file (``configs/cluster/*.yaml``; ``toolkit.autoparallel`` reads it).
+"""A cluster's topology and speeds, from the dict of a YAML file (``configs/cluster/*.yaml``; ``toolkit.search`` reads it).
 
 ::
 
@@ -18,7 +18,7 @@
 
 A machine whose devices are processes sharing a CPU (``this_machine.yaml``,
 written by ``scripts/calibrate_machine.py``) instead says ``costs: measured``
-(per-op seconds measured here, ``sbp_core.search.opcost``), how many
+(per-op seconds measured here, ``toolkit.search.opcost``), how many
 ``cores`` there are, ``capacity``: ``[[busy threads, cores they get], ...]``
 (other jobs take the rest), ``contention``: ``[[busy processes, CPU time per
 unit of work relative to one process], ...]`` (oversubscribed cores and a

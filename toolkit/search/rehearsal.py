@@ -38,10 +38,10 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensor, FakeTensorMode
 from torch.utils._pytree import tree_leaves
 
-from .. import ledger as _ledger
-from ..dispatch import decisions, explain
-from ..global_tensor import GlobalTensor
-from ..process_groups import forget_groups
+from sbp_core import ledger as _ledger
+from sbp_core.dispatch import decisions, explain
+from sbp_core.global_tensor import GlobalTensor
+from sbp_core.process_groups import forget_groups
 
 
 class TensorSpec(NamedTuple):

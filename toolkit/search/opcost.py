@@ -107,7 +107,7 @@ class MeasuredOpCosts:
 
         The file's entries were each measured under whatever load the machine had then (gpt2-tiny's
         calls summed to 1.2-1.4x their quiet values there); a caller that scales them by a factor
-        measured now (``toolkit.autoparallel.kernel_factor``) needs them measured now too.
+        measured now (``toolkit.search.kernel_factor``) needs them measured now too.
         """
         self.path = Path(path)
         self.threads = threads

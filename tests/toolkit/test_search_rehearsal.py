@@ -9,11 +9,11 @@ from torch import nn
 
 import sbp_core as sc
 from sbp_core.sbp import Broadcast, Split
-from sbp_core.search.cluster import cluster_from_dict
-from sbp_core.search.costmodel import collective_seconds
-from sbp_core.search.opcost import RooflineOpCosts
-from sbp_core.search.rehearsal import Collective, Rehearsal
-from sbp_core.search.stage_trace import StageSpec, global_input, trace_stage
+from toolkit.search.cluster import cluster_from_dict
+from toolkit.search.costmodel import collective_seconds
+from toolkit.search.opcost import RooflineOpCosts
+from toolkit.search.rehearsal import Collective, Rehearsal
+from toolkit.search.stage_trace import StageSpec, global_input, trace_stage
 
 B, S0, S1 = Broadcast(), Split(0), Split(1)
 
@@ -104,7 +104,7 @@ def test_collective_time_by_link_and_sharing():
 
 
 def test_roofline_mm_and_views():
-    from sbp_core.search.rehearsal import OpCall, TensorSpec
+    from toolkit.search.rehearsal import OpCall, TensorSpec
 
     costs = RooflineOpCosts({"float32": 1e12}, 1e11)
     a, b = TensorSpec((64, 128), (128, 1), "float32"), TensorSpec((128, 256), (256, 1), "float32")
@@ -122,7 +122,7 @@ def test_bad_cluster_file_names_the_key():
 
 
 def _two_mm_trace():
-    from sbp_core.search.rehearsal import OpCall, PhaseTrace, TensorSpec
+    from toolkit.search.rehearsal import OpCall, PhaseTrace, TensorSpec
 
     big, small = TensorSpec((256, 256), (256, 1), "float32"), TensorSpec((8, 8), (8, 1), "float32")
     return PhaseTrace("F", [OpCall("aten.mm.default", ((big, big), ()), ""),
@@ -136,7 +136,7 @@ class _Fixed:  # 1 ms per call, whatever the call
 
 def test_phase_cost_threaded_part():
     """Without per-call gains, kernels torch splits over threads get the cluster's speedup; their work is conserved."""
-    from sbp_core.search.costmodel import phase_cost
+    from toolkit.search.costmodel import phase_cost
 
     trace = _two_mm_trace()
     c = cluster_from_dict({**CLUSTER, "cores": 2, "costs": "measured",
@@ -167,7 +167,7 @@ def test_a_stage_is_priced_plain_when_the_runtime_would_run_it_plain(plan, rows_
 
 def test_phase_cost_per_call_gains():
     """Measured per-call gains replace the cluster's speedup, for every call, only when the process has threads."""
-    from sbp_core.search.costmodel import phase_cost
+    from toolkit.search.costmodel import phase_cost
 
     class Gains:  # the big mm gains 1.6x, the small one 1.25x
         def gain(self, call):
@@ -202,8 +202,8 @@ def test_sync_latency_grows_with_processes():
 
 def test_collective_waits_skew_of_the_compute_before_it():
     """A collective inside a node waits ``skew`` per second of compute since the phase's previous collective."""
-    from sbp_core.search.costmodel import phase_cost
-    from sbp_core.search.rehearsal import OpCall, PhaseTrace, TensorSpec
+    from toolkit.search.costmodel import phase_cost
+    from toolkit.search.rehearsal import OpCall, PhaseTrace, TensorSpec
 
     c = cluster_from_dict({**CLUSTER, "cores": 2, "costs": "measured", "sync": [[2, 100], [4, 300]],
                            "skew": [[2, 0.1], [4, 0.3]]})
@@ -223,8 +223,8 @@ def test_collective_waits_skew_of_the_compute_before_it():
 
 
 def test_thread_gain_measures_only_threadable_calls(tmp_path):
-    from sbp_core.search.rehearsal import OpCall, TensorSpec
-    from sbp_core.search.threadgain import MeasuredThreadGain
+    from toolkit.search.rehearsal import OpCall, TensorSpec
+    from toolkit.search.threadgain import MeasuredThreadGain
 
     path = tmp_path / "gains.json"
     gains = MeasuredThreadGain(path, threads=2, repeats=2, budget_s=0.0)
@@ -252,8 +252,8 @@ def test_thread_gain_measures_only_threadable_calls(tmp_path):
 
 @pytest.mark.parametrize("seconds, gain", [({1: 1.5, 2: 1.0}, 1.5), ({1: 3.0, 2: 1.0}, 2.0), ({1: 1.0, 2: 2.0}, 1.0)])
 def test_thread_gain_is_the_one_thread_time_over_the_threaded_time_clamped_to_its_range(seconds, gain, monkeypatch):
-    from sbp_core.search import threadgain
-    from sbp_core.search.rehearsal import OpCall, TensorSpec
+    from toolkit.search import threadgain
+    from toolkit.search.rehearsal import OpCall, TensorSpec
 
     clock = [0.0]
 
@@ -268,8 +268,8 @@ def test_thread_gain_is_the_one_thread_time_over_the_threaded_time_clamped_to_it
 
 
 def test_op_costs_refresh_measures_the_files_calls_again(tmp_path):
-    from sbp_core.search.opcost import MeasuredOpCosts
-    from sbp_core.search.rehearsal import OpCall, TensorSpec
+    from toolkit.search.opcost import MeasuredOpCosts
+    from toolkit.search.rehearsal import OpCall, TensorSpec
 
     path = tmp_path / "costs.json"
     spec = TensorSpec((8, 8), (8, 1), "float32")
@@ -284,8 +284,8 @@ def test_op_costs_refresh_measures_the_files_calls_again(tmp_path):
 
 
 def test_an_expanded_argument_is_rebuilt_with_values():
-    from sbp_core.search.opcost import build_args
-    from sbp_core.search.rehearsal import TensorSpec
+    from toolkit.search.opcost import build_args
+    from toolkit.search.rehearsal import TensorSpec
 
     t = build_args(TensorSpec((4, 3), (0, 1), "float32"))  # one row seen four times (an expand)
     assert t.shape == (4, 3) and t.stride() == (0, 1) and torch.equal(t[0], t[3]) and t.abs().sum() > 0

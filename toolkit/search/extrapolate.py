@@ -19,8 +19,8 @@ from __future__ import annotations
 from collections import Counter
 
 from sbp_core.layout import strides_in_order
-from sbp_core.search.rehearsal import OpCall, PhaseTrace, TensorSpec
-from sbp_core.search.stage_trace import StageTrace
+from toolkit.search.rehearsal import OpCall, PhaseTrace, TensorSpec
+from toolkit.search.stage_trace import StageTrace
 
 
 def _contiguous(shape: tuple) -> tuple:

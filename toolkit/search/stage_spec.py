@@ -1,4 +1,4 @@
-"""A recipe's pipeline stage under a ``Strategy``, as ``sbp_core.search`` rehearses it.
+"""A recipe's pipeline stage under a ``Strategy``, as ``toolkit.search`` rehearses it.
 
 Builds what the trainer builds (``toolkit.trainer.Job``) for one stage: the
 full model from the recipe, only this stage's layers and first/last modules,
@@ -10,7 +10,7 @@ boundary activation elsewhere, the ``labels`` fields on the last);
 activation checkpointing and bf16 autocast as the trainer applies them.
 ``layers`` keeps other repeated layers than the uniform split's, so that a
 deep stage can be priced from shallow rehearsals
-(``toolkit.autoparallel.search_model``).
+(``toolkit.search.search_model``).
 """
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ import torch
 from omegaconf import OmegaConf
 
 import sbp_core as sc
-from sbp_core.search.stage_trace import StageSpec, global_input
-from sbp_core.search.strategy import Strategy
+from toolkit.search.stage_trace import StageSpec, global_input
+from toolkit.search.strategy import Strategy
 from toolkit.config import typed
 from toolkit.mesh import model_names, plan_for_module, with_overrides
 from toolkit.recipe import data_shard, recipe_batch

@@ -14,7 +14,7 @@ ones), ``reduce`` and ``update``, the bytes the stage holds for good
 micro-batch keeps between its forward and backward.
 
 What the stage is comes from a ``StageSpec`` built by the layer that knows
-the recipe (``toolkit.autoparallel``): how to build the distributed module
+the recipe (``toolkit.search``): how to build the distributed module
 and optimizer on a placement, and the global inputs of a micro-batch.
 """
 from __future__ import annotations
@@ -24,12 +24,12 @@ from typing import Callable
 
 import torch
 
-from ..global_tensor import GlobalTensor
-from ..layout import Layout
-from ..module import box_grads, defer_grad_boxing
-from ..local_step import step_on_locals
-from ..one_device import replicated
-from ..placement import placement as make_placement
+from sbp_core.global_tensor import GlobalTensor
+from sbp_core.layout import Layout
+from sbp_core.module import box_grads, defer_grad_boxing
+from sbp_core.local_step import step_on_locals
+from sbp_core.one_device import replicated
+from sbp_core.placement import placement as make_placement
 from .rehearsal import PhaseTrace, Rehearsal
 
 PHASES = ("F", "B0", "B", "reduce", "update")
@@ -151,7 +151,7 @@ def trace_stage(spec: StageSpec) -> StageTrace:
         out.phases["reduce"] = red
         with r.phase("update") as up:
             if spec.grad_clip:
-                from ..grad_clip import clip_grad_norm_
+                from sbp_core.grad_clip import clip_grad_norm_
 
                 clip_grad_norm_([p for p in module.parameters() if p.grad is not None], spec.grad_clip)
             step_on_locals(optimizer)  # as runtime.pipeline.step: locals for an element-wise optimizer

@@ -10,7 +10,7 @@ first time a changed stage acted (``simulator.resimulate``); the result is
 identical to the full path.
 
 ``model`` is what the layer that knows the recipe provides
-(``toolkit.autoparallel.search_model``): ``micro_batches(strategy)``,
+(``toolkit.search.search_model``): ``micro_batches(strategy)``,
 ``schedule``, ``grad_clip``, ``trace(strategy, stage) -> StageTrace`` and
 ``tied_bytes(strategy) -> int | None``.
 
@@ -24,10 +24,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from runtime.pipeline.schedule import stash_quota
+
 from .costmodel import collective_seconds, phase_cost
 from .rehearsal import Collective
 from .simulator import Timeline, resimulate, simulate
-from .taskgraph import StageWork, pipeline_graph, stash_quota
+from .taskgraph import StageWork, pipeline_graph
 
 
 @dataclass

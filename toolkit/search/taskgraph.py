@@ -2,8 +2,8 @@
 
 Per stage ``s`` (one representative rank: the ranks of a stage act in
 lockstep) on its compute queue: ``s{s}.F`` (forward of a micro-batch; its
-out register is the activation stash, quota ``pp - s`` under 1F1B, ``m``
-under GPipe), ``s{s}.B`` (backward, priority 1, reads the stash and the
+out register is the activation stash, its quota the runtime's own,
+``runtime.pipeline.schedule.stash_quota``), ``s{s}.B`` (backward, priority 1, reads the stash and the
 gradient from stage ``s + 1``), ``s{s}.reduce`` (once per step, priority 2)
 and ``s{s}.update`` (once per step, priority 3). Between stages, as the
 runtime's boundary actors: a *cut* on the sender's copy queue, the
@@ -21,9 +21,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .simulator import SimActor, TaskGraph
+from runtime.pipeline.schedule import stash_quota, too_few_micro_batches
 
-SCHEDULES = ("1f1b", "gpipe")
+from .simulator import SimActor, TaskGraph
 
 
 @dataclass(frozen=True)
@@ -44,12 +44,6 @@ class StageWork:
     send: float = 0.0
     copy: float = 0.0
     weight: float = 0.0
-
-
-def stash_quota(schedule: str, pp: int, stage: int, micro_batches: int) -> int:
-    if schedule not in SCHEDULES:
-        raise ValueError(f"pp_schedule {schedule!r} is not one of {SCHEDULES}")
-    return pp - stage if schedule == "1f1b" else micro_batches
 
 
 def stage_actor_names(stage: int, pp: int) -> list:
@@ -74,7 +68,7 @@ def pipeline_graph(stages: list, micro_batches: int, schedule: str = "1f1b", tie
     pp, m = len(stages), micro_batches
     if pp < 1:
         raise ValueError("a pipeline needs at least one stage")
-    if not isinstance(m, int) or m < max(1, pp if pp > 1 else 1):
+    if not isinstance(m, int) or m < 1 or too_few_micro_batches(m, pp):
         raise ValueError(f"{m} micro-batches for {pp} stages: a pipeline needs at least as many micro-batches as stages")
     actors = []
     for s, w in enumerate(stages):

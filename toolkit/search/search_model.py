@@ -1,16 +1,16 @@
 """A recipe and its config as the search sees them: valid strategies, rehearsed stages, per-op choices.
 
-``RecipeSearchModel(recipe, cfg)`` gives ``sbp_core.search``:
+``RecipeSearchModel(recipe, cfg)`` gives ``toolkit.search``:
 
 - ``problems(strategy)``: why a strategy cannot run (``toolkit.config.validate``
   with its degrees and micro-batch size, plus the per-op layouts' divisibility);
 - ``trace(strategy, stage)``: the stage's rehearsed step
-  (``sbp_core.search.stage_trace``), cached by what the stage sees (degrees
+  (``toolkit.search.stage_trace``), cached by what the stage sees (degrees
   on its mesh, ZeRO, micro-batch, sequence parallel, its position, its
   layers and the op choices that touch its parameters). A stage with more
   than ``direct_blocks`` repeated layers and layer-uniform choices is priced
   from rehearsals with 2 and 3 layers: every further layer adds what the
-  third added (``toolkit.autoparallel.extrapolate``);
+  third added (``toolkit.search.extrapolate``);
 - ``choices``: the per-op choice points — each module the recipe's
   tensor-parallel plan names (per layer when ``per_layer``), with the
   tp-axis SBPs its parameters may take (``B`` or a split of a dim that
@@ -25,9 +25,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from sbp_core.search.rehearsal import GlobalOp, fake_tensors
-from sbp_core.search.stage_trace import StageTrace, trace_stage
-from sbp_core.search.strategy import Strategy, parse_sbp
+from toolkit.search.rehearsal import GlobalOp, fake_tensors
+from toolkit.search.stage_trace import StageTrace, trace_stage
+from toolkit.search.strategy import Strategy, parse_sbp
 from toolkit.config import ConfigError, typed, validate
 from toolkit.recipe import data_shard
 from toolkit.stages import layer_paths, stage_ranges

@@ -1,7 +1,7 @@
 """Our cost per op on global tensors, measured on the searched model: its ``device.dispatch_us``.
 
 The cost model charges a dispatched stage ``host_overhead`` seconds per op
-on global tensors on top of its kernels (``sbp_core.search.costmodel``).
+on global tensors on top of its kernels (``toolkit.search.costmodel``).
 ``scripts/calibrate_machine.py`` fits that figure together with the kernel
 factor on two small calibration GPT-2s (13.9 us in this machine's cluster
 file). What an op costs beyond its kernel inside a training step — the
@@ -14,7 +14,7 @@ than their priced kernels and dispatch (``scripts/verify_simulator.py``).
 with the kernel factor (``kernel_factor``), in one loop: one micro-batch's
 forward and backward of the whole model under a two-device layout (tensor
 parallel; data parallel where the model allows no tp2), run for real on
-rank 0 of a fake world (``sbp_core.search.rehearsal.fake_world``:
+rank 0 of a fake world (``toolkit.search.rehearsal.fake_world``:
 collectives return at once, so the CPU time is this rank's own work),
 alternating with the kernel factor's plain one-device step, one intra-op
 thread, the runtime's host-memory policy, best of ``repeats`` each. The
@@ -34,7 +34,7 @@ from .kernel_factor import cpu_seconds, fill_synthetic, plain_step, rehearsed_ke
 
 
 def _two_device_strategy(model, rows: int):
-    from sbp_core.search.strategy import Strategy
+    from toolkit.search.strategy import Strategy
 
     for s in (Strategy(tp=2, micro_batch_size=rows), Strategy(dp=2, micro_batch_size=rows)):
         if not model.problems(s):
@@ -72,8 +72,8 @@ def model_host_costs(model, costs, rows: int, repeats: int = 10) -> tuple:
     """``(kernel factor, seconds per global op beyond its kernel)`` for ``model`` (a ``RecipeSearchModel``) with
     ``rows`` rows per micro-batch, measured as the module docstring says."""
     from runtime.host_memory import keep_freed_host_memory
-    from sbp_core.search.rehearsal import OpCall, fake_world
-    from sbp_core.search.strategy import Strategy
+    from toolkit.search.rehearsal import OpCall, fake_world
+    from toolkit.search.strategy import Strategy
 
     strategy = _two_device_strategy(model, rows)  # one stage: the whole model
     plain_kernels = rehearsed_kernel_seconds(model, Strategy(micro_batch_size=rows), costs)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field, replace
 
-from ..sbp import Broadcast, Partial, Split
+from sbp_core.sbp import Broadcast, Partial, Split
 
 _SBP = re.compile(r"^(?:S\((\d+)\)|B|P\((sum|max|min)\))$")
 

@@ -1,6 +1,6 @@
 """``parallel=auto``: search a plan for this model on a cluster (or reuse the cached one), then train with it.
 
-``find_plan(cfg, recipe)`` runs ``sbp_core.search``'s Metropolis-Hastings
+``find_plan(cfg, recipe)`` runs ``toolkit.search``'s Metropolis-Hastings
 search (``parallel.search.*``: cluster file, devices, budget, beta, seed)
 over dp/tp/pp, ZeRO, micro-batch size, sequence parallel and per-op layouts,
 seeded with data parallel and Megatron's layout, and writes the best plan as
@@ -12,7 +12,7 @@ key loads it instead of searching. ``resolve(cfg, ...)`` returns the config
 that trains it: the strategy's degrees, ZeRO stage, sequence parallel,
 ``parallel.plan`` (per-op layouts) and micro-batch size, ``auto`` off.
 
-The search rehearses stages in a fake world (``sbp_core.search.rehearsal``),
+The search rehearses stages in a fake world (``toolkit.search.rehearsal``),
 so it must run where ``torch.distributed`` is not initialised: in
 ``train.py`` before it launches ranks (under torchrun every process finds
 the same plan: the search is deterministic, or the cached file is there).
@@ -27,7 +27,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from sbp_core.search.strategy import Strategy
+from toolkit.search.strategy import Strategy
 from toolkit.config import typed
 
 from .cluster_file import load_cluster
@@ -72,11 +72,11 @@ def plan_path(cfg, recipe) -> tuple:
 
 def search_plan(cfg, recipe, progress: bool = True, log=print):
     """Run the search; returns ``(SearchResult, search model)``."""
-    from sbp_core.search.evaluate import Evaluator
-    from sbp_core.search.mcmc import search
-    from sbp_core.search.opcost import MeasuredOpCosts, RooflineOpCosts, measurement_cache
-    from sbp_core.search.threadgain import MeasuredThreadGain
-    from sbp_core.search.space import SearchSpace
+    from toolkit.search.evaluate import Evaluator
+    from toolkit.search.mcmc import search
+    from toolkit.search.opcost import MeasuredOpCosts, RooflineOpCosts, measurement_cache
+    from toolkit.search.threadgain import MeasuredThreadGain
+    from toolkit.search.space import SearchSpace
 
     from .dispatch_cost import model_host_costs
     from .search_model import RecipeSearchModel

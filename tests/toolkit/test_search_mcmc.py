@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from sbp_core.search.mcmc import search
-from sbp_core.search.strategy import Strategy
+from toolkit.search.mcmc import search
+from toolkit.search.strategy import Strategy
 
 COST = {(1, 4): 4.0, (2, 2): 2.5, (4, 1): 3.0}  # (dp, tp) -> step seconds; micro-batch 1 is 0.5 s faster
 

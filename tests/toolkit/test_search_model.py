@@ -5,7 +5,7 @@ from collections import Counter
 
 import pytest
 
-from sbp_core.search.strategy import Strategy
+from toolkit.search.strategy import Strategy
 
 TINY = ["model=gpt2-tiny", "model.n_layer=5", "model.n_embd=32", "model.n_head=2", "model.vocab_size=256",
         "model.n_positions=16", "trainer.global_batch_size=4", "trainer.micro_batch_size=2", "trainer.eval_every=0"]
@@ -14,7 +14,7 @@ TINY = ["model=gpt2-tiny", "model.n_layer=5", "model.n_embd=32", "model.n_head=2
 @pytest.fixture(scope="module")
 def models():
     from recipes.registry import get
-    from toolkit.autoparallel.search_model import RecipeSearchModel
+    from toolkit.search.search_model import RecipeSearchModel
     from toolkit.config import compose
 
     cfg = compose(TINY, run_dir="/tmp/autoparallel-model")
@@ -53,10 +53,10 @@ def test_choices_and_validity(models):
 def test_insightface_is_traced_and_priced():
     """A vision recipe with no pipeline: the batch split over the whole mesh, a class-split FC head."""
     from recipes.registry import get
-    from sbp_core.search.cluster import cluster_from_dict
-    from sbp_core.search.evaluate import Evaluator
-    from sbp_core.search.opcost import RooflineOpCosts
-    from toolkit.autoparallel.search_model import RecipeSearchModel
+    from toolkit.search.cluster import cluster_from_dict
+    from toolkit.search.evaluate import Evaluator
+    from toolkit.search.opcost import RooflineOpCosts
+    from toolkit.search.search_model import RecipeSearchModel
     from toolkit.config import compose
 
     cfg = compose(["recipe=insightface", "trainer.global_batch_size=16", "trainer.micro_batch_size=4"],

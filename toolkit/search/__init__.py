@@ -12,6 +12,13 @@
   stash quotas); ``simulator``: full and delta simulation (identical).
 - ``strategy``, ``space``, ``evaluate`` (prediction and memory), ``mcmc``.
 
-Recipe knowledge stays above: ``toolkit.autoparallel`` turns a recipe and
-its config into stage specs, choice points and validity.
+- From a recipe: ``search_model`` (a recipe and its config as stage specs,
+  choice points and validity; ``stage_spec``, ``extrapolate``), ``auto``
+  (``parallel=auto``: search, or load the plan a search saved), the
+  machine's calibration (``kernel_factor``, ``dispatch_cost``,
+  ``cluster_file``) and ``report``.
+
+The package sits above the runtime and the core: it reads the core's costs
+and op rules and rehearses through its dispatcher, and builds the task
+graph from the runtime's pipeline schedule.
 """

@@ -1,11 +1,11 @@
-"""Cluster files: ``configs/cluster/<name>.yaml`` read into ``sbp_core.search.cluster.Cluster``."""
+"""Cluster files: ``configs/cluster/<name>.yaml`` read into ``toolkit.search.cluster.Cluster``."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import yaml
 
-from sbp_core.search.cluster import Cluster, cluster_from_dict
+from toolkit.search.cluster import Cluster, cluster_from_dict
 
 CLUSTER_DIR = Path(__file__).resolve().parents[2] / "configs" / "cluster"
 
