@@ -19,7 +19,8 @@ from .boxing.nd_plan import plan as boxing_plan
 from .cast import cast, cast_group, cast_many, remat_saved
 from .creation import ones, rand, randn, zeros
 from .declare import distribute, to_global
-from .dispatch import explain, format_explain
+from .boxing import methods as _boxing_methods  # noqa: F401  (sets GlobalTensor's to_local/to_global/full_tensor)
+from .dispatch import explain, format_explain  # (and sets GlobalTensor.__torch_dispatch__)
 from .global_tensor import GlobalTensor, NoSbpRule
 from .sparse import SparseGlobalTensor
 from .grad_clip import clip_grad_norm_

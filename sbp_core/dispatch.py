@@ -327,3 +327,7 @@ def format_explain(steps) -> str:
         boxed = ", ".join(format_sbp(r) for r in req)
         lines.append(f"{op:45s} {ins} => {boxed} -> {', '.join(format_sbp(o) for o in outs)}  boxing {cost:.0f} B")
     return "\n".join(lines)
+
+
+# ``dispatch`` itself is the type's hook (a staticmethod: one Python frame per op, no bound method).
+GlobalTensor.__torch_dispatch__ = staticmethod(dispatch)

@@ -5,14 +5,19 @@ rank's ``local`` shard (an empty tensor on ranks outside the placement). Op
 dispatch with SBP signature rules is layered on ``__torch_dispatch__``; ops
 without a rule raise ``NoSbpRule`` naming the op and the input layouts, never
 a silently wrong value.
+
+This module is the type alone, below everything that computes with it: the
+dispatcher (``sbp_core.dispatch``) sets ``__torch_dispatch__`` and the
+boxing (``sbp_core.boxing.methods``) sets ``to_local``, ``to_global`` and
+``full_tensor`` on the class when they are imported (``import sbp_core``
+imports both), so no module imports one that imports it back.
 """
 from __future__ import annotations
 
 import torch
 
 from .layout import Layout, strides_in_order
-from .process_groups import on_forget_groups
-from .sbp import format_sbp, nd_sbp
+from .sbp import format_sbp
 
 
 class NoSbpRule(NotImplementedError):
@@ -77,59 +82,12 @@ class GlobalTensor(torch.Tensor):
             f"{self.placement}, local={self._local})"
         )
 
-    # -- moving between layouts (differentiable) -----------------------------
-    def to_local(self) -> torch.Tensor:
-        """This rank's shard; its gradient is taken to be laid out as ``sbp`` with partial as ``B``."""
-        return _ToLocal.apply(self)
-
-    def to_global(self, placement=None, sbp=None) -> "GlobalTensor":
-        """Box to ``sbp`` on ``placement`` (either defaults to the current one)."""
-        src = self._layout
-        try:
-            dst, steps = _targets[(src, placement, sbp)]
-        except (KeyError, TypeError):  # TypeError: an unhashable sbp (a list)
-            dst, steps = _target(src, placement, sbp)
-        if self.requires_grad and torch.is_grad_enabled():
-            return _Boxing.apply(self, dst)
-        # box(...) and wrap(...) inlined: a local-only boxing (B -> S is a view) is mostly this call's frames.
-        local = self._local
-        for step in steps:
-            local = step(local)
-        # Dense strides go as None (the constructor derives them; cheaper than parsing a tuple).
-        strides = None if local.is_contiguous() else _global_strides(dst.shape, local)
-        out = _make_wrapper(GlobalTensor, dst.shape, strides, None, None, dst.dtype, _strided, local.device)
-        out._local = local
-        out._layout = dst
-        return out
-
-    def full_tensor(self) -> torch.Tensor:
-        """The whole global tensor on every member rank (all-gather / all-reduce as needed)."""
-        from .sbp import Broadcast
-
-        return self.to_global(sbp=tuple(Broadcast() for _ in self.sbp)).to_local()
+    # -- moving between layouts (differentiable): ``to_local``, ``to_global``, ``full_tensor`` ----------
+    # defined with the boxing they run, in ``sbp_core.boxing.methods``, which sets them on this class.
 
     # -- dispatch -----------------------------------------------------------
-    # ``__torch_dispatch__`` is ``sbp_core.dispatch.dispatch`` itself (set below, a staticmethod):
+    # ``__torch_dispatch__`` is ``sbp_core.dispatch.dispatch`` itself (set there, a staticmethod):
     # one Python frame per op, not two, and no bound method object per op.
-
-
-# (layout, placement arg, sbp arg) -> (the layout to_global boxes to, the planned boxing steps)
-_targets: dict = {}
-on_forget_groups(_targets.clear)  # the steps hold process groups
-
-
-def _target(src: Layout, placement, sbp) -> tuple:
-    """Validate ``to_global``'s arguments once per (layout, arguments); cache the destination and its steps."""
-    pl = src.placement if placement is None else placement
-    dst = Layout(pl, src.sbp if sbp is None else nd_sbp(sbp, pl.ndim), src.shape, src.dtype)
-    entry = (dst, _planned(src, dst))
-    try:
-        if len(_targets) >= 1 << 14:
-            _targets.clear()
-        _targets[(src, placement, sbp)] = entry
-    except TypeError:
-        pass
-    return entry
 
 
 _make_wrapper = torch.Tensor._make_wrapper_subclass
@@ -144,13 +102,3 @@ def wrap(local: torch.Tensor, layout: Layout, strides) -> GlobalTensor:
     out._local = local
     out._layout = layout
     return out
-
-
-from .dispatch import dispatch as _dispatch  # noqa: E402  (dispatch needs GlobalTensor defined)
-
-GlobalTensor.__torch_dispatch__ = staticmethod(_dispatch)
-
-# Bound once here rather than imported inside ``to_global``: an import statement in a
-# function costs two importlib frames per call (boxing imports this module, so not at the top).
-from .boxing import planned as _planned  # noqa: E402
-from .boxing.autograd import Boxing as _Boxing, ToLocal as _ToLocal  # noqa: E402
