@@ -47,7 +47,7 @@ def main(argv=None) -> str:
     from recipes.registry import get
     from toolkit import checkpoint as ckpt
     from toolkit.config import load_config
-    from toolkit.data.tokenizer import load_tokenizer
+    from recipes.gpt2.data.tokenizer import load_tokenizer
     from toolkit.run_state import checkpoint_root
 
     opts = parse(sys.argv[1:] if argv is None else argv)

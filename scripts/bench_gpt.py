@@ -66,7 +66,7 @@ not RSS, so allocator caching and fragmentation do not count; Python objects
 in pymalloc arenas do not either (small).
 
 **MFU** (single process): tokens/s x FLOPs/token
-(``toolkit.flops.model_flops_per_token``: 6 N + 12 L H Q T) over
+(``recipes.gpt2.flops.model_flops_per_token``: 6 N + 12 L H Q T) over
 ``measured_peak_tflops(repeats=10)`` (the best of ten fp32 1024^3 matmuls on
 this process's one thread; best-of is robust to other load, the median step
 is not, so on a busy machine this MFU is low; the same MFU per CPU-second,
@@ -343,12 +343,13 @@ def pair_worker(o, parallel: str, run_dir: str) -> dict:
             v.losses[i] = v.loss(value)  # after the clock: a peer's loss may need a collective
     out["losses"] = {n: v.losses for n, v in variants.items()}
     if parallel == "single":
-        from toolkit import flops
+        from recipes.gpt2.flops import model_flops_per_token
+        from toolkit.flops import measured_peak_tflops
 
         cfg = variants["ours"].cfg
-        out["peak_tflops"] = flops.measured_peak_tflops(repeats=10)
-        out["flops_per_token"] = flops.model_flops_per_token(cfg.model, int(cfg.data.seq_len),
-                                                             n_params=variants["ours"].job.n_params)
+        out["peak_tflops"] = measured_peak_tflops(repeats=10)
+        out["flops_per_token"] = model_flops_per_token(cfg.model, int(cfg.data.seq_len),
+                                                       n_params=variants["ours"].job.n_params)
     return out
 
 

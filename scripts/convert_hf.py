@@ -29,7 +29,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from toolkit import checkpoint as ckpt  # noqa: E402
-from toolkit.checkpoint import hf_gpt2  # noqa: E402
+from recipes.gpt2 import hf as hf_gpt2  # noqa: E402
 from toolkit.checkpoint.directory import resolve  # noqa: E402
 from toolkit.checkpoint.errors import CheckpointError  # noqa: E402
 

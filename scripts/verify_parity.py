@@ -42,6 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import sbp_core as sc  # noqa: E402
 from recipes.gpt2.model import GPT2Config, GPT2LMHeadModel  # noqa: E402
+from recipes.gpt2.plan import RESIDUAL_WHOLE, SEQUENCE_PARALLEL, TENSOR_PARALLEL  # noqa: E402
 from sbp_core.sbp import Broadcast, Split  # noqa: E402
 
 WORLD = 4
@@ -65,16 +66,10 @@ class MLP(nn.Module):
 GPT_CFG = GPT2Config(vocab_size=256, n_positions=32, n_embd=64, n_layer=2, n_head=4,
                      embd_pdrop=0.0, resid_pdrop=0.0, attn_pdrop=0.0)
 
-# Megatron's tensor-parallel layout of GPT-2, on the tp mesh axis.
-GPT_TP = {
-    "*.attn.c_attn.weight": S1, "*.attn.c_attn.bias": S0, "*.attn.c_proj.weight": S0,
-    "*.mlp.c_fc.weight": S1, "*.mlp.c_fc.bias": S0, "*.mlp.c_proj.weight": S0,
-    "transformer.wte.weight": S0,
-}
-# Megatron keeps the residual stream whole between the parallel regions.
-GPT_TP_PINS = {"*.ln_1:input": B, "*.ln_2:input": B, "transformer.ln_f:input": B}
+# The recipe's own Megatron layout of GPT-2 on the tp mesh axis, and the residual stream kept whole.
+GPT_TP, GPT_TP_PINS = TENSOR_PARALLEL, RESIDUAL_WHOLE
 # Sequence parallel: LayerNorm regions split along the sequence.
-GPT_SP_PINS = {"*.ln_1:input": S1, "*.ln_2:input": S1, "transformer.ln_f:input": S1}
+GPT_SP_PINS = SEQUENCE_PARALLEL
 MLP_TP = {"fc1.weight": S0, "fc1.bias": S0, "fc2.weight": S1}
 
 

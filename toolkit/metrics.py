@@ -8,8 +8,8 @@ rank 0 (``enabled``), so the trainer needs no rank checks. Each
 Row keys. Training rows: ``step``, ``loss``, ``lr``, ``grad_norm``, the
 throughput (``throughput_key``: ``tokens_per_s``, ``images_per_s`` or
 ``samples_per_s`` by recipe), ``tflops``, ``mfu``, ``mem``; evaluation rows
-(:meth:`log_eval`): ``step`` and the recipe's metrics (``val_loss`` gets
-``val_ppl``). ``mem`` is filled in when not given: the
+(:meth:`log_eval`): ``step`` and the recipe's metrics (GPT-2's ``val_loss``
+and ``val_ppl``). ``mem`` is filled in when not given: the
 peak bytes of this process (``torch.cuda.max_memory_allocated`` on CUDA,
 otherwise the peak resident set size from ``getrusage``). ``tflops`` and
 ``mfu`` are filled in from the throughput when the logger knows
@@ -174,15 +174,10 @@ class MetricsLogger:
         return None
 
     def log_eval(self, step: int, **metrics: Any) -> Optional[dict]:
-        """Record an evaluation row of ``metrics``; a ``val_loss`` gets ``val_ppl = exp(val_loss)`` beside it."""
+        """Record an evaluation row of ``metrics`` (what the recipe's ``evaluate`` returned)."""
         if not self.enabled:
             return None
-        row = {"step": int(step)}
-        for key, value in metrics.items():
-            row[key] = _plain(value)
-            if key == "val_loss":
-                loss = row[key]
-                row["val_ppl"] = math.exp(loss) if loss is not None and loss < 700 else float("inf")
+        row = {"step": int(step), **{key: _plain(value) for key, value in metrics.items()}}
         self._write(row)
         return row
 

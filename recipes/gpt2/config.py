@@ -7,10 +7,12 @@ and ``data.vocab_size`` to ``${model.vocab_size}``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Optional
 
 from omegaconf import II
+
+from .model import GPT2Config
 
 DATA_SOURCES = ("stdlib", "text")
 
@@ -43,7 +45,7 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    """The token stream (mapped onto ``toolkit.data.prepare``).
+    """The token stream (mapped onto ``recipes.gpt2.data.prepare``).
 
     - ``source``: ``stdlib`` (this Python's standard-library source, always
       available) or ``text`` (the local ``path``: a file or directory of
@@ -76,11 +78,8 @@ def gpt2_config_kwargs(model: Any) -> dict:
     ``dropout`` becomes ``embd_pdrop``, ``resid_pdrop`` and ``attn_pdrop``.
     Use: ``GPT2Config(**gpt2_config_kwargs(cfg.model))``.
     """
-    return dict(vocab_size=int(model.vocab_size), n_positions=int(model.n_positions),
-                n_embd=int(model.n_embd), n_layer=int(model.n_layer), n_head=int(model.n_head),
-                embd_pdrop=float(model.dropout), resid_pdrop=float(model.dropout),
-                attn_pdrop=float(model.dropout), layer_norm_epsilon=float(model.layer_norm_epsilon),
-                initializer_range=float(model.initializer_range))
+    return {f.name: type(f.default)(model.dropout if f.name.endswith("_pdrop") else model[f.name])
+            for f in fields(GPT2Config)}
 
 
 def problems(cfg, layout) -> list:

@@ -1,12 +1,14 @@
 """The GPT-2 recipe: the model, its token data, its plan and its pipeline split, for ``toolkit.trainer``."""
 from __future__ import annotations
 
+import math
 import os
 
 import torch
 
-from toolkit import flops
-from toolkit.data import MicroBatches, prepare
+from . import flops
+from recipes.gpt2.data import prepare
+from toolkit.data import MicroBatches
 from toolkit.recipe import Recipe
 
 from . import config
@@ -66,11 +68,19 @@ class GPT2Recipe(Recipe):
     def items_per_sample(self, cfg) -> int:
         return int(cfg.data.seq_len)
 
+    def evaluate(self, job) -> dict | None:
+        """The validation loss and its perplexity, ``exp(val_loss)``."""
+        out = super().evaluate(job)
+        if out is not None and out["val_loss"] is not None:
+            loss = float(out["val_loss"])
+            out["val_ppl"] = math.exp(loss) if loss < 700 else float("inf")
+        return out
+
     def flops_per_item(self, cfg, n_params: int) -> float:
         return flops.model_flops_per_token(cfg.model, int(cfg.data.seq_len), n_params=n_params)
 
     def init_weights(self, model, path: str, cfg) -> bool:
-        from toolkit.checkpoint.hf_gpt2 import is_hf_dir, load_hf_into
+        from recipes.gpt2.hf import is_hf_dir, load_hf_into
 
         if not is_hf_dir(path):
             return False

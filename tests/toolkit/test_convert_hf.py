@@ -22,7 +22,7 @@ from sbp_core.sbp import Broadcast
 from scripts import convert_hf
 from scripts.verify_parity import GPT_TP, GPT_TP_PINS
 from toolkit import checkpoint as ckpt
-from toolkit.checkpoint import hf_gpt2
+from recipes.gpt2 import hf as hf_gpt2
 from toolkit.rank_pool import get_pool
 
 WORLD = 2  # tp2 needs two ranks; "single" leaves rank 1 outside the placement

@@ -11,7 +11,7 @@ from runtime.executor import run
 from runtime.plan import ActorSpec, Plan
 from toolkit.data.batches import MicroBatches
 from toolkit.data.sampler import GlobalBatchSampler, micro_batch_rows
-from toolkit.data.tokens import TokenSequences, token_dtype
+from recipes.gpt2.data.tokens import TokenSequences, token_dtype
 
 SEQ, N_SEQ = 8, 37
 

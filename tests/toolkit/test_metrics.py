@@ -22,7 +22,7 @@ def test_rows_console_and_derived_fields(tmp_path, capsys):
     with MetricsLogger(tmp_path, cfg_with(), enabled=True, flops_per_item=1e6, peak_tflops=0.5,
                        n_devices=2) as log:
         row = log.log(10, loss=torch.tensor(3.25), lr=6e-4, grad_norm=0.5, tokens_per_s=2e5)
-        log.log_eval(10, val_loss=2.0)
+        log.log_eval(10, val_loss=2.0, val_ppl=math.exp(2.0))
     assert row["tflops"] == pytest.approx(0.2)  # 2e5 tok/s * 1e6 FLOP/tok
     assert row["mfu"] == pytest.approx(0.2)  # 0.2 / (0.5 * 2)
     rows = read_metrics(tmp_path)
@@ -38,7 +38,7 @@ def test_rows_console_and_derived_fields(tmp_path, capsys):
 def test_non_finite_values_are_strict_json(tmp_path, capsys):
     with MetricsLogger(tmp_path, cfg_with(), enabled=True) as log:
         log.log(1, loss=float("nan"), mem=5)
-        log.log_eval(1, val_loss=1e9)
+        log.log_eval(1, val_loss=1e9, val_ppl=float("inf"))
     text = (tmp_path / "metrics.jsonl").read_text()
     assert "NaN" not in text and "Infinity" not in text
     rows = [json.loads(line) for line in text.splitlines()]

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from toolkit.config import compose
-from toolkit.flops import (flops_per_token, gpt2_param_count, measured_peak_tflops, mfu, model_flops_per_token,
-                           tflops)
+from recipes.gpt2.flops import flops_per_token, gpt2_param_count, model_flops_per_token
+from toolkit.flops import measured_peak_tflops, mfu, tflops
 
 
 def test_param_count_matches_the_model():

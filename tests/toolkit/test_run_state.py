@@ -4,7 +4,7 @@ import torch
 from omegaconf import OmegaConf
 
 from recipes.gpt2.recipe import RECIPE
-from toolkit.checkpoint.hf_gpt2 import is_hf_dir, load_hf_into
+from recipes.gpt2.hf import is_hf_dir, load_hf_into
 
 build_model = RECIPE.build_model
 

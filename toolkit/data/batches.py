@@ -12,7 +12,7 @@ batch into, e.g. the dp degree for GPT-2's ``(S(0), B)``).
 I/O); ``source.decode(raw) -> samples`` (a list, or a tensor whose rows are
 the samples, already laid out as a batch); ``source.collate(samples) ->
 {field: tensor}`` with ``len(samples)`` rows (also for no samples).
-``toolkit.data.TokenSequences`` is one (``{"input_ids": ...}``).
+``recipes.gpt2.data.TokenSequences`` is one (``{"input_ids": ...}``).
 
 Actor use (``runtime.data_pipeline.data_stages``): piece ``k`` is micro-batch
 ``k % accum`` of step ``self.step + k // accum``, so a run of ``accum``

@@ -6,11 +6,10 @@ grouped per head, ``[q_h k_h v_h]`` for each head ``h``, where HF has
 ``[all q | all k | all v]`` (so that a column split gives each tensor
 parallel rank whole heads). Conversion permutes those columns of the weight
 and the entries of the bias; nothing else changes. Pure tensor code: the
-model class is not needed (and ``toolkit`` does not import ``recipes``).
+model class is not needed.
 
-Config: our fields are ``vocab_size, n_positions, n_embd, n_layer, n_head,
-embd_pdrop, resid_pdrop, attn_pdrop, layer_norm_epsilon, initializer_range``;
-HF's GPT-2 config has the same names. HF options our model does not
+Config: our fields are ``GPT2Config``'s (``recipes/gpt2/model.py``); HF's
+GPT-2 config has the same names. HF options our model does not
 implement (another activation, cross attention, layer-index attention
 scaling, ``n_inner != 4 * n_embd``) are refused by name.
 """
@@ -18,11 +17,13 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import fields
 
 import torch
 
-CONFIG_KEYS = ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "embd_pdrop", "resid_pdrop",
-               "attn_pdrop", "layer_norm_epsilon", "initializer_range")
+from .model import GPT2Config
+
+CONFIG_KEYS = tuple(f.name for f in fields(GPT2Config))  # Hugging Face's GPT-2 config uses the same names
 TIED = ("transformer.wte.weight", "lm_head.weight")
 _BUFFERS = (".attn.bias", ".attn.masked_bias")  # causal masks some HF versions store; not weights
 

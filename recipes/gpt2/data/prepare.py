@@ -42,8 +42,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .build_once import build_once, content_key
-from .corpus import open_corpus
+from toolkit.data.build_once import build_once, content_key
+from .source import open_corpus
 from .tokenizer import TOKENIZER_FILE, TextTokenizer, load_tokenizer, train_tokenizer
 from .tokens import DTYPES, TokenSequences, token_dtype
 

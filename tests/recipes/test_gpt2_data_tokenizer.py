@@ -5,9 +5,10 @@ import os
 
 import pytest
 
-from toolkit.data import tokenizer as tokenizer_module
-from toolkit.data.corpus import open_corpus, stdlib_corpus
-from toolkit.data.tokenizer import EOS_TOKEN, load_tokenizer, train_tokenizer
+from recipes.gpt2.data import tokenizer as tokenizer_module
+from recipes.gpt2.data.corpus import stdlib_corpus
+from recipes.gpt2.data.source import open_corpus
+from recipes.gpt2.data.tokenizer import EOS_TOKEN, load_tokenizer, train_tokenizer
 
 CAP, VOCAB = 300_000, 512
 TEXTS = [

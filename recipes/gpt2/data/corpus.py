@@ -37,7 +37,7 @@ import sysconfig
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator
 
-from .build_once import content_key
+from toolkit.data.build_once import content_key
 
 LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")
 STDLIB_SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
@@ -186,7 +186,7 @@ def _file_documents(path: str, suffix: str, text_field: str) -> Iterator[str]:
     return _parquet_documents(path, text_field)
 
 
-def _suffix(path: str) -> str:
+def suffix_of(path: str) -> str:
     return os.path.splitext(path)[1].lower()
 
 
@@ -199,17 +199,17 @@ def local_corpus(path: str, max_bytes: int | None = None, text_field: str = "tex
         files = []
         for here, _, names in os.walk(root):
             for name in names:
-                if _suffix(name) in LOCAL_SUFFIXES:
+                if suffix_of(name) in LOCAL_SUFFIXES:
                     files.append(os.path.relpath(os.path.join(here, name), root).replace(os.sep, "/"))
         files.sort()
-        kinds = sorted({_suffix(f) for f in files})
+        kinds = sorted({suffix_of(f) for f in files})
         if not files:
             raise ValueError(f"directory {path!r} holds no {', '.join(LOCAL_SUFFIXES)} files")
         if len(kinds) > 1:
             raise ValueError(f"directory {path!r} mixes file kinds {kinds}; keep one of {list(LOCAL_SUFFIXES)}")
         suffix = kinds[0]
     elif os.path.isfile(path):
-        suffix = _suffix(path)
+        suffix = suffix_of(path)
         if suffix not in LOCAL_SUFFIXES:
             raise ValueError(f"unsupported corpus file {path!r}: suffix {suffix!r}, valid suffixes {list(LOCAL_SUFFIXES)}")
         root, files = os.path.dirname(path), [os.path.basename(path)]
@@ -224,35 +224,3 @@ def local_corpus(path: str, max_bytes: int | None = None, text_field: str = "tex
                             "text_field": text_field if suffix != ".txt" else None,
                             "max_bytes": max_bytes})
     return Corpus(f"local:{path}", identity, max_bytes, stream)
-
-
-def _looks_like_path(source: str) -> bool:
-    return source.startswith(("/", "./", "../", "~")) or os.path.isabs(source) or _suffix(source) in LOCAL_SUFFIXES
-
-
-def open_corpus(source=None, max_bytes: int | None = None, text_field: str = "text",
-                config: str | None = None, split: str = "train") -> Corpus:
-    """The corpus ``source`` names (see the module docstring); a ``Corpus`` is returned as is.
-
-    A string that is an existing path, starts with ``/``, ``./``, ``../`` or
-    ``~``, or ends in a local suffix is a local path (missing:
-    ``FileNotFoundError``); any other string is a hub dataset name
-    (``config``/``split`` apply to it only).
-    """
-    if isinstance(source, Corpus):
-        if max_bytes is not None and max_bytes != source.max_bytes:
-            raise ValueError(f"max_bytes={max_bytes!r} given with a Corpus capped at {source.max_bytes!r}; "
-                             "cap the corpus when opening it")
-        return source
-    if source is None or source == "stdlib":
-        return stdlib_corpus(max_bytes)
-    if isinstance(source, os.PathLike):
-        source = os.fspath(source)
-    if not isinstance(source, str) or not source:
-        raise TypeError(f"corpus source must be None, 'stdlib', a path, a hub dataset name or a Corpus, "
-                        f"got {source!r}")
-    if os.path.exists(os.path.expanduser(source)) or _looks_like_path(source):
-        return local_corpus(source, max_bytes, text_field)
-    from .hub import hub_corpus  # here, not at the top: hub.py builds on this module
-
-    return hub_corpus(source, config, split, text_field, max_bytes)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from .build_once import content_key
+from toolkit.data.build_once import content_key
 from .corpus import Corpus, check_max_bytes
 
 OFFLINE_ENV = ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")

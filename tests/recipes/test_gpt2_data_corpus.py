@@ -7,8 +7,9 @@ import sysconfig
 
 import pytest
 
-from toolkit.data.corpus import local_corpus, open_corpus, stdlib_corpus, stdlib_files
-from toolkit.data.hub import OfflineError
+from recipes.gpt2.data.corpus import local_corpus, stdlib_corpus, stdlib_files
+from recipes.gpt2.data.source import open_corpus
+from recipes.gpt2.data.hub import OfflineError
 
 
 def test_stdlib_files_are_sorted_python_sources_without_tests_or_site_packages():

@@ -8,8 +8,8 @@ import os
 import pytest
 import torch
 
-from toolkit.data.prepare import Prepared, prepare, validation_documents
-from toolkit.data.tokens import TokenSequences
+from recipes.gpt2.data.prepare import Prepared, prepare, validation_documents
+from recipes.gpt2.data.tokens import TokenSequences
 
 CAP, VOCAB, SEQ = 300_000, 512, 64
 

@@ -26,7 +26,7 @@ import os
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from .build_once import build_once, content_key
+from toolkit.data.build_once import build_once, content_key
 from .corpus import Corpus
 
 log = logging.getLogger(__name__)
