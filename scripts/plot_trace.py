@@ -1,4 +1,4 @@
-"""Render a runtime Chrome-trace JSON file as a PNG timeline, with the standard library only.
+"""Render a runtime Chrome-trace JSON file as a PNG timeline (matplotlib, the ``plots`` extra).
 
     python scripts/plot_trace.py trace.json [-o out.png] [--width 1600]
 
@@ -9,34 +9,16 @@ track per (rank, thread), sorted by rank then thread name. ``thread_name`` and
 ``process_name`` metadata events (``"ph": "M"``) name the tracks. A rectangle's
 colour depends only on the event name's prefix (text before the first ':' or
 ' '), so every ``fwd ...`` action shares a colour. The time axis is in ms.
-
-The PNG (8-bit RGB, filter 0) is written with ``zlib`` + ``struct``; labels use
-a built-in 5x7 bitmap font (digits, A-Z, space and ``/.:_-()+``; lowercase is
-drawn as uppercase, other characters as '?').
 """
 import argparse
 import colorsys
 import hashlib
 import json
 import math
-import struct
 import sys
-import zlib
 from pathlib import Path
 
 BACKGROUND = (255, 255, 255)
-_FONT = {" ": "00000000000000"}  # 5x7 glyphs: 7 rows of 5 bits (MSB = left pixel), 2 hex digits a row
-_FONT.update(zip(*[iter("""
-0 0E11131519110E 1 040C040404040E 2 0E11010204081F 3 1F02040201110E 4 02060A121F0202
-5 1F101E0101110E 6 0608101E11110E 7 1F010204080808 8 0E11110E11110E 9 0E11110F01020C
-A 0E1111111F1111 B 1E11111E11111E C 0E11101010110E D 1C12111111121C E 1F10101E10101F
-F 1F10101E101010 G 0E11101711110F H 1111111F111111 I 0E04040404040E J 0702020202120C
-K 11121418141211 L 1010101010101F M 111B1515111111 N 11111915131111 O 0E11111111110E
-P 1E11111E101010 Q 0E11111115120D R 1E11111E141211 S 0F10100E01011E T 1F040404040404
-U 1111111111110E V 11111111110A04 W 1111111515150A X 11110A040A1111 Y 1111110A040404
-Z 1F01020408101F / 00010204081000 . 00000000000C0C : 000C0C000C0C00 _ 0000000000001F
-- 0000001F000000 ( 02040808080402 ) 08040202020408 ? 0E110102040004 + 0004041F040400
-""".split())] * 2))
 
 
 def load_trace(path):
@@ -105,53 +87,25 @@ def tracks_of(events):
     return [(label, evs) for _, label, evs in sorted(keyed)]
 
 
-class _Canvas:
-    """An RGB raster with rectangle fill, 5x7 text and PNG output."""
-
-    def __init__(self, w, h):
-        self.w, self.h = w, h
-        self.px = bytearray(bytes(BACKGROUND) * (w * h))
-
-    def rect(self, x0, y0, x1, y1, rgb):
-        x0, x1 = max(0, int(x0)), min(self.w, int(x1))
-        y0, y1 = max(0, int(y0)), min(self.h, int(y1))
-        if x1 > x0:
-            row = bytes(rgb) * (x1 - x0)
-            for y in range(y0, y1):
-                self.px[(y * self.w + x0) * 3:(y * self.w + x1) * 3] = row
-
-    def text(self, x, y, s, rgb=(30, 30, 30), scale=2):
-        """Draw ``s`` with its top-left corner at (x, y); each glyph advances 6*scale pixels."""
-        for ch in s.upper():
-            glyph = _FONT.get(ch, _FONT["?"])
-            for r in range(7):
-                bits = int(glyph[2 * r:2 * r + 2], 16)
-                for c in range(5):
-                    if bits & (0x10 >> c):
-                        self.rect(x + c * scale, y + r * scale, x + (c + 1) * scale, y + (r + 1) * scale, rgb)
-            x += 6 * scale
-
-    def png(self):
-        def chunk(kind, data):
-            return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-        stride = self.w * 3
-        raw = b"".join(b"\x00" + bytes(self.px[y * stride:(y + 1) * stride]) for y in range(self.h))
-        return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", self.w, self.h, 8, 2, 0, 0, 0))
-                + chunk(b"IDAT", zlib.compress(raw, 6)) + chunk(b"IEND", b""))
-
-
-def _tick_step(span_ms, target=8):
-    """A 1/2/5 x 10^k step giving about ``target`` ticks over ``span_ms``."""
-    raw = span_ms / target
-    base = 10 ** math.floor(math.log10(raw))
-    return next(m * base for m in (1, 2, 5, 10) if m * base >= raw)
+def _label(name: str, fit: int) -> str:
+    return name[:fit] if fit >= 3 else ""
 
 
 def render(events_or_path, png_path, width=1600):
-    """Draw a trace (a path, a trace object or a list of events) to ``png_path``.
+    """Draw a trace (a path, a trace object or a list of events) to ``png_path`` with matplotlib.
 
+    One horizontal band per track, events as filled bars in their prefix's
+    colour (``color_of``; no antialiasing, so a bar's pixels are that colour),
+    their names where they fit; time in ms from the first event.
     Returns ``{"path": png_path, "tracks": [track labels], "events": number of X events}``.
     """
+    try:
+        import matplotlib
+    except ImportError:  # the plots extra
+        raise SystemExit("plot_trace needs matplotlib: pip install -e '.[plots]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     if isinstance(events_or_path, (str, Path)):
         events = load_trace(events_or_path)
     else:
@@ -160,41 +114,29 @@ def render(events_or_path, png_path, width=1600):
     tracks = tracks_of(events)
     xs = [ev for _, evs in tracks for ev in evs]
     t0 = min((ev["ts"] for ev in xs), default=0.0)
-    span = max((ev["ts"] + ev["dur"] - t0 for ev in xs), default=0.0) or 1.0
-    S, TRACK_H, GAP, TOP, AXIS_H = 2, 34, 4, 12, 44
-    left = min(max((len(label) for label, _ in tracks), default=10) * 6 * S + 24, width // 3)
-    right = width - 24
-    height = TOP + len(tracks) * (TRACK_H + GAP) + AXIS_H
-    cv = _Canvas(width, height)
-    x_of = lambda ts: left + (ts - t0) / span * (right - left)
-    axis_y = TOP + len(tracks) * (TRACK_H + GAP)
-    for i, (label, _) in enumerate(tracks):  # track stripes and labels
-        y = TOP + i * (TRACK_H + GAP)
-        cv.rect(left, y, right, y + TRACK_H, (246, 246, 246) if i % 2 else (236, 236, 236))
-        cv.text(8, y + (TRACK_H - 7 * S) // 2, label[:(left - 16) // (6 * S)], scale=S)
-    step = _tick_step(span / 1000.0)
-    k = 0
-    while k * step <= span / 1000.0 * (1 + 1e-9):  # ticks, grid lines and tick labels (ms since first event)
-        x = int(x_of(t0 + k * step * 1000.0))
-        cv.rect(x, TOP, x + 1, axis_y, (210, 210, 210))
-        cv.rect(x, axis_y, x + 1, axis_y + 6, (60, 60, 60))
-        tick = f"{round(k * step, 9):g}"
-        cv.text(min(x - len(tick) * 6 * S // 2, width - len(tick) * 6 * S - 2), axis_y + 10, tick, scale=S)
-        k += 1
-    cv.rect(left, axis_y, right, axis_y + 1, (60, 60, 60))
-    cv.text(8, axis_y + 10, "time (ms)", scale=S)
-    for i, (_, evs) in enumerate(tracks):  # the events, with their names where they fit
-        y = TOP + i * (TRACK_H + GAP) + 3
-        for ev in sorted(evs, key=lambda e: e["ts"]):
-            x0, x1 = x_of(ev["ts"]), x_of(ev["ts"] + ev["dur"])
-            x0, x1 = int(x0), max(int(x1), int(x0) + 1)
-            rgb = color_of(ev["name"])
-            cv.rect(x0, y, x1, y + TRACK_H - 6, tuple(c * 3 // 5 for c in rgb))  # darker outline
-            cv.rect(x0 + 1, y + 1, x1 - 1, y + TRACK_H - 7, rgb)
-            fit = (x1 - x0 - 6) // 6
-            if fit >= 3:
-                cv.text(x0 + 4, y + (TRACK_H - 6 - 7) // 2, ev["name"][:fit], scale=1)
-    Path(png_path).write_bytes(cv.png())
+    span_ms = (max((ev["ts"] + ev["dur"] - t0 for ev in xs), default=0.0) or 1.0) / 1000.0
+    dpi = 100
+    fig, ax = plt.subplots(figsize=(width / dpi, 0.45 * len(tracks) + 0.9), dpi=dpi)
+    fig.subplots_adjust(left=0.2, right=0.98, top=1 - 0.1 / (0.45 * len(tracks) + 0.9),
+                        bottom=0.6 / (0.45 * len(tracks) + 0.9))
+    px_per_ms = 0.78 * width / span_ms
+    for i, (_, evs) in enumerate(tracks):
+        for ev in evs:
+            x, w = (ev["ts"] - t0) / 1000.0, ev["dur"] / 1000.0
+            rgb = tuple(c / 255 for c in color_of(ev["name"]))
+            ax.broken_barh([(x, w)], (i - 0.4, 0.8), facecolors=[rgb], edgecolors=[tuple(c * 0.6 for c in rgb)],
+                           linewidth=0.5, antialiased=False)
+            label = _label(ev["name"], int(w * px_per_ms) // 6)
+            if label:
+                ax.text(x + w / 2, i, label, ha="center", va="center", fontsize=6, clip_on=True)
+    ax.set_yticks(range(len(tracks)), [label for label, _ in tracks])
+    ax.set_ylim(len(tracks) - 0.5, -0.5)
+    ax.set_xlim(0, span_ms)
+    ax.set_xlabel("time (ms)")
+    ax.grid(axis="x", color="#d2d2d2", linewidth=0.5)
+    ax.set_axisbelow(True)
+    fig.savefig(png_path, dpi=dpi)
+    plt.close(fig)
     return {"path": str(png_path), "tracks": [label for label, _ in tracks], "events": len(xs)}
 
 
