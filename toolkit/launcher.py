@@ -48,7 +48,6 @@ import os
 import pickle
 import signal
 import sys
-import threading
 import time
 import traceback
 from contextlib import contextmanager
@@ -58,11 +57,11 @@ from multiprocessing import connection, get_context
 from typing import Any, Callable, Optional
 
 from runtime.host_memory import keep_freed_host_memory
+from toolkit import child
 from toolkit.config.environment import ClusterEnv, cluster_env, resolve_device
 from toolkit.config.errors import ConfigError
 
 DEFAULT_TIMEOUT_S = 300.0
-_PARENT_POLL_S = 1.0
 _REPORT_GRACE_S = 0.5  # after a first failure, how long other ranks' reports are still collected
 
 
@@ -253,22 +252,11 @@ def _run_in_process(main, cfg, device: str, timeout: float):
 
 # -- local spawning -----------------------------------------------------------------
 
-def _watch_parent(parent_pid: int) -> None:
-    # A rank blocked in a collective never reads its pipe; poll the parent instead.
-    while True:
-        time.sleep(_PARENT_POLL_S)
-        if os.getppid() != parent_pid:
-            os._exit(1)
-
-
 def _send(conn, message: tuple) -> None:
-    try:
-        payload = pickle.dumps(message)
-    except Exception as exc:  # main's return value did not pickle: report that instead
-        payload = pickle.dumps(("error", message[1], time.time(),
-                                f"rank {message[1]}: main's return value cannot be sent to the parent: "
-                                f"{type(exc).__name__}: {exc}"))
-    conn.send_bytes(payload)
+    # A main whose return value does not pickle: report that instead.
+    child.send(conn, message, lambda exc: ("error", message[1], time.time(),
+                                           f"rank {message[1]}: main's return value cannot be sent to the parent: "
+                                           f"{type(exc).__name__}: {exc}"))
 
 
 def _child(rank: int, nprocs: int, port: int, kind: str, timeout: float, parent_pid: int, conn,
@@ -276,7 +264,7 @@ def _child(rank: int, nprocs: int, port: int, kind: str, timeout: float, parent_
     """Body of one spawned rank: join the group, run ``main``, report over ``conn``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops us
     keep_freed_host_memory()  # before any other thread: one malloc arena for all of them
-    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    child.leave_with_parent(parent_pid)
     os.environ.update(_rank_env(rank, nprocs, rank, nprocs, "127.0.0.1", port, timeout))
     try:
         # main's module (and maybe sbp_core) was imported while unpickling our arguments,

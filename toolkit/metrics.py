@@ -35,6 +35,8 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
+from sbp_core.process_groups import world_rank
+
 METRICS_FILE = "metrics.jsonl"
 
 
@@ -51,10 +53,11 @@ def peak_memory_bytes() -> int:
 
 
 def _this_rank() -> int:
+    """This rank (``world_rank``); before the process group exists, the launcher's ``RANK`` says who logs."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
+        return world_rank()
     return int(os.environ.get("RANK", "0"))
 
 

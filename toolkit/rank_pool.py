@@ -43,12 +43,12 @@ from multiprocessing import connection, get_context
 from typing import Any, Callable
 
 from runtime.host_memory import keep_freed_host_memory
+from toolkit import child
 
 #: Errors raised uniformly by all ranks before any collective diverged (bad
 #: arguments, unsupported op). They leave the process group usable.
 CLEAN_ERRORS = (ValueError, TypeError, IndexError, KeyError, NotImplementedError)
 
-_PARENT_POLL_S = 1.0
 _STOP = None  # sentinel message: leave the worker loop
 
 
@@ -92,20 +92,7 @@ def _error_outcome(rank: int, exc: BaseException) -> Outcome:
 
 
 def _send(conn, outcome: Outcome) -> None:
-    try:
-        payload = pickle.dumps(outcome)
-    except Exception as exc:  # the value did not pickle: report that instead
-        payload = pickle.dumps(_error_outcome(outcome.rank, exc))
-    conn.send_bytes(payload)
-
-
-def _watch_parent(parent_pid: int) -> None:
-    # A worker stuck in a collective never reads its pipe, so it would not
-    # notice the parent's death by EOF; poll instead and leave hard.
-    while True:
-        time.sleep(_PARENT_POLL_S)
-        if os.getppid() != parent_pid:
-            os._exit(1)
+    child.send(conn, outcome, lambda exc: _error_outcome(outcome.rank, exc))  # the value did not pickle: say so
 
 
 def _worker(rank: int, world_size: int, port: int, timeout: float, parent_pid: int, conn) -> None:
@@ -114,7 +101,7 @@ def _worker(rank: int, world_size: int, port: int, timeout: float, parent_pid: i
     # and kill us, instead of every worker printing a KeyboardInterrupt.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     keep_freed_host_memory()  # before any other thread: one malloc arena for all of them
-    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    child.leave_with_parent(parent_pid)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size),

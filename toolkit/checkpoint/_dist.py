@@ -13,6 +13,8 @@ from contextlib import contextmanager
 
 import torch.distributed as dist
 
+from sbp_core.process_groups import world_rank as rank  # noqa: F401  (this rank; 0 without a process group)
+
 from .errors import CheckpointError
 
 # Errors that every rank re-raises as themselves when one rank hit them (the
@@ -23,10 +25,6 @@ _PASS_THROUGH = (CheckpointError, TypeError, ValueError, KeyError)
 
 def initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
-
-
-def rank() -> int:
-    return dist.get_rank() if initialized() else 0
 
 
 def world_size() -> int:

@@ -134,27 +134,9 @@ def _check_stages(problems: list, par, n_layer: int) -> tuple:
     return layers
 
 
-def validate(cfg: Any, recipe, world_size: Optional[int] = None) -> JobLayout:
-    """Check ``cfg`` (DictConfig or dict of the :class:`~toolkit.config.schema.TrainConfig` shape) for ``recipe``.
-
-    ``recipe``: the ``toolkit.recipe.Recipe`` named by ``cfg.recipe.name``
-    (``recipes.registry.get``). ``world_size``: the processes the job has;
-    ``None`` reads torchrun's or Slurm's environment, else assumes
-    ``dp * tp * pp`` will be spawned. Returns the :class:`JobLayout`; raises
-    :class:`ConfigError` listing every problem; warns :class:`ConfigWarning`
-    for ignored settings. Does not modify ``cfg`` and does not resolve
-    ``run_dir`` (Hydra's output dir).
-    """
-    cfg = _typed(cfg, recipe)
-    p: list[str] = []
-    par, tr, log = cfg.parallel, cfg.trainer, cfg.logger
-
-    # A recipe of one's own is named by its import path (module:attribute, recipes.registry).
-    if cfg.recipe.name != recipe.name and ":" not in str(cfg.recipe.name):
-        p.append(f"recipe.name={cfg.recipe.name!r}: does not name the recipe validated against, {recipe.name!r}")
-    _choice(p, "device", cfg.device, S.DEVICES)
-
-    # parallel degrees
+def _check_parallel(p: list, cfg, recipe, world_size: Optional[int], env) -> tuple:
+    """The parallel section: ``(degrees_ok, zero, world, world_size, layout name, stage_layers)``."""
+    par = cfg.parallel
     degrees_ok = all([_at_least(p, f"parallel.{k}", par[k], 1) for k in ("dp", "tp", "pp", "pp_virtual")])
     _choice(p, "parallel.zero", par.zero, ZERO_STAGES)
     _choice(p, "parallel.pp_schedule", par.pp_schedule, S.PP_SCHEDULES)
@@ -169,37 +151,38 @@ def validate(cfg: Any, recipe, world_size: Optional[int] = None) -> JobLayout:
     zero = par.zero if par.zero in ZERO_STAGES else 0
     if zero and par.dp == 1:
         warnings.warn(f"parallel.zero={zero} with parallel.dp=1 shards nothing; running with zero=0",
-                      ConfigWarning, stacklevel=2)
+                      ConfigWarning, stacklevel=3)
         zero = 0
     stage_layers: tuple = ()
     world = par.dp * par.tp * par.pp if degrees_ok else 0
     layout_name = parallel_name(par.dp, par.tp, par.pp, par.zero) if degrees_ok else "?"
-    env = cluster_env()
-    launched = env.kind if env is not None else None
-    if degrees_ok:
-        if par.pp_virtual != 1:
-            p.append(f"parallel.pp_virtual={par.pp_virtual}: interleaved (virtual) stages are not supported "
-                     "by the pipeline executor; valid: 1")
-        if recipe.pipeline_plan(cfg.model) is not None:
-            try:  # counted on a meta model (Recipe.n_layers): a bad model config may not build
-                n_layer = recipe.n_layers(cfg.model)
-            except (ValueError, TypeError, KeyError, RuntimeError) as err:
-                p.append(f"model: cannot be built to count its pipeline layers ({err})")
-            else:
-                stage_layers = _check_stages(p, par, n_layer)
-        if world_size is None:
-            world_size = env.world_size if env is not None else world
-        if world != world_size:
-            source = {"torchrun": f"torchrun's WORLD_SIZE is {world_size}",
-                      "slurm": f"Slurm's SLURM_STEP_NUM_TASKS is {world_size}"}.get(
-                launched, f"{world_size} are available")
-            p.append(f"parallel={layout_name}: dp*tp*pp = {par.dp}*{par.tp}*{par.pp} = {world} processes, "
-                     f"but {source}; valid: a layout with {world_size} processes "
-                     f"(e.g. {', '.join(layouts_for(world_size))}) or launch {world}")
-    elif world_size is None:
-        world_size = env.world_size if env is not None else 0
+    if not degrees_ok:
+        return False, zero, world, (env.world_size if env is not None else 0) if world_size is None else world_size, \
+            layout_name, stage_layers
+    if par.pp_virtual != 1:
+        p.append(f"parallel.pp_virtual={par.pp_virtual}: interleaved (virtual) stages are not supported "
+                 "by the pipeline executor; valid: 1")
+    if recipe.pipeline_plan(cfg.model) is not None:
+        try:  # counted on a meta model (Recipe.n_layers): a bad model config may not build
+            n_layer = recipe.n_layers(cfg.model)
+        except (ValueError, TypeError, KeyError, RuntimeError) as err:
+            p.append(f"model: cannot be built to count its pipeline layers ({err})")
+        else:
+            stage_layers = _check_stages(p, par, n_layer)
+    if world_size is None:
+        world_size = env.world_size if env is not None else world
+    if world != world_size:
+        source = {"torchrun": f"torchrun's WORLD_SIZE is {world_size}",
+                  "slurm": f"Slurm's SLURM_STEP_NUM_TASKS is {world_size}"}.get(
+            env.kind if env is not None else None, f"{world_size} are available")
+        p.append(f"parallel={layout_name}: dp*tp*pp = {par.dp}*{par.tp}*{par.pp} = {world} processes, "
+                 f"but {source}; valid: a layout with {world_size} processes "
+                 f"(e.g. {', '.join(layouts_for(world_size))}) or launch {world}")
+    return True, zero, world, world_size, layout_name, stage_layers
 
-    # device
+
+def _check_device(p: list, cfg, env, world: int) -> str:
+    """``cpu`` or ``cuda``: what ``cfg.device`` resolves to for this host's ranks."""
     device = "cpu"
     if cfg.device in S.DEVICES and world:
         local = (env.local_world_size or world) if env is not None else world
@@ -209,30 +192,34 @@ def validate(cfg: Any, recipe, world_size: Optional[int] = None) -> JobLayout:
             p.extend(err.problems)
         if cfg.device == "auto" and device == "cpu" and 0 < (count := cuda_device_count()) < local:
             warnings.warn(f"device=auto: {count} CUDA devices for {local} local ranks; running on CPU "
-                          "(gloo)", ConfigWarning, stacklevel=2)
+                          "(gloo)", ConfigWarning, stacklevel=3)
+    return device
 
-    # batch arithmetic
-    accumulation = 0
-    shards = _data_shards(recipe.data_sbp, par.dp, par.tp) if degrees_ok else 1
+
+def _check_batch(p: list, tr, par, shards: int, layout_name: str, degrees_ok: bool) -> int:
+    """Micro-batches per step (gradient accumulation; 0 where the sizes are wrong)."""
     mb, gb = tr.micro_batch_size, tr.global_batch_size
     sizes_ok = [_at_least(p, "trainer.micro_batch_size", mb, 1),
                 _at_least(p, "trainer.global_batch_size", gb, 1)]
-    if all(sizes_ok) and degrees_ok:
-        per = mb * shards
-        what = "parallel.dp" if shards == par.dp else f"the {shards} data shards of {layout_name}"
-        if gb % per:
-            p.append(f"trainer.global_batch_size={gb}: must divide by trainer.micro_batch_size*{what}"
-                     f" = {mb}*{shards} = {per}; valid: a multiple of {per}, e.g. "
-                     f"{max(per, gb // per * per)} or {(gb // per + 1) * per}")
-        else:
-            accumulation = gb // per
-            if too_few_micro_batches(accumulation, par.pp):
-                p.append(f"trainer.global_batch_size={gb}: gives {accumulation} micro-batches per step "
-                         f"(global/(micro*shards) = {gb}/({mb}*{shards})), fewer than parallel.pp={par.pp} "
-                         f"stages; valid: global_batch_size >= {per * par.pp} (a multiple of "
-                         f"{per}) or a smaller micro_batch_size")
+    if not (all(sizes_ok) and degrees_ok):
+        return 0
+    per = mb * shards
+    what = "parallel.dp" if shards == par.dp else f"the {shards} data shards of {layout_name}"
+    if gb % per:
+        p.append(f"trainer.global_batch_size={gb}: must divide by trainer.micro_batch_size*{what}"
+                 f" = {mb}*{shards} = {per}; valid: a multiple of {per}, e.g. "
+                 f"{max(per, gb // per * per)} or {(gb // per + 1) * per}")
+        return 0
+    accumulation = gb // per
+    if too_few_micro_batches(accumulation, par.pp):
+        p.append(f"trainer.global_batch_size={gb}: gives {accumulation} micro-batches per step "
+                 f"(global/(micro*shards) = {gb}/({mb}*{shards})), fewer than parallel.pp={par.pp} "
+                 f"stages; valid: global_batch_size >= {per * par.pp} (a multiple of "
+                 f"{per}) or a smaller micro_batch_size")
+    return accumulation
 
-    # trainer
+
+def _check_trainer(p: list, tr, par, recipe, zero: int) -> None:
     _at_least(p, "trainer.max_steps", tr.max_steps, 1)
     if not tr.lr > 0:
         p.append(f"trainer.lr={tr.lr}: must be > 0")
@@ -265,15 +252,40 @@ def validate(cfg: Any, recipe, world_size: Optional[int] = None) -> JobLayout:
                  "every stage runs on global tensors; valid: tp=1 and zero=0, and dp=1 unless the recipe's "
                  "rows weigh equally (then data-parallel stages run plain after their first micro-batch)")
 
-    # logger
+
+def validate(cfg: Any, recipe, world_size: Optional[int] = None) -> JobLayout:
+    """Check ``cfg`` (DictConfig or dict of the :class:`~toolkit.config.schema.TrainConfig` shape) for ``recipe``.
+
+    ``recipe``: the ``toolkit.recipe.Recipe`` named by ``cfg.recipe.name``
+    (``recipes.registry.get``). ``world_size``: the processes the job has;
+    ``None`` reads torchrun's or Slurm's environment, else assumes
+    ``dp * tp * pp`` will be spawned. Returns the :class:`JobLayout`; raises
+    :class:`ConfigError` listing every problem; warns :class:`ConfigWarning`
+    for ignored settings. Does not modify ``cfg`` and does not resolve
+    ``run_dir`` (Hydra's output dir).
+    """
+    cfg = _typed(cfg, recipe)
+    p: list[str] = []
+    par, tr, log = cfg.parallel, cfg.trainer, cfg.logger
+    # A recipe of one's own is named by its import path (module:attribute, recipes.registry).
+    if cfg.recipe.name != recipe.name and ":" not in str(cfg.recipe.name):
+        p.append(f"recipe.name={cfg.recipe.name!r}: does not name the recipe validated against, {recipe.name!r}")
+    _choice(p, "device", cfg.device, S.DEVICES)
+    env = cluster_env()
+    degrees_ok, zero, world, world_size, layout_name, stage_layers = _check_parallel(p, cfg, recipe, world_size, env)
+    device = _check_device(p, cfg, env, world)
+    shards = _data_shards(recipe.data_sbp, par.dp, par.tp) if degrees_ok else 1
+    accumulation = _check_batch(p, tr, par, shards, layout_name, degrees_ok)
+    _check_trainer(p, tr, par, recipe, zero)
     _choice(p, "logger.backend", log.backend, S.LOGGER_BACKENDS)
     if log.mode is not None:
         _choice(p, "logger.mode", log.mode, S.WANDB_MODES)
 
+    mb, gb = tr.micro_batch_size, tr.global_batch_size
     layout = JobLayout(name=layout_name, world_size=world, dp=par.dp, tp=par.tp, pp=par.pp, zero=zero,
                        pp_virtual=par.pp_virtual, stage_layers=stage_layers, micro_batch_size=mb,
                        global_batch_size=gb, accumulation=accumulation, data_shards=shards, items_per_step=0,
-                       device=device, launched=launched)
+                       device=device, launched=env.kind if env is not None else None)
     if degrees_ok:
         try:
             p.extend(recipe.check(cfg, layout))
