@@ -66,8 +66,10 @@ class MLP(nn.Module):
 GPT_CFG = GPT2Config(vocab_size=256, n_positions=32, n_embd=64, n_layer=2, n_head=4,
                      embd_pdrop=0.0, resid_pdrop=0.0, attn_pdrop=0.0)
 
-# The recipe's own Megatron layout of GPT-2 on the tp mesh axis, and the residual stream kept whole.
-GPT_TP, GPT_TP_PINS = TENSOR_PARALLEL, RESIDUAL_WHOLE
+# The recipe's own Megatron layout of GPT-2 on the tp mesh axis (the tied lm_head is wte's parameter, named
+# once in a whole model), and the residual stream kept whole.
+GPT_TP = {k: v for k, v in TENSOR_PARALLEL.items() if k != "lm_head.weight"}
+GPT_TP_PINS = RESIDUAL_WHOLE
 # Sequence parallel: LayerNorm regions split along the sequence.
 GPT_SP_PINS = SEQUENCE_PARALLEL
 MLP_TP = {"fc1.weight": S0, "fc1.bias": S0, "fc2.weight": S1}
