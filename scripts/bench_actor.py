@@ -18,16 +18,13 @@ on one device.
 """
 from __future__ import annotations
 
-import os
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from runtime.executor import run  # noqa: E402
-from runtime.plan import ActorSpec, Plan  # noqa: E402
+from runtime.executor import run
+from runtime.plan import ActorSpec, Plan
 
 
 def _noop(k, *xs):
@@ -73,7 +70,7 @@ def _two_rank_chain(pieces):
 
 def _gpt_stage_ms():
     from recipes.gpt2.model import GPT2LMHeadModel
-    from scripts.verify_parity import GPT_CFG
+    from benchkit.parity import GPT_CFG
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT_CFG)

@@ -56,7 +56,6 @@ over every pair DTensor supports; ``noise floor`` is the worst ``bare'/bare``
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import statistics
 import sys
@@ -64,8 +63,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from sbp_core.torch_compat import all_gather_flat, reduce_scatter_flat  # noqa: E402
+from sbp_core.torch_compat import all_gather_flat, reduce_scatter_flat
 
 SBPS = ["S(0)", "S(1)", "B", "P(sum)", "P(max)"]
 PAIRS = [(a, b) for a in SBPS for b in SBPS if a != b]

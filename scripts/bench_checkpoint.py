@@ -14,7 +14,7 @@ ranks with Megatron's tensor-parallel plan. Every method writes durably
 - ``DCP tp2``: what a DTensor user runs, ``torch.distributed.checkpoint``'s
   ``save``/``load`` with ``FileSystemWriter`` (``sync_files=True``, its
   default) and ``FileSystemReader``, of the same model parallelised by
-  ``parallelize_module`` (``scripts.bench_dispatch.DTGPT2``, the same
+  ``parallelize_module`` (``benchkit.dtensor_gpt.DTGPT2``, the same
   weights), loaded in place into its DTensors;
 - ``torch.save`` (one rank, for reference): rank 0 saves the full state dict
   to one file and fsyncs it, and loads it back with
@@ -38,12 +38,11 @@ import time
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import sbp_core as sc  # noqa: E402
-from recipes.gpt2.model import GPT2Config, GPT2LMHeadModel  # noqa: E402
-from scripts.verify_parity import GPT_TP  # noqa: E402
-from toolkit import checkpoint as ckpt  # noqa: E402
+import sbp_core as sc
+from recipes.gpt2.model import GPT2Config, GPT2LMHeadModel
+from benchkit.parity import GPT_TP
+from toolkit import checkpoint as ckpt
 
 MODELS = {
     "gpt2-tiny": dict(vocab_size=8192, n_positions=256, n_embd=128, n_layer=4, n_head=4),
@@ -97,7 +96,7 @@ class DCP:
     def __init__(self, name, workdir):
         from torch.distributed.device_mesh import init_device_mesh
 
-        from scripts.bench_dispatch import DTGPT2, _dtensor_tp
+        from benchkit.dtensor_gpt import DTGPT2, _dtensor_tp
 
         ref = _model(name)
         self.model = DTGPT2(ref.config)

@@ -39,7 +39,7 @@ use one thread each too) so that on a 2-core machine data loading has a core
 to overlap with instead of competing with intra-op threads. Each time is the
 whole loop (the executor's threads and the loaders' workers already
 running), median of ``REPEATS`` runs interleaved across the six ways, each repeat in
-an order of a carryover-balanced design (``scripts.paired.balanced_orders``:
+an order of a carryover-balanced design (``benchkit.paired.balanced_orders``:
 over every 10 repeats each way runs twice in each slot and twice right after
 each other way). A fixed order put the synthetic loop right after the
 2-worker DataLoader, whose worker processes were still exiting; a seeded
@@ -87,21 +87,20 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from runtime.host_memory import keep_freed_host_memory  # noqa: E402
+from runtime.host_memory import keep_freed_host_memory
 
 keep_freed_host_memory()  # as train.py: first thing, so every thread (the executor's too) shares one arena
 
-import torch  # noqa: E402
-from torch.utils.data import DataLoader  # noqa: E402
+import torch
+from torch.utils.data import DataLoader
 
-from recipes.gpt2.model import GPT2LMHeadModel  # noqa: E402
-from runtime.data_pipeline import TokenFile, write_tokens  # noqa: E402
-from runtime.executor import run  # noqa: E402
-from runtime.plan import ActorSpec, Plan  # noqa: E402
-from scripts.paired import balanced_orders, paired_ratio  # noqa: E402
-from scripts.verify_parity import GPT_CFG  # noqa: E402
+from recipes.gpt2.model import GPT2LMHeadModel
+from runtime.data_pipeline import TokenFile, write_tokens
+from runtime.executor import run
+from runtime.plan import ActorSpec, Plan
+from benchkit.paired import balanced_orders, paired_ratio
+from benchkit.parity import GPT_CFG
 
 STEPS, BATCH, SEQ, REPEATS, PROCESSES = 60, 16, 32, 40, 4
 

@@ -42,15 +42,14 @@ import time
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from recipes.insightface.data import synthetic as faces  # noqa: E402
-from recipes.insightface.data.face_records import FaceRecords  # noqa: E402
-from recipes.insightface.model import build  # noqa: E402
-from runtime.executor import run  # noqa: E402
-from runtime.plan import ActorSpec, Plan  # noqa: E402
-from toolkit.data import MicroBatches  # noqa: E402
-from toolkit.data.sampler import GlobalBatchSampler  # noqa: E402
+from recipes.insightface.data import synthetic as faces
+from recipes.insightface.data.face_records import FaceRecords
+from recipes.insightface.model import build
+from runtime.executor import run
+from runtime.plan import ActorSpec, Plan
+from toolkit.data import MicroBatches
+from toolkit.data.sampler import GlobalBatchSampler
 
 EMB = 128
 

@@ -26,7 +26,7 @@ step and ``--steps`` timed steps.
 - ``DDP``: plain ``GPT2LMHeadModel`` (``recipes.gpt2.model``) in
   ``DistributedDataParallel`` (gloo), ``no_sync`` on all but the last
   micro-batch.
-- ``DTensor-TP``: ``scripts.bench_dispatch.DTGPT2`` (the same GPT-2 with
+- ``DTensor-TP``: ``benchkit.dtensor_gpt.DTGPT2`` (the same GPT-2 with
   ``nn.Linear``; weights copied, transposed, from ours' initial model) under
   ``parallelize_module``: Colwise ``c_attn``/``c_fc``, Rowwise ``c_proj``,
   vocab-parallel ``wte`` (Rowwise) and ``lm_head`` (Colwise, ``Shard(-1)``)
@@ -85,7 +85,6 @@ import contextlib
 import json
 import gc
 import importlib
-import os
 import statistics
 import sys
 import tempfile
@@ -94,9 +93,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from scripts.heap import HeapPeak, heap_bytes  # noqa: E402
+from benchkit.heap import HeapPeak, heap_bytes
 
 MB = 1 << 20
 PAIRS = (("dp2", "DDP"), ("tp2", "DTensor-TP"), ("pp2", "torch-PP"), ("single", "torch"))
@@ -206,12 +204,12 @@ class Eager:
 
 
 class DTensorTP:
-    """``DTGPT2`` of ``scripts.bench_dispatch`` under its Megatron ``parallelize_module`` plan."""
+    """``DTGPT2`` of ``benchkit.dtensor_gpt`` under its Megatron ``parallelize_module`` plan."""
 
     def __init__(self, ours: Ours, n_steps: int):
         from torch.distributed.device_mesh import init_device_mesh
 
-        from scripts.bench_dispatch import DTGPT2, _dtensor_tp
+        from benchkit.dtensor_gpt import DTGPT2, _dtensor_tp
 
         self.data = ours.batches(n_steps)
         ref = _plain_model(ours.cfg)
@@ -295,7 +293,7 @@ class TorchPP:
 def _import_all():
     """Import both sides' modules up front, so no variant's memory counts another's first imports."""
     for name in ("torch.distributed.pipelining", "torch.distributed.tensor.parallel", "torch.nn.parallel",
-                 "recipes.gpt2.recipe", "scripts.bench_dispatch", "toolkit.trainer"):
+                 "recipes.gpt2.recipe", "benchkit.dtensor_gpt", "toolkit.trainer"):
         importlib.import_module(name)
 
 

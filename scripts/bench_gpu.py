@@ -25,7 +25,7 @@ nothing overlaps the step, so data work is on every loop's critical path
 and the ratio is the runtime's own host work per step). Each way first runs
 ``--warmup`` steps; then ``--rounds`` rounds, each running ``--steps`` steps
 of every way of a case in a carryover-balanced order
-(``scripts.paired.balanced_orders``), timed from a synchronised start to a
+(``benchkit.paired.balanced_orders``), timed from a synchronised start to a
 synchronised end (the loss read and ``torch.cuda.synchronize``), so every
 kernel a way queued is inside its time. Per case: the median step time of
 each way, and the paired ratio plain/ours (ours' throughput over the plain
@@ -45,9 +45,8 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from scripts.paired import balanced_orders, paired_ratio  # noqa: E402
+from benchkit.paired import balanced_orders, paired_ratio
 
 COMMON = ["logger=none", "trainer.eval_every=0", "trainer.save_every=0", "trainer.warmup_steps=2"]
 GPU = {

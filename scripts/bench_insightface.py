@@ -16,11 +16,11 @@ On ``--ranks`` local gloo ranks, a small iResNet-18 (width 8, 32x32 images,
 - ``pfc``: the same with Partial FC, ``sample_rate=0.1``.
 
 Memory: the peak C-heap bytes of the worst rank during warmup and the timed
-steps, above the heap before the model was built (``scripts/heap.py``):
+steps, above the heap before the model was built (``benchkit/heap.py``):
 parameters, gradients (DDP's buckets too), momentum and activations.
 Throughput: the global batch over the median step time of the worst rank.
 At each C the kinds run back to back ``--rounds`` times, each round in an
-order of a carryover-balanced design (``scripts.paired``), so they see the
+order of a carryover-balanced design (``benchkit.paired``), so they see the
 same machine load and none always goes first; a kind's figures at C are the
 medians over rounds, and the mp/ddp throughput ratio is the median of the
 rounds' paired ratios. A run whose memory the measured points predict
@@ -44,17 +44,16 @@ import time
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
-import sbp_core as sc  # noqa: E402
-from recipes.insightface.head import MarginSoftmaxHead  # noqa: E402
-from recipes.insightface.iresnet import iresnet  # noqa: E402
-from recipes.insightface.margin import CombinedMargin  # noqa: E402
-from recipes.insightface.model import FaceModel  # noqa: E402
-from recipes.insightface.optim import PartialFCSGD  # noqa: E402
-from recipes.insightface.plan import DATA_SBP, PLAN  # noqa: E402
-from scripts.heap import HeapPeak, heap_bytes  # noqa: E402
-from scripts.paired import balanced_orders, paired_ratio  # noqa: E402
+import sbp_core as sc
+from recipes.insightface.head import MarginSoftmaxHead
+from recipes.insightface.iresnet import iresnet
+from recipes.insightface.margin import CombinedMargin
+from recipes.insightface.model import FaceModel
+from recipes.insightface.optim import PartialFCSGD
+from recipes.insightface.plan import DATA_SBP, PLAN
+from benchkit.heap import HeapPeak, heap_bytes
+from benchkit.paired import balanced_orders, paired_ratio
 
 KINDS = ("ddp", "mp", "pfc")
 WIDTH, IMAGE, EMB = 8, 32, 128

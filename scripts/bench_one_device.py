@@ -19,16 +19,12 @@ Y.YYx, dispatched/local Z.ZZx`` (above 1, the first named is slower).
 """
 from __future__ import annotations
 
-import os
 import statistics
-import sys
 import time
 
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from scripts.bench_pipeline import Ours, Theirs, parse  # noqa: E402
+from benchkit.pipeline_peers import Ours, Theirs, parse
 
 VARIANTS = ("local", "dispatched", "torch")
 
@@ -54,7 +50,7 @@ def worker(o):
 def main(argv=None) -> str:
     from toolkit.rank_pool import get_pool
 
-    o = parse(argv)
+    o = parse(argv, __doc__.split("\n")[0])
     res = get_pool(o.pp, timeout=120.0).run(worker, o, call_timeout=900.0)
     lines = [f"GPT-2 {o.layers} layers x {o.embd}, pp={o.pp}, m={o.micro}, 1F1B; {o.steps} timed steps after 2"]
     for kind, i in (("wall", 0), ("cpu", 1)):

@@ -14,7 +14,7 @@ has not seen: no cache helps). Reported per (R, V):
 
 - ``mem``: the peak, over building the model (each rank builds only its
   shard) and the steps, of the C heap in use above the process's baseline
-  (``scripts/heap.py``; the worst rank), in MiB;
+  (``benchkit/heap.py``; the worst rank), in MiB;
 - ``step``: the fastest step's wall seconds (other jobs only add time) of
   the slowest rank (4 ranks share 2 cores here: compare a column down the V
   axis, not across R).
@@ -48,7 +48,6 @@ import gc
 import json
 import math
 import os
-import sys
 import time
 
 import torch
@@ -56,15 +55,14 @@ import torch.nn.functional as F
 from torch import nn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
-import sbp_core as sc  # noqa: E402
-from recipes.wide_deep.model import WideDeep, WideDeepConfig, bce_loss  # noqa: E402
-from recipes.wide_deep.plan import DATA_SBP, mesh_plan  # noqa: E402
-from scripts.heap import HeapPeak, heap_bytes  # noqa: E402
-from toolkit.lazy_adam import LazyAdamW  # noqa: E402
-from toolkit.mesh import stage_ranks  # noqa: E402
-from toolkit.rank_pool import get_pool  # noqa: E402
+import sbp_core as sc
+from recipes.wide_deep.model import WideDeep, WideDeepConfig, bce_loss
+from recipes.wide_deep.plan import DATA_SBP, mesh_plan
+from benchkit.heap import HeapPeak, heap_bytes
+from toolkit.lazy_adam import LazyAdamW
+from toolkit.mesh import stage_ranks
+from toolkit.rank_pool import get_pool
 
 WORLD = 4
 N_DENSE, N_FIELDS, DIM = 13, 26, 16

@@ -46,14 +46,13 @@ import time
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
-import sbp_core as sc  # noqa: E402
-from scripts.paired import paired_ratio  # noqa: E402
-from recipes.gpt2.model import GPT2Config, GPT2LMHeadModel  # noqa: E402
-from toolkit.zero import apply_zero, formula_bytes, held_bytes, model_elements, traffic_formula  # noqa: E402
-from toolkit.zero.accounting import count_bytes, optimizer_state  # noqa: E402
-from sbp_core.sbp import Split  # noqa: E402
+import sbp_core as sc
+from benchkit.paired import paired_ratio
+from recipes.gpt2.model import GPT2Config, GPT2LMHeadModel
+from toolkit.zero import apply_zero, formula_bytes, held_bytes, model_elements, traffic_formula
+from toolkit.zero.accounting import count_bytes, optimizer_state
+from sbp_core.sbp import Split
 
 WORLD = 4
 CFG = GPT2Config(vocab_size=512, n_positions=64, n_embd=128, n_layer=4, n_head=4,

@@ -24,12 +24,8 @@ line per cluster: ``<cluster>: best <layout> <samples/s>; Megatron tp<=node: hol
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
-
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
 
 LAYOUTS = ("dp32 dp16_tp2 dp8_tp4 dp4_tp8 dp2_tp16 tp32 dp16_pp2 dp8_pp4 dp8_tp2_pp2 dp4_tp2_pp4 dp4_tp4_pp2 "
            "dp2_tp8_pp2 dp2_tp4_pp4 dp4_tp8_zero1")

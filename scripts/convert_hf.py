@@ -26,12 +26,11 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from toolkit import checkpoint as ckpt  # noqa: E402
-from recipes.gpt2 import hf as hf_gpt2  # noqa: E402
-from toolkit.checkpoint.directory import resolve  # noqa: E402
-from toolkit.checkpoint.errors import CheckpointError  # noqa: E402
+from toolkit import checkpoint as ckpt
+from recipes.gpt2 import hf as hf_gpt2
+from toolkit.checkpoint.directory import resolve
+from toolkit.checkpoint.errors import CheckpointError
 
 
 def import_hf(hf_dir: str, ckpt_dir: str) -> str:

@@ -34,13 +34,12 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from recipes.registry import get  # noqa: E402
-from toolkit.config import compose, validate  # noqa: E402
-from toolkit.launcher import launch  # noqa: E402
-from toolkit.plain_loop import PlainLoop  # noqa: E402
-from toolkit.trainer import train  # noqa: E402
+from recipes.registry import get
+from toolkit.config import compose, validate
+from toolkit.launcher import launch
+from toolkit.plain_loop import PlainLoop
+from toolkit.trainer import train
 
 COMMON = ["logger=none", "trainer.log_every=1", "trainer.eval_every=0", "trainer.save_every=0",
           "trainer.warmup_steps=2"]

@@ -28,7 +28,6 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _where(filename: str) -> str:
@@ -64,8 +63,8 @@ def worker(steps: int, top: int) -> list:
     import sbp_core as sc
     from recipes.gpt2.model import GPT2LMHeadModel
     from sbp_core import sbp
-    from scripts.bench_dispatch import OPS, _inputs
-    from scripts.verify_parity import GPT_CFG, GPT_TP, GPT_TP_PINS
+    from benchkit.dtensor_gpt import OPS, _inputs
+    from benchkit.parity import GPT_CFG, GPT_TP, GPT_TP_PINS
 
     n, me = dist.get_world_size(), dist.get_rank()
     p = sc.placement("cpu", list(range(n)))

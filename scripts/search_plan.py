@@ -16,11 +16,7 @@ with the same cluster, devices and search settings) holds the strategy.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main() -> None:

@@ -14,16 +14,14 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import sbp_core as sc  # noqa: E402
-from sbp_core import sbp  # noqa: E402
-from sbp_core.layout import local_box, reduce_terms, box_slices, take_local  # noqa: E402
+import sbp_core as sc
+from sbp_core import sbp
+from sbp_core.layout import local_box, reduce_terms, box_slices, take_local
 
 WORLD = 5
 ONE_D = [sbp.split(0), sbp.split(1), sbp.broadcast, sbp.partial_sum, sbp.partial_max, sbp.partial_min]

@@ -4,7 +4,7 @@
 
 1. **Measured**: each layout of ``gpt2-tiny`` (default config: 16 sequences
    of 256 tokens per step, micro-batches of 4, AdamW, clipping) trains with
-   the real trainer on local gloo ranks (``scripts/layout_timing.py``):
+   the real trainer on local gloo ranks (``benchkit/layout_timing.py``):
    rounds interleave the layouts, each layout's turn in a round is an untimed
    step then ``steps`` timed ones (max over ranks), the round's value is the
    least of them and a layout's step time the median of its rounds' values
@@ -62,14 +62,8 @@ import argparse
 import dataclasses
 import os
 import statistics
-import sys
 import tempfile
 import time
-from pathlib import Path
-
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
 
 LAYOUTS = "single,dp2,tp2,pp2,dp4,tp4,pp4,dp2_tp2,dp2_pp2,tp2_pp2,dp2_tp2_pp2"
 
@@ -173,8 +167,8 @@ def main() -> None:
     t_start = time.time()
     print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())} ({os.cpu_count()} cores)")
 
-    from calibrate_machine import calibrate, contention, op_cost_path
-    from layout_timing import LayoutTimer
+    from benchkit.calibration import calibrate, contention, op_cost_path
+    from benchkit.layout_timing import LayoutTimer
     from recipes.registry import get
     from toolkit.search.cluster import GB, Link
     from toolkit.search.evaluate import Evaluator

@@ -21,8 +21,9 @@ import pytest
 tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-SOURCES = ["sbp_core", "runtime", "toolkit", "recipes", "scripts", "tests", "train.py", "generate.py", "conftest.py"]
-OWN = {"sbp_core", "runtime", "toolkit", "recipes", "scripts", "tests"}
+SOURCES = ["sbp_core", "runtime", "toolkit", "recipes", "benchkit", "scripts", "tests", "train.py", "generate.py",
+           "conftest.py"]
+OWN = {"sbp_core", "runtime", "toolkit", "recipes", "benchkit", "scripts", "tests"}
 OPTIONAL = {"nvidia": "recipes/insightface/data/dali.py checks find_spec('nvidia.dali') first"}
 
 
@@ -32,7 +33,6 @@ def _imports():
     for src in SOURCES:
         path = ROOT / src
         for f in [path] if path.suffix == ".py" else sorted(path.rglob("*.py")):
-            siblings = {q.stem for q in f.parent.glob("*.py")} | {q.stem for q in (ROOT / "scripts").glob("*.py")}
             for node in ast.walk(ast.parse(f.read_text(), str(f))):
                 if isinstance(node, ast.Import):
                     names = [a.name for a in node.names]
@@ -42,7 +42,7 @@ def _imports():
                     continue
                 for name in names:
                     top = name.split(".")[0]
-                    if top in OWN or top in siblings or top in sys.stdlib_module_names or top == "__future__":
+                    if top in OWN or top in sys.stdlib_module_names or top == "__future__":
                         continue
                     found.setdefault(top, []).append(str(f.relative_to(ROOT)))
     return found

@@ -20,7 +20,6 @@ differs by at most 2.8e-6 of its magnitude.
 from __future__ import annotations
 
 import pytest
-import torch
 from omegaconf import OmegaConf
 
 from toolkit.config import compose, validate

@@ -13,7 +13,7 @@ import torch
 
 import sbp_core as sc
 from sbp_core.process_groups import world_rank
-from scripts.verify_pipeline import build, compare, run_pipeline
+from benchkit.pipeline_parity import build, compare, run_pipeline
 from toolkit.rank_pool import get_pool
 
 

@@ -9,7 +9,7 @@ import torch
 
 from runtime.pipeline import PipelineConfig
 from runtime.pipeline.timeline import bubble, peak_held, theory
-from scripts.verify_pipeline import LAYOUTS, MICRO, TOLERANCE, compare, run_pipeline, schedule_report
+from benchkit.pipeline_parity import LAYOUTS, MICRO, TOLERANCE, compare, run_pipeline, schedule_report
 from toolkit.rank_pool import get_pool
 from toolkit.stages import stage_ranges
 
@@ -35,7 +35,7 @@ def test_global_norm_clipping_spans_every_stage(name):
 def _local_and_dispatched():
     """pp2: evaluation on plain tensors, then under ``sc.explain`` (dispatched), then a training step."""
     import sbp_core as sc
-    from scripts.verify_pipeline import build
+    from benchkit.pipeline_parity import build
 
     step, _ = build(1, 1, 2)
     local = step.evaluate(step.batches, MICRO)
@@ -62,7 +62,7 @@ def _data_parallel_plain(dropout: float, rows_weigh_equally: bool):
     """dp2_pp2 for two steps: per rank ``(stage, replicas, audited, ran the second step plain, losses)``."""
     from dataclasses import replace
 
-    from scripts.verify_pipeline import CFG, build
+    from benchkit.pipeline_parity import CFG, build
 
     cfg = replace(CFG, embd_pdrop=dropout, resid_pdrop=dropout)
     step, _ = build(2, 1, 2, cfg=cfg, rows_weigh_equally=rows_weigh_equally)
@@ -131,7 +131,7 @@ def _dies_mid_step(rank, world, port, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     from sbp_core import process_groups
-    from scripts import verify_pipeline as vp
+    from benchkit import pipeline_parity as vp
 
     process_groups.set_timeout(10.0)
     start = time.monotonic()

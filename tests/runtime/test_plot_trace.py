@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from scripts import plot_trace
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
-import plot_trace  # noqa: E402
 
 
 def _trace():

@@ -8,7 +8,7 @@ stated bars (loss, gradients, final parameters).
 """
 import pytest
 
-from scripts.verify_parity import TOLERANCE, layouts, run_layout
+from benchkit.parity import TOLERANCE, layouts, run_layout
 from toolkit.rank_pool import get_pool
 
 

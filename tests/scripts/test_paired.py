@@ -1,9 +1,9 @@
-"""scripts/paired.py: the per-repeat ratio's median and its bootstrap interval."""
+"""benchkit/paired.py: the per-repeat ratio's median and its bootstrap interval."""
 import pytest
 
 from collections import Counter
 
-from scripts.paired import balanced_orders, paired_ratio
+from benchkit.paired import balanced_orders, paired_ratio
 
 
 def test_paired_ratio_is_the_median_of_per_repeat_ratios_and_drift_cancels():

@@ -1,7 +1,7 @@
 """sync_probe's reading of the ranks' stamps: lag, segment, latency and share, by hand."""
 import pytest
 
-from scripts.sync_probe import pair_rounds
+from benchkit.sync_probe import pair_rounds
 
 
 def test_pair_rounds_by_hand():

@@ -22,7 +22,7 @@ from recipes.gpt2.model import GPT2LMHeadModel
 from sbp_core import GlobalTensor
 from sbp_core.layout import box_slices, local_box
 from sbp_core.sbp import Broadcast, Partial, Split
-from scripts.verify_parity import GPT_CFG, GPT_TP, _on_axis
+from benchkit.parity import GPT_CFG, GPT_TP, _on_axis
 from toolkit import checkpoint as ckpt
 from toolkit.rank_pool import get_pool
 

@@ -20,7 +20,7 @@ import sbp_core as sc
 from recipes.gpt2.model import GPT2Config, GPT2LMHeadModel
 from sbp_core.sbp import Broadcast
 from scripts import convert_hf
-from scripts.verify_parity import GPT_TP, GPT_TP_PINS
+from benchkit.parity import GPT_TP, GPT_TP_PINS
 from toolkit import checkpoint as ckpt
 from recipes.gpt2 import hf as hf_gpt2
 from toolkit.rank_pool import get_pool

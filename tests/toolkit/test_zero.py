@@ -20,7 +20,7 @@ import torch
 import sbp_core as sc
 from recipes.gpt2.model import GPT2LMHeadModel
 from toolkit.zero import apply_zero, check_stage, formula_bytes, held_bytes, model_elements, traffic_formula
-from scripts.verify_parity import GPT_CFG, GPT_TP, GPT_TP_PINS, _on_axis
+from benchkit.parity import GPT_CFG, GPT_TP, GPT_TP_PINS, _on_axis
 from sbp_core.sbp import Broadcast, Split
 from toolkit.rank_pool import get_pool
 

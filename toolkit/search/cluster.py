@@ -34,7 +34,7 @@ measured by ``scripts/calibrate_machine.py``, it replaces
 (what a collective inside the node waits beyond its message steps, as a
 fraction of the compute since the rank's previous collective: the ranks
 drift apart while computing — one loses its core, another does not — and
-the collective waits for the latest; ``scripts/sync_probe.py``), and
+the collective waits for the latest; ``benchkit/sync_probe.py``), and
 ``memory_shared: true`` (all processes share the node's ``memory_gib``).
 
 Device ``d`` is on node ``d // devices_per_node``; a job's rank ``r`` is

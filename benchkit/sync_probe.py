@@ -1,6 +1,6 @@
 """What a collective costs when ``P`` of our processes share this machine's cores: the ``sync`` and ``skew`` curves.
 
-    from sync_probe import sync_latency; sync_latency((2, 4, 8))  ->  [[2, us, skew], [4, us, skew], [8, us, skew]]
+    from benchkit.sync_probe import sync_latency; sync_latency((2, 4, 8))  ->  [[2, us, skew], [4, us, skew], [8, us, skew]]
 
 With more processes than cores, a rank that reaches a collective or a
 pipeline hand-off often finds its peer off its core and waits for the

@@ -118,8 +118,8 @@ class LayoutTimer:
 
     def measure(self, strategies, rounds: int = 3, steps: int = 2, warmup: int = 1, log=print) -> dict:
         """``{strategy: Timing}`` over ``rounds`` interleaved rounds of ``warmup`` untimed and ``steps`` timed steps."""
-        from calibrate_machine import capacity, contention, gloo_link
-        from sync_probe import sync_latency
+        from benchkit.calibration import capacity, contention, gloo_link
+        from benchkit.sync_probe import sync_latency
 
         out = {s: Timing([], []) for s in strategies}
         for s in strategies:

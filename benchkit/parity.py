@@ -1,0 +1,143 @@
+"""Parity of a distributed run against one device training on its own: the MLP and tiny GPT-2 layouts of
+scripts/verify_parity.py (its docstring says what is compared and why the bars are what they are)."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import sbp_core as sc
+from recipes.gpt2.model import GPT2Config, GPT2LMHeadModel
+from recipes.gpt2.plan import RESIDUAL_WHOLE, SEQUENCE_PARALLEL, TENSOR_PARALLEL
+from sbp_core.sbp import Broadcast, Split
+
+WORLD = 4
+STEPS = 3
+ADAMW = dict(lr=1e-3, weight_decay=0.1)
+# (loss, gradients, final parameters): scripts/verify_parity.py's docstring says why
+TOLERANCE = {"float64": (1e-9, 1e-9, 1e-9), "float32": (1e-5, 1e-4, 1e-2)}
+B, S0, S1, S2 = Broadcast(), Split(0), Split(1), Split(2)
+
+
+class MLP(nn.Module):
+    def __init__(self, d_in=32, hidden=64, classes=8):
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, hidden)
+        self.fc2 = nn.Linear(hidden, classes)
+
+    def forward(self, x, y):
+        return F.cross_entropy(self.fc2(F.gelu(self.fc1(x), approximate="tanh")), y)
+
+
+GPT_CFG = GPT2Config(vocab_size=256, n_positions=32, n_embd=64, n_layer=2, n_head=4,
+                     embd_pdrop=0.0, resid_pdrop=0.0, attn_pdrop=0.0)
+
+# The recipe's own Megatron layout of GPT-2 on the tp mesh axis (the tied lm_head is wte's parameter, named
+# once in a whole model), and the residual stream kept whole.
+GPT_TP = {k: v for k, v in TENSOR_PARALLEL.items() if k != "lm_head.weight"}
+GPT_TP_PINS = RESIDUAL_WHOLE
+# Sequence parallel: LayerNorm regions split along the sequence.
+GPT_SP_PINS = SEQUENCE_PARALLEL
+MLP_TP = {"fc1.weight": S0, "fc1.bias": S0, "fc2.weight": S1}
+
+
+def _on_axis(plan, axis_sbp_other, tp_axis, ndim):
+    """Put each plan entry's SBP on ``tp_axis`` of an ``ndim`` mesh, ``B`` elsewhere."""
+    out = {}
+    for k, v in plan.items():
+        sbp = [axis_sbp_other] * ndim
+        sbp[tp_axis] = v
+        out[k] = tuple(sbp)
+    return out
+
+
+def layouts():
+    """name -> (model kind, mesh ranks, plan, input SBP)."""
+    out = {}
+    for kind, tp_plan, pins in (("mlp", MLP_TP, {}), ("gpt2", GPT_TP, GPT_TP_PINS)):
+        out[f"{kind} dp2"] = (kind, [0, 1], {}, (S0,))
+        out[f"{kind} dp4"] = (kind, [0, 1, 2, 3], {}, (S0,))
+        out[f"{kind} tp2"] = (kind, [0, 1], {**tp_plan, **pins}, (B,))
+        out[f"{kind} tp4"] = (kind, [0, 1, 2, 3], {**tp_plan, **pins}, (B,))
+        out[f"{kind} dp2 x tp2"] = (kind, [[0, 1], [2, 3]], _on_axis({**tp_plan, **pins}, B, 1, 2), (S0, B))
+        out[f"{kind} tp2 cost-chosen"] = (kind, [0, 1], dict(tp_plan), (B,))
+    out["gpt2 tp2 sequence-parallel"] = ("gpt2", [0, 1], {**GPT_TP, **GPT_SP_PINS}, (B,))
+    out["gpt2 dp2 x tp2 sequence-parallel"] = ("gpt2", [[0, 1], [2, 3]], _on_axis({**GPT_TP, **GPT_SP_PINS}, B, 1, 2), (S0, B))
+    out["gpt2 dp2 x tp2 cost-chosen"] = ("gpt2", [[0, 1], [2, 3]], _on_axis(GPT_TP, B, 1, 2), (S0, B))
+    # Dropout 0.1 everywhere: masks drawn for the global shape equal one device's draws from the same RNG state.
+    out["gpt2 dp2 x tp2 dropout"] = ("gpt2-dropout", [[0, 1], [2, 3]], _on_axis({**GPT_TP, **GPT_TP_PINS}, B, 1, 2),
+                                     (S0, B))
+    return out
+
+
+def _model_and_batches(kind, dtype=torch.float64):
+    torch.manual_seed(0)
+    if kind == "mlp":
+        model = MLP()
+        batches = [(torch.randn(16, 32).to(dtype), torch.randint(0, 8, (16,))) for _ in range(STEPS)]
+    else:
+        p = 0.1 if kind == "gpt2-dropout" else 0.0
+        model = GPT2LMHeadModel(dataclasses.replace(GPT_CFG, embd_pdrop=p, resid_pdrop=p, attn_pdrop=p))
+        batches = [(ids, ids) for ids in (torch.randint(0, GPT_CFG.vocab_size, (4, 16)) for _ in range(STEPS))]
+    return model.to(dtype), batches
+
+
+def _loss(kind, model, x, y):
+    return model(x, y) if kind == "mlp" else model(x, y)[1]
+
+
+def _rel(a, b) -> float:
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-300)).item()
+
+
+def run_layout(name, dtype: str = "float64"):
+    """Worker: train ``name`` and, on its own, the single-device reference; the max relative differences
+    ``(loss, gradients, final parameters)`` on the layout's ranks (``None`` elsewhere)."""
+    kind, ranks, plan, in_sbp = layouts()[name]
+    dt = getattr(torch, dtype)
+    ref, batches = _model_and_batches(kind, dt)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **ADAMW)
+    model, _ = _model_and_batches(kind, dt)
+    p = sc.placement("cpu", ranks)
+    sc.distribute_module(model, p, plan)
+    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+    me = torch.distributed.get_rank()
+    worst_loss = worst_grad = 0.0
+    for x, y in batches:
+        rng = torch.get_rng_state()  # both runs draw their dropout masks from one state
+        ref_loss = _loss(kind, ref, x, y)
+        ref_loss.backward()
+        torch.set_rng_state(rng)
+        gx = sc.distribute(x, p, in_sbp)
+        gy = sc.distribute(y, p, in_sbp)
+        loss = _loss(kind, model, gx, gy)
+        loss.backward()
+        value = loss.full_tensor()
+        grads = {n: q.grad.full_tensor() for n, q in model.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+        if me in p:
+            worst_loss = max(worst_loss, _rel(value, ref_loss.detach()))
+            for n, q in ref.named_parameters():
+                worst_grad = max(worst_grad, _rel(grads[n], q.grad))
+        ref_opt.step()  # the reference's own gradients, its own step
+        ref_opt.zero_grad()
+    params = {n: q.full_tensor() for n, q in model.named_parameters()}
+    if me not in p:
+        return None
+    worst_param = max(_rel(params[n], q.detach()) for n, q in ref.named_parameters())
+    return worst_loss, worst_grad, worst_param, _floor(kind, ref) if dt != torch.float64 else 0.0
+
+
+def _floor(kind, ref) -> float:
+    """How far the one-device run in ``ref``'s precision ends from the same run in float64 (its parameters)."""
+    exact, batches = _model_and_batches(kind, torch.float64)
+    opt = torch.optim.AdamW(exact.parameters(), **ADAMW)
+    for x, y in batches:
+        _loss(kind, exact, x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    theirs = dict(exact.named_parameters())
+    return max(_rel(q.detach(), theirs[n].detach()) for n, q in ref.named_parameters())

@@ -1,0 +1,157 @@
+"""The pipelined tiny GPT-2 of scripts/verify_pipeline.py and its one-device reference: build a rank's
+pipeline step, run a layout, compare with one device training on its own, and read a step's trace back
+(micro-batches held per stage, bubble)."""
+from __future__ import annotations
+
+import torch
+
+import sbp_core as sc
+from recipes.gpt2.model import GPT2Config, GPT2LMHeadModel
+from recipes.gpt2.plan import ACT_SBP, DATA_SBP, PIPELINE, TIED, mesh_plan, stage_forward
+from runtime.pipeline import PipelineConfig, PipelineStep
+from runtime.pipeline.timeline import bubble, peak_held
+from runtime.trace import Trace
+from toolkit.mesh import plan_for_module, stage_placements
+from toolkit.stages import keep_stage, stage_ranges
+
+WORLD = 8
+STEPS = 3
+MICRO = 8
+BATCH, SEQ = 16, 16
+ADAMW = dict(lr=1e-3, weight_decay=0.1)
+CFG = GPT2Config(vocab_size=256, n_positions=32, n_embd=64, n_layer=4, n_head=4,
+                 embd_pdrop=0.0, resid_pdrop=0.0, attn_pdrop=0.0)
+LAYOUTS = {"pp2": (1, 1, 2), "pp4": (1, 1, 4), "dp2_pp2": (2, 1, 2), "tp2_pp2": (1, 2, 2), "dp2_tp2_pp2": (2, 2, 2)}
+
+
+def global_batch(step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randint(0, CFG.vocab_size, (BATCH, SEQ), generator=g)
+
+
+def build(dp: int, tp: int, pp: int, micro: int = MICRO, schedule: str = "1f1b", traced: bool = False,
+          cfg: GPT2Config = CFG, batch_of=global_batch, seq: int = SEQ, batch: int = BATCH, max_grad_norm=None,
+          rows_weigh_equally: bool = True, loss_scale=None, dtype=torch.float32):
+    """This rank's pipelined GPT-2: ``(PipelineStep, stage module or None)``; every rank calls it.
+
+    ``loss_scale``: an ``sc.LossScaler`` the step scales the loss by (fp16's; here in fp32).
+    ``dtype``: the model's and the stage boundaries' precision.
+
+    ``rows_weigh_equally``: GPT-2's loss is (``Recipe.rows_weigh_equally``), so dp stages (dp2_pp2) run plain
+    after their audit."""
+    me = torch.distributed.get_rank()
+    placements = stage_placements(dp, tp, pp)
+    stage = me // (dp * tp) if me < dp * tp * pp else None
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(cfg).to(dtype)
+    names = tuple({n for n, _ in model.named_parameters(remove_duplicate=False)} | {n for n, _ in model.named_modules()})
+    module = opt = None
+    if stage is not None:
+        module = keep_stage(model, PIPELINE, stage_ranges(cfg.n_layer, pp), stage)
+        sc.distribute_module(module, placements[stage], plan_for_module(module, mesh_plan(), names))
+        opt = torch.optim.AdamW(module.parameters(), **ADAMW)
+    d = (me % (dp * tp)) // tp
+
+    def batches(step, k):
+        return batch_of(step).tensor_split(micro)[k].tensor_split(dp)[d]
+
+    pcfg = PipelineConfig(placements, micro, {"input_ids": ((batch // micro, seq), torch.int64)},
+                          [(((batch // micro, seq, cfg.n_embd), dtype),)] * (pp - 1), DATA_SBP, ACT_SBP,
+                          ("input_ids",), ("input_ids",), schedule=schedule, tied=TIED, max_grad_norm=max_grad_norm,
+                          timeout=20, rows_weigh_equally=rows_weigh_equally)
+    trace = (lambda: Trace(rank=me)) if traced else None
+    return PipelineStep(pcfg, module, opt, stage_forward, batches, trace_factory=trace, loss_scale=loss_scale), module
+
+
+def run_pipeline(name: str, steps: int = STEPS, schedule: str = "1f1b", micro: int = MICRO, max_grad_norm=None,
+                 loss_scale=None, dtype: str = "float32"):
+    """Worker: per step, the loss (where known), the stage leader's full gradients (as the optimizer sees them),
+    the trace; after the last step, the leader's parameters (``params`` of the last entry).
+
+    ``loss_scale``: a starting scale, or ``None`` for no loss scaling."""
+    dp, tp, pp = LAYOUTS[name]
+    scaler = sc.LossScaler(loss_scale) if loss_scale else None
+    step, module = build(dp, tp, pp, micro, schedule, traced=True, max_grad_norm=max_grad_norm, loss_scale=scaler,
+                         dtype=getattr(torch, dtype))
+    grads = []
+    if module is not None:
+        opt_step = step.optimizer.step
+
+        def capture(*a, **k):
+            grads.append({n: q.grad.full_tensor() for n, q in module.named_parameters()})
+            return opt_step(*a, **k)
+
+        step.optimizer.step = capture
+    out = []
+    for i in range(steps):
+        loss = step.step(i)
+        loss = None if loss is None else float(loss)
+        leader = step.stage is not None and torch.distributed.get_rank() == step.cfg.placements[step.stage].ranks[0]
+        held = {n: s.max_live for n, s in step.last_stats.items() if ".F@" in n}
+        out.append({"loss": loss, "grads": grads[-1] if leader else None, "stage": step.stage,
+                    "events": step.last_trace.wall_events() if step.last_trace else [], "max_live": held})
+    if module is not None:
+        params = {n: q.full_tensor() for n, q in module.named_parameters()}
+        out[-1]["params"] = params if leader else None
+    return out
+
+
+def _rel(a, b) -> float:
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-300)).item()
+
+
+# Bars (loss, gradients, final parameters) per precision, as scripts/verify_parity.py states and measures them.
+TOLERANCE = {"float64": (1e-9, 1e-9, 1e-9), "float32": (1e-5, 1e-4, 1e-2)}
+
+
+def compare(per_rank: list, steps: int = STEPS, max_grad_norm=None, dtype: str = "float32") -> tuple:
+    """``(worst loss, worst grad, worst final parameter)`` relative differences against one device that
+    trains on its own (its own forward, backward, clipping and AdamW steps), in ``dtype``.
+
+    Each step's loss and gradients (as the pipeline's optimizer saw them) against the reference's own at
+    that step; the parameters after the last step against the reference's.
+    """
+    torch.manual_seed(0)
+    ref = GPT2LMHeadModel(CFG).to(getattr(torch, dtype))
+    opt = torch.optim.AdamW(ref.parameters(), **ADAMW)
+    worst_loss = worst_grad = 0.0
+    for i in range(steps):
+        ids = global_batch(i)
+        loss = ref(ids, ids)[1]
+        loss.backward()
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), max_grad_norm)
+        losses = [r[i]["loss"] for r in per_rank if r[i]["loss"] is not None]
+        assert losses, "no rank reported the loss"
+        worst_loss = max(worst_loss, max(abs(x - loss.item()) / abs(loss.item()) for x in losses))
+        got = {}
+        for r in per_rank:
+            if r[i]["grads"]:
+                got.update(r[i]["grads"])
+        ref_params = dict(ref.named_parameters(remove_duplicate=False))
+        missing = sorted(set(n for n, _ in ref.named_parameters()) - set(got))
+        assert not missing, f"no stage reported gradients of {missing}"
+        for n, g in got.items():
+            worst_grad = max(worst_grad, _rel(g, ref_params[n].grad))
+        opt.step()  # the reference's own gradients
+        opt.zero_grad()
+    final = {}
+    for r in per_rank:
+        if r[steps - 1].get("params"):
+            final.update(r[steps - 1]["params"])
+    ref_params = dict(ref.named_parameters(remove_duplicate=False))
+    assert set(final) >= set(n for n, _ in ref.named_parameters()), "no stage reported some final parameters"
+    worst_param = max(_rel(q, ref_params[n].detach()) for n, q in final.items())
+    return worst_loss, worst_grad, worst_param
+
+
+def schedule_report(per_rank: list, pp: int, micro: int, step: int = -1) -> tuple:
+    """``({stage: peak held}, {stage: bubble})`` of one step (the last by default)."""
+    held, events = {}, {}
+    for rank, r in enumerate(per_rank):
+        st = r[step]["stage"]
+        if st is None:
+            continue
+        held[st] = max(held.get(st, 0), peak_held(r[step]["events"]))
+        events[rank] = r[step]["events"]
+    return held, bubble(events)

@@ -1,0 +1,290 @@
+"""Our pipeline and torch.distributed.pipelining's on the same GPT-2 split, as scripts/bench_pipeline.py and
+scripts/bench_one_device.py run them: the model split, each side's step, activation and memory
+accounting, the per-rank worker, and the benchmark's options (parse)."""
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from recipes.gpt2.model import GPT2Config, GPT2LMHeadModel
+from recipes.gpt2.plan import PIPELINE
+from benchkit.heap import HeapPeak, heap_bytes
+from benchkit.paired import balanced_orders
+from toolkit.stages import keep_stage, stage_ranges
+
+VARIANTS = ("ours 1f1b", "torch 1F1B", "ours gpipe", "torch GPipe")
+PAIRS = ((VARIANTS[0], VARIANTS[1]), (VARIANTS[2], VARIANTS[3]))  # (ours, the peer) compared
+ADAMW = dict(lr=1e-3, weight_decay=0.1)
+MB = 1 << 20
+
+
+# -- measurement ---------------------------------------------------------------------------
+
+HEAP = heap_bytes
+
+
+class SavedActivations:
+    """Peak bytes of distinct non-parameter storages autograd holds for backward, while ``on``."""
+
+    def __init__(self, params):
+        self.skip = {_storage(p)[0] for p in params}
+        self.live, self.peak, self.on = {}, 0, False
+        self._bytes, self._lock = 0, threading.Lock()
+
+    def reset(self):
+        self.peak, self.on = self._bytes, True
+
+    def _pack(self, t):
+        key, nbytes = _storage(t)
+        if key in self.skip or not nbytes:
+            return t
+        with self._lock:
+            n, _ = self.live.get(key, (0, nbytes))
+            self.live[key] = (n + 1, nbytes)
+            if n == 0:
+                self._bytes += nbytes
+                self.peak = max(self.peak, self._bytes)
+        return _Held(t, key, self)
+
+    def _drop(self, key):
+        with self._lock:
+            n, nbytes = self.live[key]
+            if n == 1:
+                del self.live[key]
+                self._bytes -= nbytes
+            else:
+                self.live[key] = (n - 1, nbytes)
+
+    def wrap(self, fn):
+        """``fn`` run under the counting hooks (on whatever thread calls it) while ``on``."""
+        @functools.wraps(fn)
+        def counted(*a, **k):
+            if not self.on:
+                return fn(*a, **k)
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
+                return fn(*a, **k)
+
+        return counted
+
+
+class _Held:
+    __slots__ = ("t", "key", "owner")
+
+    def __init__(self, t, key, owner):
+        self.t, self.key, self.owner = t, key, owner
+
+    def __del__(self):
+        self.owner._drop(self.key)
+
+
+def _unpack(x):
+    return x.t if isinstance(x, _Held) else x
+
+
+def _storage(t):
+    local = getattr(t, "_local", t)  # a GlobalTensor's local shard
+    s = local.untyped_storage()
+    return s.data_ptr(), s.nbytes()
+
+
+# -- the two implementations ---------------------------------------------------------------
+
+def _batch(step: int, vocab: int, batch: int, seq: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randint(0, vocab, (batch, seq), generator=g)
+
+
+def next_token_loss(logits, labels):
+    """``GPT2LMHeadModel``'s loss: cross-entropy of position ``t``'s logits against token ``t + 1``."""
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+
+
+class StageOutput(nn.Module):
+    """A stage of ``GPT2LMHeadModel`` returning one tensor (hidden states, or logits on the last stage)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        return self.model(x)[0]
+
+
+class Ours:
+    def __init__(self, o, schedule):
+        from benchkit.pipeline_parity import build
+
+        batch_of = functools.partial(_batch, vocab=o.vocab, batch=o.batch, seq=o.seq)
+        self.step_, module = build(1, 1, o.pp, o.micro, schedule, True, _cfg(o), batch_of, o.seq, o.batch)
+        self.params = list(module.parameters())
+        self.acts = SavedActivations(self.params)
+        module.forward = self.acts.wrap(module.forward)
+
+    def step(self, i):
+        loss = self.step_.step(i)
+        return None if loss is None else float(loss)
+
+    def events(self):
+        return self.step_.last_trace.wall_events()
+
+    def threads(self) -> dict:
+        """``{actor: the name of the thread that ran it}`` in the last step (the executor's own placement)."""
+        t = self.step_.last_trace
+        return {name: t.threads[tid] for name, tid, *_ in t.events}
+
+
+class Theirs:
+    def __init__(self, o, schedule, tied_group):
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        self.o, self.tied_group = o, tied_group
+        self.rank = dist.get_rank()
+        self.stage = s = self.rank
+        torch.manual_seed(0)
+        model = keep_stage(GPT2LMHeadModel(_cfg(o)), PIPELINE, stage_ranges(o.layers, o.pp), s)
+        self.module = StageOutput(model)
+        self.params = list(self.module.parameters())
+        self.tied = model.transformer.wte.weight if s == 0 else model.lm_head.weight if s == o.pp - 1 else None
+        self.opt = torch.optim.AdamW(self.params, **ADAMW)
+        self.acts = SavedActivations(self.params)
+        self.module.forward = self.acts.wrap(self.module.forward)
+        self.pstage = PipelineStage(self.module, s, o.pp, torch.device("cpu"))
+        self._events = []
+        self._time(self.pstage, "forward_one_chunk", "F")
+        self._time(self.pstage, "backward_one_chunk", "B")
+        cls = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
+        # The loss is timed as part of the forward it follows (ours computes it inside the forward).
+        self.schedule = cls(self.pstage, o.micro, loss_fn=self._timed_loss(self.acts.wrap(next_token_loss)))
+
+    def _time(self, obj, method, kind):
+        fn = getattr(obj, method)
+        name = f"s{self.stage}.{kind}@{self.rank}"
+
+        def timed(chunk, *a, **k):
+            t = time.time()
+            out = fn(chunk, *a, **k)
+            self._events.append((name, t, time.time(), chunk))
+            return out
+
+        setattr(obj, method, timed)
+
+    def _timed_loss(self, fn):
+        def loss(*a):
+            out = fn(*a)
+            if self._events and ".F@" in self._events[-1][0]:  # not during the schedule's shape inference
+                name, t, _, chunk = self._events[-1]
+                self._events[-1] = (name, t, time.time(), chunk)
+            return out
+
+        return loss
+
+    def step(self, i):
+        o, s, last = self.o, self.stage, self.stage == self.o.pp - 1
+        self._events = []
+        ids, losses = _batch(i, o.vocab, o.batch, o.seq), []
+        if s == 0:
+            self.schedule.step(ids, return_outputs=False)
+        elif last:
+            self.schedule.step(target=ids, losses=losses, return_outputs=False)
+        else:
+            self.schedule.step(return_outputs=False)
+        t = time.time()
+        if self.tied is not None and o.pp > 1:
+            dist.all_reduce(self.tied.grad, group=self.tied_group)
+        t1 = time.time()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self._events += [(f"s{s}.reduce@{self.rank}", t, t1, 0), (f"s{s}.update@{self.rank}", t1, time.time(), 0)]
+        return float(torch.stack(losses).detach().mean()) if last else None
+
+    def events(self):
+        return list(self._events)
+
+    def threads(self) -> dict:
+        return {}  # every timed action runs on the rank's main thread: the trace's compute track
+
+
+def _cfg(o) -> GPT2Config:
+    return GPT2Config(vocab_size=o.vocab, n_positions=o.seq, n_embd=o.embd, n_layer=o.layers, n_head=o.heads,
+                      embd_pdrop=0.0, resid_pdrop=0.0, attn_pdrop=0.0)
+
+
+# -- the worker ----------------------------------------------------------------------------
+
+def _memory_step(v, i):
+    """One step sampled: ``(heap growth peak, saved activations peak, loss, peak's wall time, events)``.
+
+    MKL keeps GEMM packing buffers per OS thread (~12 MB here), allocated at
+    a thread's first matmul and freed at its exit. Both sides keep their
+    threads from warm-up on (our executor's queue workers are long-lived,
+    ``runtime.workers``; the peer runs on the rank's main thread), so those
+    buffers are outside the window on both sides.
+    """
+    gc.collect()
+    dist.barrier()
+    pre, sampler = HEAP(), HeapPeak()
+    v.acts.reset()
+    sampler.start()
+    loss = v.step(i)
+    peak = sampler.stop()
+    v.acts.on = False
+    return peak - pre, v.acts.peak, loss, sampler.when, v.events()
+
+
+def worker(o):
+    """Every rank: build each variant, warm it up, measure its memory; then timed steps round-robin."""
+    rank = dist.get_rank()
+    tied_group = dist.new_group([0, o.pp - 1]) if o.pp > 1 else None
+    variants, out = {}, {"stage": rank, "mem": {}, "times": {n: [] for n in VARIANTS}, "cpu": {n: [] for n in VARIANTS},
+                         "losses": {n: {} for n in VARIANTS}, "events": {n: [] for n in VARIANTS}}
+    for name in VARIANTS:
+        v = Ours(o, name.split()[1]) if name.startswith("ours") else Theirs(o, name.split()[1].lower(), tied_group)
+        for i in range(o.warmup):
+            out["losses"][name][i] = v.step(i)
+        step_peak, saved, loss, when, events = _memory_step(v, o.warmup)
+        out["losses"][name][o.warmup] = loss
+        out["mem"][name] = dict(step=step_peak, saved=saved, when=when, events=events)
+        variants[name] = v
+    first = o.warmup + 1
+    orders = balanced_orders(list(VARIANTS))
+    for k in range(o.steps):
+        for name in orders[k % len(orders)]:
+            dist.barrier()
+            t, c = time.perf_counter(), time.process_time()
+            out["losses"][name][first + k] = variants[name].step(first + k)
+            out["times"][name].append(time.perf_counter() - t)
+            out["cpu"][name].append(time.process_time() - c)
+            out["events"][name].append(variants[name].events())
+    out["threads"] = {name: v.threads() for name, v in variants.items()}
+    return out
+
+
+# -- reporting -----------------------------------------------------------------------------
+
+
+def parse(argv=None, description: str = "pipeline benchmark on a GPT-2 split"):
+    """The benchmark's options (``scripts/bench_pipeline.py`` and ``scripts/bench_one_device.py`` share them)."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--pp", type=int, default=2, choices=(2, 4))
+    ap.add_argument("--micro", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--embd", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--trace", default=None, help="write ours 1f1b and torch 1F1B's last step as a Chrome trace here")
+    o = ap.parse_args(argv)
+    if o.batch % o.micro or o.layers % o.pp:
+        ap.error(f"--batch {o.batch} must divide into --micro {o.micro} and --layers {o.layers} into --pp {o.pp}")
+    return o
