@@ -10,8 +10,10 @@
   op set the dispatch benchmarks time;
 - ``pipeline_peers``: our pipeline and ``torch.distributed.pipelining``'s on the
   same GPT-2 split, with the benchmark's options;
-- ``calibration``: this machine's measured capacity, contention, link and op
-  costs, for the simulator's cluster file.
+- ``calibration``, ``sync_probe``, ``layout_timing``: this machine's measured
+  capacity, contention, link, collective sync and op costs, for the
+  simulator's cluster file, and the layouts' measured step times;
+- ``token_file``: a raw token file as a data-pipeline source.
 
 It sits above every layer (it imports recipes and the peers); nothing in the
 library imports it.

@@ -189,7 +189,9 @@ def _dtensor_tp(model, mesh):
 
 
 def tp_worker(batch: int, seq: int, steps: int, warmup: int) -> dict:
-    """On every rank: step times (s) of ours and DTensor, and both runs' losses."""
+    """On every rank: step times (s) of ours and DTensor, and both runs' losses.
+
+    Kept whole so that both sides are built, warmed up and timed by the same lines, in one order."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import loss_parallel

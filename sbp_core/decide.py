@@ -126,6 +126,40 @@ def _natural_outputs(entry, call, actual) -> "tuple | None":
     return None
 
 
+def _signatures_per_axis(entry, call, placement, actual) -> list:
+    """The rule's signatures on each mesh axis; on an axis of one device, the op's plain signature alone."""
+    per_axis = []
+    for axis, n in enumerate(placement.shape):
+        call.p, call.axis = n, axis
+        sigs = entry.rule(call)
+        if n == 1:
+            plain = [Sig((None,) * len(g.inputs), g.outputs) for g in sigs
+                     if all(i is None or i.is_broadcast for i in g.inputs) and all(o.is_broadcast for o in g.outputs)]
+            if plain:
+                sigs = [Sig(plain[0].inputs, _natural_outputs(entry, call, actual) or plain[0].outputs)]
+        per_axis.append(sigs)
+    return per_axis
+
+
+def _cheapest(per_axis, actual, metas, placement, inplace: bool):
+    """``((cost, inputs changed), signatures, required input SBPs)`` of the cheapest combination of one
+    signature per axis (the boxing cost of its inputs), or ``None`` when none applies (in place: the
+    first input must keep its layout)."""
+    best = None
+    for sigs in itertools.product(*per_axis):
+        required = [
+            tuple(a if s.inputs[j] is None else s.inputs[j] for a, s in zip(actual[j], sigs)) for j in range(len(actual))
+        ]
+        if inplace and required[0] != actual[0]:
+            continue
+        cost = sum(_plan_cost(actual[j], required[j], placement, metas[j].shape, metas[j].dtype) for j in range(len(actual)))
+        # Ties (free boxings such as B -> S) go to the signature that changes fewest inputs.
+        rank = (cost, sum(r != a for r, a in zip(required, actual)))
+        if best is None or rank < best[0]:
+            best = (rank, sigs, required)
+    return best
+
+
 def _choose(func, flat, spec, gpos, placement) -> Decision:
     entry = lookup(func)
     globals_ = [flat[i] for i in gpos]
@@ -161,28 +195,8 @@ def _choose(func, flat, spec, gpos, placement) -> Decision:
         d.decompose = True
         return d
     d.decompose = False
-    per_axis = []
-    for axis, n in enumerate(placement.shape):
-        call.p, call.axis = n, axis
-        sigs = entry.rule(call)
-        if n == 1:
-            plain = [Sig((None,) * len(g.inputs), g.outputs) for g in sigs
-                     if all(i is None or i.is_broadcast for i in g.inputs) and all(o.is_broadcast for o in g.outputs)]
-            if plain:
-                sigs = [Sig(plain[0].inputs, _natural_outputs(entry, call, actual) or plain[0].outputs)]
-        per_axis.append(sigs)
-    best = None
-    for sigs in itertools.product(*per_axis):
-        required = [
-            tuple(a if s.inputs[j] is None else s.inputs[j] for a, s in zip(actual[j], sigs)) for j in range(len(globals_))
-        ]
-        if d.inplace and required[0] != actual[0]:
-            continue
-        cost = sum(_plan_cost(actual[j], required[j], placement, metas[j].shape, metas[j].dtype) for j in range(len(globals_)))
-        # Ties (free boxings such as B -> S) go to the signature that changes fewest inputs.
-        rank = (cost, sum(r != a for r, a in zip(required, actual)))
-        if best is None or rank < best[0]:
-            best = (rank, sigs, required)
+    per_axis = _signatures_per_axis(entry, call, placement, actual)
+    best = _cheapest(per_axis, actual, metas, placement, d.inplace)
     if best is None or math.isinf(best[0][0]):
         valid = [" x ".join(f"{[format_sbp((i,)) for i in s.inputs]}->{[format_sbp((o,)) for o in s.outputs]}" for s in sigs) for sigs in itertools.product(*per_axis)]
         raise ValueError(

@@ -107,7 +107,9 @@ def bare_fn(src: str, dst: str, local: torch.Tensor, shape, n: int, me: int):
     """The minimal ``torch.distributed`` sequence for ``src -> dst`` on this rank's ``local``.
 
     Even splits only (sizes divisible by ``n``). Returns a zero-argument
-    callable producing the new local tensor.
+    callable producing the new local tensor. One branch per pair, kept in
+    one function: the bare sequences side by side are the table the
+    benchmark compares ours against.
     """
     import torch.distributed as dist
 
@@ -219,7 +221,9 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def worker(shapes: list, reps: int, warmup: int, seed: int) -> dict:
-    """On every rank: time every pair at every shape; ``{(shape, pair): {impl: [seconds]}}``."""
+    """On every rank: time every pair at every shape; ``{(shape, pair): {impl: [seconds]}}``.
+
+    Kept whole so that the three implementations of a pair are set up, warmed up and timed by the same lines."""
     import torch.distributed as dist
     from torch.distributed._functional_collectives import AsyncCollectiveTensor
     from torch.distributed.device_mesh import init_device_mesh

@@ -96,7 +96,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from recipes.gpt2.model import GPT2LMHeadModel
-from runtime.data_pipeline import TokenFile, write_tokens
+from benchkit.token_file import TokenFile, write_tokens
 from runtime.executor import run
 from runtime.plan import ActorSpec, Plan
 from benchkit.paired import balanced_orders, paired_ratio

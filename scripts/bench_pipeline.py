@@ -132,6 +132,8 @@ def _running(mem) -> str:
 
 
 def report(res, o) -> str:
+    """The benchmark's text: per variant its step, memory and held micro-batches, the trace's actions, the
+    bubble against theory, and the last line. One function: every line reads the same per-variant tables."""
     lines = []
     tokens = o.batch * o.seq
     step_time = {n: statistics.median(max(r["times"][n][k] for r in res) for k in range(o.steps)) for n in VARIANTS}

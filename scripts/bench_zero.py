@@ -228,20 +228,9 @@ def _rss(res) -> str:
     return f"{peak:6.1f}+{max(r['rss'][1] for r in res):5.1f}"
 
 
-def main(argv=None) -> int:
-    from toolkit.rank_pool import get_pool
-
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=5, help="timed steps per run")
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=4, help="head-to-head rounds against each peer")
-    ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
-    args = ap.parse_args(argv)
-    rows = []  # for --json: what each table line and peer line prints
-    pool = get_pool(WORLD, timeout=600)
+def _stage_table(pool, args, rows: list) -> tuple:
+    """Every ZeRO stage, fp32 and bf16: bytes held and sent against the paper's formulas; ``(exact, total, Ψ)``."""
     tokens = BATCH * SEQ
-    print(f"GPT-2 n_layer={CFG.n_layer} n_embd={CFG.n_embd} vocab={CFG.vocab_size}, batch {BATCH}x{SEQ}, "
-          f"dp N={WORLD} gloo ranks, AdamW; ZeRO as an SBP rewrite: {_lines_of_zero()}")
     print("bytes this rank holds (MiB; worst rank) measured/formula; bytes it sends per step (ledger, MiB); "
           "peak RSS MB (max over ranks) + above the run's start; median step")
     print(f"{'stage':>5} {'dtype':>5} {'params':>17} {'grads':>17} {'optim states':>17} {'exact':>5} "
@@ -267,9 +256,14 @@ def main(argv=None) -> int:
     print(f"Ψ = {psi:,} parameters, N = {WORLD}. formula: held per the ZeRO paper (K = 12 mixed, 8 fp32); "
           "sent = 2Ψ(N-1)/N for stages 0-2 and 3Ψ(N-1)/N for stage 3, in compute-dtype bytes "
           "(measured adds the loss's and the gradient norm's scalars)")
-    peers = {"ZeroRedundancyOptimizer": (run_zero_redundancy, 1), "FSDP2": (run_fsdp2, 3)}
-    # Per peer, per round: (ours, peer) median step wall and process CPU (worst rank). Ours and the peer
-    # run back to back, first one then the other in alternate rounds, the same number of times each.
+    return exact, total, psi
+
+
+def _against_peers(pool, args, peers: dict, rows: list) -> tuple:
+    """Ours and each peer back to back, alternating which goes first, ``args.rounds`` times; per peer
+    ``(walls, cpus)`` as ``(ours, peer)`` lists of the worst rank's median step, the held-bytes ratio, and the
+    peers that failed."""
+    tokens = BATCH * SEQ
     walls: dict = {n: ([], []) for n in peers}
     cpus: dict = {n: ([], []) for n in peers}
     held_ratio, failed = {}, set()
@@ -302,6 +296,25 @@ def main(argv=None) -> int:
                       f"{ours_s:.3f}s ({tokens / ours_s:.0f} tok/s)")
                 rows.append(dict(kind=name, stage=stage, dtype="fp32", held=worst["mem"], step_s=peer_s,
                                  ours_step_s=ours_s, rounds_ours=walls[name][0], rounds_peer=walls[name][1]))
+    return walls, cpus, held_ratio, failed
+
+
+def main(argv=None) -> int:
+    from toolkit.rank_pool import get_pool
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per run")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=4, help="head-to-head rounds against each peer")
+    ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    args = ap.parse_args(argv)
+    rows = []  # for --json: what each table line and peer line prints
+    pool = get_pool(WORLD, timeout=600)
+    print(f"GPT-2 n_layer={CFG.n_layer} n_embd={CFG.n_embd} vocab={CFG.vocab_size}, batch {BATCH}x{SEQ}, "
+          f"dp N={WORLD} gloo ranks, AdamW; ZeRO as an SBP rewrite: {_lines_of_zero()}")
+    exact, total, psi = _stage_table(pool, args, rows)
+    peers = {"ZeroRedundancyOptimizer": (run_zero_redundancy, 1), "FSDP2": (run_fsdp2, 3)}
+    walls, cpus, held_ratio, failed = _against_peers(pool, args, peers, rows)
     thr = {n: paired_ratio(walls[n][1], walls[n][0]) for n in peers if n not in failed and walls[n][0]}
     tail = "; ".join(f"vs {n} mem {held_ratio[n]:.2f}x thr {thr[n][0]:.2f}x" if n in thr else f"vs {n} failed"
                      for n in peers)
@@ -315,8 +328,8 @@ def main(argv=None) -> int:
     print(f"zero bytes vs formula exact: {exact}/{total}; {tail}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"setting": {**vars(args), "psi": psi, "world": WORLD, "tokens_per_step": tokens}, "rows": rows},
-                      f, indent=1)
+            json.dump({"setting": {**vars(args), "psi": psi, "world": WORLD, "tokens_per_step": BATCH * SEQ},
+                       "rows": rows}, f, indent=1)
     return 0 if exact == total else 1
 
 

@@ -151,7 +151,7 @@ def spearman(a, b) -> float:
     return statistics.correlation(ra, rb)
 
 
-def main() -> None:
+def _parse():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layouts", default=LAYOUTS)
     ap.add_argument("--micro", type=int, default=4)
@@ -160,66 +160,39 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=60, help="search proposals")
     ap.add_argument("--changes", type=int, default=20, help="per-op changes timed for delta vs full")
     ap.add_argument("--cluster", default=None, help="a measured cluster file (default: calibrate this machine now)")
-    o = ap.parse_args()
-    from runtime.host_memory import keep_freed_host_memory
+    return ap.parse_args()
 
-    keep_freed_host_memory()  # per-op costs measured with a training rank's host memory
-    t_start = time.time()
-    print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())} ({os.cpu_count()} cores)")
 
-    from benchkit.calibration import calibrate, contention, op_cost_path
-    from benchkit.layout_timing import LayoutTimer
-    from recipes.registry import get
-    from toolkit.search.cluster import GB, Link
-    from toolkit.search.evaluate import Evaluator
-    from toolkit.search.mcmc import search
-    from toolkit.search.opcost import MeasuredOpCosts
-    from toolkit.search.space import SearchSpace
-    from toolkit.search.threadgain import MeasuredThreadGain
+def _calibrated(o, model, costs):
+    """The cluster file (measured now unless given), with gpt2-tiny's own kernel factor and cost per global op."""
+    from benchkit.calibration import calibrate
     from toolkit.search.cluster_file import load_cluster
     from toolkit.search.dispatch_cost import model_host_costs
-    from toolkit.search.search_model import RecipeSearchModel
-    from toolkit.config import compose
 
     if o.cluster is None:  # the machine as it is now (scripts/calibrate_machine.py, into a scratch file)
         o.cluster = os.path.join(tempfile.mkdtemp(), "this_machine.yaml")
         print("calibrating this machine (scripts/calibrate_machine.py)")
         calibrate(o.cluster)
-    overrides = ["model=gpt2-tiny"]
-    cfg = compose(overrides, run_dir="/tmp/verify_simulator")
-    recipe = get(cfg.recipe.name)
-    model = RecipeSearchModel(recipe, cfg)
-    names = o.layouts.split(",")
-    strategies = [_strategy(n, o.micro) for n in names]
-
     calibrated = load_cluster(o.cluster)
-    # Per-op costs measured now on the quiet machine, like the kernel factor below (MeasuredOpCosts.refresh):
-    # entries of the shared cache were each measured under whatever load there was then, and one factor
-    # cannot undo a bias that differs from call to call.
-    costs = MeasuredOpCosts(op_cost_path(), threads=1, refresh=True)
-    gains = MeasuredThreadGain(op_cost_path(2), threads=2)
     # This model's kernels inside its own plain step against measured alone, and its cost per op on global
     # tensors in its own tensor-parallel forward and backward (toolkit.search.dispatch_cost), in place of
     # the calibration GPT-2s' fit: gpt2-tiny's calls summed alone to 1.25-4x their in-step time, and its tp
     # stages took 25-70% more CPU than kernels plus 13.9 us an op.
     factor, dispatch = model_host_costs(model, costs, o.micro)
-    print(f"kernel factor of {cfg.model.name} (its plain step over its calls measured alone): {factor:.3f} "
+    print(f"kernel factor of {model.cfg.model.name} (its plain step over its calls measured alone): {factor:.3f} "
           f"(cluster file: {calibrated.kernel_factor:.3f}); dispatch per global op in its tp2 forward and "
           f"backward: {dispatch * 1e6:.1f} us (cluster file: {calibrated.host_overhead * 1e6:.1f} us)")
-    calibrated = dataclasses.replace(calibrated, kernel_factor=factor, host_overhead=dispatch)
-    # Price every layout once now, on the quiet machine: the per-op seconds and thread gains a prediction
-    # needs are measured here (or found in the caches) rather than after the rounds, whose processes keep
-    # the load up for minutes (gains measured then came out low: single's 1.27 busy threads against the
-    # 1.68 its steps used). The predictions below reuse them with the probes of the rounds.
-    t0 = time.time()
-    warm = Evaluator(model, calibrated, costs, gains)
-    for s in strategies:
-        warm.predict(s)
-    costs.save()
-    gains.save()
-    print(f"priced {len(names)} layouts before the rounds ({time.time() - t0:.0f} s; per-op costs measured, thread "
-          f"gains measured or cached, load {os.getloadavg()[0]:.2f})")
-    print(f"measuring {len(names)} layouts ({o.rounds} rounds x {o.steps} steps, interleaved)")
+    return dataclasses.replace(calibrated, kernel_factor=factor, host_overhead=dispatch)
+
+
+def _measured_cluster(o, overrides, strategies, calibrated):
+    """Measure the layouts in interleaved rounds; ``(timer, measured, cluster with the rounds' capacity,
+    contention, link, sync and skew, probe step)``."""
+    from benchkit.calibration import contention
+    from benchkit.layout_timing import LayoutTimer
+    from toolkit.search.cluster import GB, Link
+
+    print(f"measuring {len(strategies)} layouts ({o.rounds} rounds x {o.steps} steps, interleaved)")
     # The rounds' contention is relative to the probe step alone on the quiet machine: measured now, with the
     # per-op table and the kernel factor, not the cluster file's (a base measured slower than today's
     # clamps every contention to 1.0). The least of three: other load only adds to it.
@@ -234,7 +207,6 @@ def main() -> None:
     cluster = dataclasses.replace(calibrated, capacity=cap, contention=slow or calibrated.contention, intra=intra,
                                   inter=intra, sync=tuple((n, us * 1e-6) for n, us in sync) or calibrated.sync,
                                   skew=skew or calibrated.skew)
-    ev = Evaluator(model, cluster, costs, gains)
     print(f"capacity used for predictions (busy threads -> cores, median of rounds): {list(cap)}")
     print(f"contention used (busy processes -> CPU time per unit of work vs the probe step alone): "
           f"{list(cluster.contention)}")
@@ -242,6 +214,12 @@ def main() -> None:
     print(f"sync used (processes -> us per message step, median of rounds): {[[n, round(us, 1)] for n, us in sync]}")
     print(f"skew used (processes -> a collective's wait per second of compute before it, median of rounds): "
           f"{[[n, round(f, 3)] for n, f in skew]}")
+    return timer, measured, cluster, probe_step
+
+
+def _in_sample(names, strategies, ev, model, measured, cluster) -> tuple:
+    """Print each layout's measured and predicted step; ``(median |error|, spearman)``."""
+    from benchkit.calibration import op_cost_path
 
     rows, errs, pred_t, meas_t = [], [], [], []
     for n, s in zip(names, strategies):
@@ -257,8 +235,6 @@ def main() -> None:
         if cluster.threads_per_device(s.world) > 1:  # what the per-call thread gains make of this layout
             print(f"{n}: {cluster.threads_per_device(s.world)} intra-op threads per process keep "
                   f"{p.works[0].weight / (s.dp * s.tp):.2f} busy on average (per-call gains, {op_cost_path(2).name})")
-    costs.save()
-    gains.save()
     print(f"\n{'layout':14s} {'measured s':>10s} {'spread':>6s} {'predicted s':>11s} {'error':>7s} {'cpu s/rank':>10s} "
           f"{'pred cpu s':>10s} {'pred MiB':>8s}")
     for n, mw, pw, e, mc, pc, mem, sp in rows:
@@ -269,14 +245,20 @@ def main() -> None:
     print(f"median |error| {med:.1%}, spearman {rho:.3f}")
     print(f"measurement: median spread of a layout's rounds {statistics.median(spreads):.0%} (max "
           f"{max(spreads):.0%}); round-to-round spearman {round_agreement(measured, strategies):.3f}")
+    return med, rho
 
-    speedup, n_changes = delta_vs_full(model, ev, _strategy("tp2_pp2", o.micro), o.changes)
-    print(f"delta vs full simulation: identical timelines for {n_changes} per-op changes of tp2_pp2; "
-          f"speedup {speedup:.1f}x (fastest of 5 alternating passes each, caches warm for both)")
 
-    # Out of sample: other models, priced with gpt2-tiny's kernel factor and per-op cost (``cluster``); beside
-    # them, the same models priced with their own (in sample), to show what the calibration model costs.
-    out_of_sample = {}
+def _out_of_sample(o, cluster, costs, gains, probe_step) -> dict:
+    """Other models, priced with gpt2-tiny's kernel factor and per-op cost (``cluster``) and, beside them, with
+    their own (in sample), to show what the calibration model costs; ``{label: (out, in) median |error|}``."""
+    from benchkit.layout_timing import LayoutTimer
+    from recipes.registry import get
+    from toolkit.config import compose
+    from toolkit.search.dispatch_cost import model_host_costs
+    from toolkit.search.evaluate import Evaluator
+    from toolkit.search.search_model import RecipeSearchModel
+
+    out = {}
     for label, (overrides_b, layouts_b, micro_b) in OUT_OF_SAMPLE.items():
         cfg_b = compose(overrides_b, run_dir="/tmp/verify_simulator")
         model_b = RecipeSearchModel(get(cfg_b.recipe.name), cfg_b)
@@ -295,10 +277,14 @@ def main() -> None:
               f"{'error':>7s}")
         for (n, mw, po, eo), (_, _, pi, ei) in zip(outside, inside):
             print(f"{n:14s} {mw:10.3f} {po:15.3f} {eo:+7.0%} {pi:11.3f} {ei:+7.0%}")
-        out_of_sample[label] = (statistics.median(abs(r[3]) for r in outside),
-                                statistics.median(abs(r[3]) for r in inside))
-    costs.save()
-    gains.save()
+        out[label] = (statistics.median(abs(r[3]) for r in outside), statistics.median(abs(r[3]) for r in inside))
+    return out
+
+
+def _search_pick(o, model, cluster, ev, timer, names, strategies, measured) -> None:
+    """Search, then measure its pick side by side with the two best measured layouts."""
+    from toolkit.search.mcmc import search
+    from toolkit.search.space import SearchSpace
 
     space = SearchSpace(model, cluster.devices, all_devices=False)
     t0 = time.time()
@@ -314,6 +300,59 @@ def main() -> None:
     got = again[pick].wall
     print(f"search pick measured {got:.3f} s vs best measured layout {best_name} {best:.3f} s (side by side): "
           f"{(got - best) / best:+.1%} ({'within' if got <= 1.10 * best else 'NOT within'} 10%)")
+
+
+def main() -> None:
+    o = _parse()
+    from runtime.host_memory import keep_freed_host_memory
+
+    keep_freed_host_memory()  # per-op costs measured with a training rank's host memory
+    t_start = time.time()
+    print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())} ({os.cpu_count()} cores)")
+
+    from benchkit.calibration import op_cost_path
+    from recipes.registry import get
+    from toolkit.config import compose
+    from toolkit.search.evaluate import Evaluator
+    from toolkit.search.opcost import MeasuredOpCosts
+    from toolkit.search.search_model import RecipeSearchModel
+    from toolkit.search.threadgain import MeasuredThreadGain
+
+    overrides = ["model=gpt2-tiny"]
+    cfg = compose(overrides, run_dir="/tmp/verify_simulator")
+    model = RecipeSearchModel(get(cfg.recipe.name), cfg)
+    names = o.layouts.split(",")
+    strategies = [_strategy(n, o.micro) for n in names]
+    # Per-op costs measured now on the quiet machine, like the kernel factor (MeasuredOpCosts.refresh):
+    # entries of the shared cache were each measured under whatever load there was then, and one factor
+    # cannot undo a bias that differs from call to call.
+    costs = MeasuredOpCosts(op_cost_path(), threads=1, refresh=True)
+    gains = MeasuredThreadGain(op_cost_path(2), threads=2)
+    calibrated = _calibrated(o, model, costs)
+    # Price every layout once now, on the quiet machine: the per-op seconds and thread gains a prediction
+    # needs are measured here (or found in the caches) rather than after the rounds, whose processes keep
+    # the load up for minutes (gains measured then came out low: single's 1.27 busy threads against the
+    # 1.68 its steps used). The predictions below reuse them with the probes of the rounds.
+    t0 = time.time()
+    warm = Evaluator(model, calibrated, costs, gains)
+    for s in strategies:
+        warm.predict(s)
+    costs.save()
+    gains.save()
+    print(f"priced {len(names)} layouts before the rounds ({time.time() - t0:.0f} s; per-op costs measured, thread "
+          f"gains measured or cached, load {os.getloadavg()[0]:.2f})")
+    timer, measured, cluster, probe_step = _measured_cluster(o, overrides, strategies, calibrated)
+    ev = Evaluator(model, cluster, costs, gains)
+    med, rho = _in_sample(names, strategies, ev, model, measured, cluster)
+    costs.save()
+    gains.save()
+    speedup, n_changes = delta_vs_full(model, ev, _strategy("tp2_pp2", o.micro), o.changes)
+    print(f"delta vs full simulation: identical timelines for {n_changes} per-op changes of tp2_pp2; "
+          f"speedup {speedup:.1f}x (fastest of 5 alternating passes each, caches warm for both)")
+    out_of_sample = _out_of_sample(o, cluster, costs, gains, probe_step)
+    costs.save()
+    gains.save()
+    _search_pick(o, model, cluster, ev, timer, names, strategies, measured)
     print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}; took {time.time() - t_start:.0f} s")
     print("simulator: in sample (gpt2-tiny) median error " + f"{med:.0%}, spearman {rho:.2f} over {len(names)} "
           "layouts; out of sample " + ", ".join(f"{k} {v[0]:.0%} (in sample {v[1]:.0%})"

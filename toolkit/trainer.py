@@ -67,13 +67,30 @@ class Job:
         self.rank = rank = dist.get_rank()
         keep_freed_host_memory()  # every step reuses the last one's host memory instead of faulting in fresh pages
         tr = cfg.trainer
-        device_type = "cuda" if lay.device == "cuda" else "cpu"
-        self.placements = stage_placements(lay.dp, lay.tp, lay.pp, device_type)
+        self.placements = stage_placements(lay.dp, lay.tp, lay.pp, "cuda" if lay.device == "cuda" else "cpu")
         self.stage = stage_of(self.placements, rank)
         mesh = self.placements[self.stage]
         self.data_shard, self.data_shards = data_shard(recipe.data_sbp, mesh.shape, mesh.coords(rank))
         self.data = recipe.prepare(cfg)
         self.train_batches = recipe.data(cfg, self.data, "train", self.data_shard, self.data_shards, lay)
+        init, ranges = self._build_stage(mesh)
+        self.pipe = self._pipeline(ranges)
+        self.val_batches = None
+        if tr.eval_every:
+            self.val_batches = recipe.data(cfg, self.data, "val", self.data_shard, self.data_shards, lay)
+        self.step = 0
+        if init:
+            run_state.load_weights(self, init)
+        if str(tr.resume) == "auto":
+            self.step = run_state.resume(self)
+        if self.rank == 0:
+            recipe.on_start(self)
+
+    def _build_stage(self, mesh) -> tuple:
+        """This rank's stage module, distributed on ``mesh`` (or ZeRO's rewrite), its optimizer and schedule.
+
+        Returns ``(checkpoint to load or None, the stages' layer ranges or None)``."""
+        cfg, recipe, lay, tr = self.cfg, self.recipe, self.layout, self.cfg.trainer
         torch.manual_seed(int(tr.seed))
         model = recipe.build_model(cfg.model)
         init = str(tr.init_from) if tr.init_from else None
@@ -102,10 +119,16 @@ class Job:
         if self.zero is not None:
             self.zero.attach(self.optimizer)
         self.scheduler = build_scheduler(self.optimizer, tr)
+        return init, ranges
+
+    def _pipeline(self, ranges) -> PipelineStep:
+        """The pipelined step: the micro-batch's fields, each boundary's tensors, the stage forward as the trainer
+        runs it (compiled, under autocast) and fp16's loss scale."""
+        cfg, recipe, lay, tr = self.cfg, self.recipe, self.layout, self.cfg.trainer
         rows = lay.micro_batch_size * lay.data_shards
         batch = {k: ((rows, *shape), dtype) for k, (shape, dtype) in recipe_batch(cfg, recipe).items()}
-        acts = boundary_specs(lambda: recipe.build_model(cfg.model), recipe.stage_forward, split, ranges,
-                              batch, recipe.inputs) if lay.pp > 1 else []
+        acts = boundary_specs(lambda: recipe.build_model(cfg.model), recipe.stage_forward,
+                              recipe.pipeline_plan(cfg.model), ranges, batch, recipe.inputs) if lay.pp > 1 else []
         self.pipe_cfg = PipelineConfig(
             self.placements, lay.accumulation, batch, acts,
             recipe.data_sbp, recipe.act_sbp, recipe.inputs, recipe.labels, schedule=str(cfg.parallel.pp_schedule),
@@ -115,21 +138,11 @@ class Job:
         if tr.compile:
             forward = compiled_forward(forward, self.module, verbose=self.rank == 0)
         if tr.precision != "fp32":
-            forward = autocast_forward(forward, device_type, AUTOCAST[tr.precision])
+            forward = autocast_forward(forward, self.placements[0].device_type, AUTOCAST[tr.precision])
         # fp16 needs its loss scaled (GradScaler's dynamic scale; the skip is decided for the whole job).
         scaler = sc.LossScaler() if tr.precision == "fp16" else None
-        self.pipe = PipelineStep(self.pipe_cfg, self.module, self.optimizer, forward, self.train_batches,
-                                 self.scheduler, loss_scale=scaler, zero=self.zero)
-        self.val_batches = None
-        if tr.eval_every:
-            self.val_batches = recipe.data(cfg, self.data, "val", self.data_shard, self.data_shards, lay)
-        self.step = 0
-        if init:
-            run_state.load_weights(self, init)
-        if str(tr.resume) == "auto":
-            self.step = run_state.resume(self)
-        if self.rank == 0:
-            recipe.on_start(self)
+        return PipelineStep(self.pipe_cfg, self.module, self.optimizer, forward, self.train_batches,
+                            self.scheduler, loss_scale=scaler, zero=self.zero)
 
     def lr(self, step: int) -> float:
         tr = self.cfg.trainer

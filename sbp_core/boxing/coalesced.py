@@ -75,47 +75,62 @@ def _start(items, axis: int, kind: str):
     me = world_rank()
     coords = placement.coords(me)
     ranks = placement.axis_ranks(axis, me)
+    if kind == "all_reduce":
+        return (_all_reduce_two if len(ranks) == 2 else _all_reduce_chunked)(items, ranks)
+    return _gather_or_scatter(items, axis, kind, ranks, coords)
+
+
+def _all_reduce_two(items, ranks):
+    """Two ranks: every element is a + b whichever algorithm runs (collectives.all_reduce_packed_start),
+    so the tensors go whole, one after another, and come back as views of the reduced buffer."""
+    dtype, device = items[0][0].dtype, items[0][0].device
+    sizes = [loc.numel() for loc, _, _ in items]
+    shapes = [loc.shape for loc, _, _ in items]
+    n = sum(sizes)
+    half = (n + 1) // 2
+    packed = torch.empty(2 * half, dtype=dtype, device=device)
+    torch.cat([loc.reshape(-1) for loc, _, _ in items], out=packed[:n])
+    packed[n:].zero_()
+
+    def unpack_whole(got):
+        return [t.view(shape) for t, shape in zip(got.view(-1)[:n].split(sizes), shapes)]
+
+    return collectives.all_reduce_packed_start(packed, ranks, "sum", [half, n - half], owned=True), unpack_whole
+
+
+def _all_reduce_chunked(items, ranks):
+    """Piece k of every (flattened) tensor into chunk k: see collectives.all_reduce_packed_start."""
+    p = len(ranks)
+    dtype, device = items[0][0].dtype, items[0][0].device
+    pieces = [loc.reshape(-1).tensor_split(p) for loc, _, _ in items]
+    counts = [sum(ps[k].numel() for ps in pieces) for k in range(p)]
+    width = max(counts)
+    packed = torch.empty(p, width, dtype=dtype, device=device)
+    for k in range(p):
+        torch.cat([ps[k] for ps in pieces], out=packed[k, :counts[k]])
+        packed[k, counts[k]:].zero_()
+    sizes = [[ps[k].numel() for k in range(p)] for ps in pieces]
+    shapes = [loc.shape for loc, _, _ in items]
+    del pieces  # views of the gradients: nothing below reads them again
+
+    def unpack_reduced(got):
+        out, offsets = [], [0] * p
+        for numels, shape in zip(sizes, shapes):
+            parts = []
+            for k in range(p):
+                parts.append(got[k, offsets[k]:offsets[k] + numels[k]])
+                offsets[k] += numels[k]
+            out.append(torch.cat(parts).view(shape))
+        return out
+
+    return collectives.all_reduce_packed_start(packed.view(-1), ranks, "sum", counts), unpack_reduced
+
+
+def _gather_or_scatter(items, axis: int, kind: str, ranks, coords):
+    """All-gather (``S -> B``) or reduce-scatter (``P -> S``) of every item in one collective, padded to the
+    widest rank's share."""
     p, idx = len(ranks), coords[axis]
     dtype, device = items[0][0].dtype, items[0][0].device
-    if kind == "all_reduce" and p == 2:
-        # Two ranks: every element is a + b whichever algorithm runs (collectives.all_reduce_packed_start),
-        # so the tensors go whole, one after another, and come back as views of the reduced buffer.
-        sizes = [loc.numel() for loc, _, _ in items]
-        shapes = [loc.shape for loc, _, _ in items]
-        n = sum(sizes)
-        half = (n + 1) // 2
-        packed = torch.empty(2 * half, dtype=dtype, device=device)
-        torch.cat([loc.reshape(-1) for loc, _, _ in items], out=packed[:n])
-        packed[n:].zero_()
-
-        def unpack_whole(got):
-            return [t.view(shape) for t, shape in zip(got.view(-1)[:n].split(sizes), shapes)]
-
-        return collectives.all_reduce_packed_start(packed, ranks, "sum", [half, n - half], owned=True), unpack_whole
-    if kind == "all_reduce":
-        # Piece k of every (flattened) tensor into chunk k: see collectives.all_reduce_packed_start.
-        pieces = [loc.reshape(-1).tensor_split(p) for loc, _, _ in items]
-        counts = [sum(ps[k].numel() for ps in pieces) for k in range(p)]
-        width = max(counts)
-        packed = torch.empty(p, width, dtype=dtype, device=device)
-        for k in range(p):
-            torch.cat([ps[k] for ps in pieces], out=packed[k, :counts[k]])
-            packed[k, counts[k]:].zero_()
-        sizes = [[ps[k].numel() for k in range(p)] for ps in pieces]
-        shapes = [loc.shape for loc, _, _ in items]
-        del pieces  # views of the gradients: nothing below reads them again
-
-        def unpack_reduced(got):
-            out, offsets = [], [0] * p
-            for numels, shape in zip(sizes, shapes):
-                parts = []
-                for k in range(p):
-                    parts.append(got[k, offsets[k]:offsets[k] + numels[k]])
-                    offsets[k] += numels[k]
-                out.append(torch.cat(parts).view(shape))
-            return out
-
-        return collectives.all_reduce_packed_start(packed.view(-1), ranks, "sum", counts), unpack_reduced
     dims = [(src if kind == "all_gather" else dst).sbp[axis].axis for _, src, dst in items]
     shapes = [_pieces(src, axis, d, coords, p) for (_, src, _), d in zip(items, dims)]
     counts = [sum(math.prod(s[k]) for s in shapes) for k in range(p)]

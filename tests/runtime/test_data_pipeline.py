@@ -6,7 +6,8 @@ import time
 import pytest
 import torch
 
-from runtime.data_pipeline import TokenFile, data_stages, to_device, write_tokens
+from benchkit.token_file import TokenFile, write_tokens
+from runtime.data_pipeline import data_stages, to_device
 from runtime.executor import RuntimeFailure, run
 from runtime.plan import ActorSpec, Plan
 

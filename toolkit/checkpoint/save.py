@@ -161,24 +161,13 @@ def save(ckpt_root: str, step: int, state: dict, keep_last: int | None = None, *
 
     views = _dist.agree(describe)
     writers, aliases, layouts = plan_writes(views, tied)  # the same on every rank, from the same views
-    me, tensors = _dist.rank(), local["tensors"]
-    mine = sorted(f for f in tensors if me in writers.get(f, ()))
-    flat = {fqn: chunks.for_save(chunks.reduce_partial(tensors[fqn]) if isinstance(tensors[fqn], GlobalTensor)
-                                 else tensors[fqn]) for fqn in mine}
-    writer = storage.Writer(tmp)
-    try:
-        with _dist.single_process_quiet():
-            dcp.save(flat, storage_writer=writer, no_dist=not _dist.initialized(),
-                     planner=DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False))
-    except CheckpointException as exc:
-        raise unwrap(exc, f"writing {tmp}") from None
-    digests = _dist.all_gather_object(writer.digests)
+    digests = _dist.all_gather_object(_write_mine(tmp, local["tensors"], writers))
 
     def publish():
         if _dist.rank() != 0:
             return None
-        files = {n: d for rank_digests in digests for n, d in rank_digests.items()}
-        files[storage.METADATA_NAME] = writer.metadata_digest
+        files = {n: d for rank_digests, _ in digests for n, d in rank_digests.items()}
+        files[storage.METADATA_NAME] = next(meta for _, meta in digests if meta is not None)
         merged = views[0][0]
         for skeleton, *_ in views[1:]:
             merged = tree.merge(merged, skeleton)
@@ -194,3 +183,20 @@ def save(ckpt_root: str, step: int, state: dict, keep_last: int | None = None, *
         return final
 
     return _dist.agree(publish)[0]
+
+
+def _write_mine(tmp: str, tensors: dict, writers: dict) -> tuple:
+    """Write the tensors ``writers`` gives this rank into ``tmp`` (``torch.distributed.checkpoint``'s format);
+    ``(this rank's file digests, the metadata file's digest or None)``."""
+    me = _dist.rank()
+    mine = sorted(f for f in tensors if me in writers.get(f, ()))
+    flat = {fqn: chunks.for_save(chunks.reduce_partial(tensors[fqn]) if isinstance(tensors[fqn], GlobalTensor)
+                                 else tensors[fqn]) for fqn in mine}
+    writer = storage.Writer(tmp)
+    try:
+        with _dist.single_process_quiet():
+            dcp.save(flat, storage_writer=writer, no_dist=not _dist.initialized(),
+                     planner=DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False))
+    except CheckpointException as exc:
+        raise unwrap(exc, f"writing {tmp}") from None
+    return writer.digests, writer.metadata_digest
