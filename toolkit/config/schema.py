@@ -119,7 +119,10 @@ class TrainerConfig:
     ``torch.compile`` each stage's forward where it runs on plain tensors
     (``toolkit.trainer.compiled_forward``). ``resume: auto`` continues
     from the newest checkpoint in the run directory if any. ``init_from``:
-    ``None`` (random init), a checkpoint path, or a Hugging Face GPT-2 name.
+    ``None`` (random init), a checkpoint path, or what the recipe's
+    ``init_weights`` reads (GPT-2: a Hugging Face GPT-2 name or directory).
+    The values here are defaults of the schema; each recipe's trainer group
+    (``configs/trainer/<name>.yaml``) sets its own learning rate and schedule.
     """
 
     max_steps: int = 200
