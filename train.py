@@ -14,18 +14,20 @@ from runtime.host_memory import keep_freed_host_memory
 
 keep_freed_host_memory()  # before torch starts threads: torchrun's or a one-process run's ranks get one arena too
 
+import functools  # noqa: E402
+
 import hydra  # noqa: E402
 
 from toolkit.config import CONFIG_DIR, save_resolved_config, validate  # noqa: E402  registers the schema and layouts
 from toolkit.launcher import launch  # noqa: E402
 
 
-def run(cfg):
-    """On every rank."""
+def run(cfg, layout=None):
+    """On every rank: the job ``cfg`` describes, laid out as ``layout`` (validated once, before the ranks)."""
     from recipes.registry import get
     from toolkit.trainer import train
 
-    return train(cfg, get(cfg.recipe.name))
+    return train(cfg, get(cfg.recipe.name), layout)
 
 
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="config")
@@ -41,7 +43,7 @@ def main(cfg):
         cfg.run_dir = run_dir
     layout = validate(cfg, recipe)
     save_resolved_config(cfg, cfg.run_dir)
-    return launch(run, cfg, layout.world_size)
+    return launch(functools.partial(run, layout=layout), cfg, layout.world_size)
 
 
 if __name__ == "__main__":

@@ -60,9 +60,13 @@ def _progress(total: int, initial: int, enabled: bool):
 class Job:
     """One rank's share of a training job: its stage module, optimizer, data and pipelined step."""
 
-    def __init__(self, cfg, recipe):
+    def __init__(self, cfg, recipe, layout=None):
+        """``layout``: what ``validate`` returned for ``cfg`` before the ranks started (``train.py``), or ``None``
+        to validate here (a job started some other way: tests, scripts)."""
         self.recipe = recipe
-        self.layout = lay = validate(cfg, recipe, world_size=dist.get_world_size())
+        self.layout = lay = layout if layout is not None else validate(cfg, recipe, world_size=dist.get_world_size())
+        if lay.world_size != dist.get_world_size():
+            raise ValueError(f"the job was laid out for {lay.world_size} ranks but {dist.get_world_size()} joined")
         self.cfg = cfg = typed(cfg, recipe)
         self.rank = rank = dist.get_rank()
         keep_freed_host_memory()  # every step reuses the last one's host memory instead of faulting in fresh pages
@@ -208,10 +212,10 @@ def _synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def train(cfg, recipe):
+def train(cfg, recipe, layout=None):
     """Train ``recipe`` as ``cfg`` says, on this rank (every rank of the job calls it); rank 0 returns the last
-    logged metrics."""
-    job = Job(cfg, recipe)
+    logged metrics. ``layout``: see ``Job``."""
+    job = Job(cfg, recipe, layout)
     cfg, lay, tr = job.cfg, job.layout, job.cfg.trainer
     peak = device_peak(lay.device if lay.device == "cuda" else "cpu", str(tr.precision), tr.peak_tflops)
     if job.rank == 0:
