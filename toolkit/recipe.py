@@ -65,7 +65,10 @@ class Recipe(ABC):
     targets, no per-sample weights — so a pure data-parallel stage may run on
     plain tensors, each replica's loss scaled by 1/replicas
     (``runtime.pipeline.plain_stage``; an audit of the first micro-batch
-    still checks the forward for anything else coupling rows).
+    still checks the forward for anything else coupling rows);
+    ``sequence_parallel``: ``mesh_plan`` has a sequence-parallel variant,
+    chosen by ``parallel.sequence_parallel`` (refused for other recipes
+    before spawn, and never proposed by the search).
     """
 
     name: str = ""
@@ -79,6 +82,7 @@ class Recipe(ABC):
     tied: tuple = ()
     throughput_unit: str = "samples"
     rows_weigh_equally: bool = False
+    sequence_parallel: bool = False
 
     # -- configuration -------------------------------------------------------------------------
 

@@ -32,6 +32,7 @@ class GPT2Recipe(Recipe):
     pipeline = PIPELINE
     tied = tuple(TIED)
     throughput_unit = "tokens"
+    sequence_parallel = True  # LayerNorm regions split along the sequence (plan.SEQUENCE_PARALLEL)
     rows_weigh_equally = True  # next-token cross-entropy over every position of fixed-length rows: no ignored targets
 
     def check(self, cfg, layout) -> list:

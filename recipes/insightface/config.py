@@ -131,7 +131,7 @@ def _dataset_classes(data) -> tuple:
 def problems(cfg, layout) -> list:
     """InsightFace's rules, checked before any process starts."""
     p: list = []
-    m, h, d, par, tr = cfg.model, cfg.model.head, cfg.data, cfg.parallel, cfg.trainer
+    m, h, d, tr = cfg.model, cfg.model.head, cfg.data, cfg.trainer
     if m.arch not in ARCHS:
         p.append(f"model.arch={m.arch!r}: unknown; valid: {', '.join(ARCHS)}")
     if m.image_size < 16 or m.image_size % 16:
@@ -171,8 +171,6 @@ def problems(cfg, layout) -> list:
     if layout.zero:
         p.append(f"parallel.zero={layout.zero}: not supported by insightface (the FC is already split over "
                  "every rank and the backbone is replicated); valid: parallel.zero=0")
-    if par.sequence_parallel:
-        p.append("parallel.sequence_parallel=true: insightface has no sequence axis; valid: false")
     if layout.pp > 1 and tr.eval_every:
         p.append(f"trainer.eval_every={tr.eval_every} with parallel.pp={layout.pp}: verification embeds images "
                  "with the whole backbone, which the pipeline splits over stages; valid: trainer.eval_every=0, "

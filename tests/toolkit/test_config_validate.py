@@ -145,6 +145,16 @@ def test_sequence_parallel_needs_seq_len_multiple_of_tp():
     assert "data.seq_len=130: sequence_parallel splits it over parallel.tp=4" in text
 
 
+@pytest.mark.parametrize("name", ["insightface", "wide_deep"])
+def test_sequence_parallel_is_refused_where_the_plan_has_no_such_variant(name):
+    from recipes.registry import get
+
+    with pytest.raises(ConfigError) as info:
+        validate_for(cfg_of(f"recipe={name}", "parallel=tp2", "parallel.sequence_parallel=true"), get(name))
+    assert f"parallel.sequence_parallel=true: recipe {name}'s plan has no sequence-parallel variant" in \
+        "\n".join(info.value.problems)
+
+
 @pytest.mark.parametrize("override, fragment", [
     ("recipe.name=bert", "recipe.name='bert': does not name the recipe validated against, 'gpt2'"),
     ("trainer.optimizer=lamb", "trainer.optimizer='lamb': unknown choice; valid: adamw, sgd"),

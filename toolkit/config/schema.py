@@ -73,8 +73,10 @@ class ParallelConfig:
       pipeline rank (1 = no interleaving).
     - ``stage_layers``: transformer blocks per pipeline stage (``pp * pp_virtual``
       entries summing to ``model.n_layer``); ``None`` = uniform split.
-    - ``sequence_parallel``: split activations along the sequence axis over tp
-      outside the tensor-parallel matmuls (Megatron's sequence parallelism).
+    - ``sequence_parallel``: the recipe's sequence-parallel variant of its
+      plan, where it has one (``Recipe.sequence_parallel``; GPT-2: activations
+      split along the sequence over tp outside the tensor-parallel matmuls,
+      Megatron's sequence parallelism).
     - ``plan``: per-op layouts, ``{parameter pattern: tp-axis SBP}`` (``B``,
       ``S(<dim>)``) put before the recipe's plan (first match wins; the dp
       axis stays ``B``), e.g. ``{"*.mlp.c_fc.weight": "B"}`` runs that matmul

@@ -36,7 +36,7 @@ import warnings
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from toolkit.config import schema as S
@@ -148,6 +148,9 @@ def _check_parallel(p: list, cfg, recipe, world_size: Optional[int], env) -> tup
     if par.auto:
         p.append("parallel.auto=true: the search runs in train.py before the job (toolkit.search.resolve); "
                  "valid: a resolved config with parallel.auto=false")
+    if par.sequence_parallel and not recipe.sequence_parallel:
+        p.append(f"parallel.sequence_parallel=true: recipe {recipe.name}'s plan has no sequence-parallel variant "
+                 "(no sequence axis to split); valid: false")
     zero = par.zero if par.zero in ZERO_STAGES else 0
     if zero and par.dp == 1:
         warnings.warn(f"parallel.zero={zero} with parallel.dp=1 shards nothing; running with zero=0",

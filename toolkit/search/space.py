@@ -30,7 +30,7 @@ class SearchSpace:
         worlds = [devices] if all_devices else [w for w in divisors(devices) if w & (w - 1) == 0]
         self.degrees = [(dp, tp, w // (dp * tp)) for w in worlds for tp in divisors(w) for dp in divisors(w // tp)]
         self.zero_stages = tuple(zero_stages)
-        self.sequence_parallel = sequence_parallel
+        self.sequence_parallel = sequence_parallel and model.recipe.sequence_parallel  # the recipe's variant
         self.choices = list(model.choices) if per_op else []
         self._valid: dict = {}
 
