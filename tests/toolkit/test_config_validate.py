@@ -214,7 +214,10 @@ def test_validate_accepts_plain_dicts_and_does_not_modify():
     before = cfg.copy()
     validate(cfg)
     assert cfg == before
-    assert validate({"parallel": {"dp": 2}, "data": {"seq_len": 128}}).world_size == 2
+    schedule = {"lr": 1e-3, "min_lr": 0.0, "warmup_steps": 0}  # the recipe's trainer group sets them
+    assert validate({"parallel": {"dp": 2}, "data": {"seq_len": 128}, "trainer": schedule}).world_size == 2
+    assert "trainer.lr: not set; the recipe's trainer group sets it" in "\n".join(
+        pytest.raises(ConfigError, validate, {"parallel": {"dp": 2}, "data": {"seq_len": 128}}).value.problems)
 
 
 def test_layouts_for():

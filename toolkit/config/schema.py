@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
 
 from runtime.pipeline.schedule import SCHEDULES
 
@@ -123,8 +123,8 @@ class TrainerConfig:
     from the newest checkpoint in the run directory if any. ``init_from``:
     ``None`` (random init), a checkpoint path, or what the recipe's
     ``init_weights`` reads (GPT-2: a Hugging Face GPT-2 name or directory).
-    The values here are defaults of the schema; each recipe's trainer group
-    (``configs/trainer/<name>.yaml``) sets its own learning rate and schedule.
+    ``lr``, ``min_lr`` and ``warmup_steps`` have no default here: the
+    recipe's trainer group (``configs/trainer/<name>.yaml``) sets them.
     """
 
     max_steps: int = 200
@@ -133,9 +133,10 @@ class TrainerConfig:
     momentum: float = 0.9
     micro_batch_size: int = 4
     global_batch_size: int = 32
-    lr: float = 6e-4
-    min_lr: float = 6e-5
-    warmup_steps: int = 20
+    # The learning rate and its schedule are the recipe's (its trainer group), not the toolkit's: no default.
+    lr: float = MISSING
+    min_lr: float = MISSING
+    warmup_steps: int = MISSING
     weight_decay: float = 0.1
     betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8

@@ -36,7 +36,7 @@ import warnings
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from toolkit.config import schema as S
@@ -224,12 +224,17 @@ def _check_batch(p: list, tr, par, shards: int, layout_name: str, degrees_ok: bo
 
 def _check_trainer(p: list, tr, par, recipe, zero: int) -> None:
     _at_least(p, "trainer.max_steps", tr.max_steps, 1)
-    if not tr.lr > 0:
-        p.append(f"trainer.lr={tr.lr}: must be > 0")
-    if not 0 <= tr.min_lr <= tr.lr:
-        p.append(f"trainer.min_lr={tr.min_lr}: must be in [0, trainer.lr={tr.lr}]")
-    if tr.warmup_steps < 0:
-        p.append(f"trainer.warmup_steps={tr.warmup_steps}: must be >= 0")
+    missing = [k for k in ("lr", "min_lr", "warmup_steps") if OmegaConf.is_missing(tr, k)]
+    for k in missing:
+        p.append(f"trainer.{k}: not set; the recipe's trainer group sets it (configs/trainer/<name>.yaml), "
+                 f"or give trainer.{k}=<value>")
+    if not missing:
+        if not tr.lr > 0:
+            p.append(f"trainer.lr={tr.lr}: must be > 0")
+        if not 0 <= tr.min_lr <= tr.lr:
+            p.append(f"trainer.min_lr={tr.min_lr}: must be in [0, trainer.lr={tr.lr}]")
+        if tr.warmup_steps < 0:
+            p.append(f"trainer.warmup_steps={tr.warmup_steps}: must be >= 0")
     _at_least(p, "trainer.weight_decay", tr.weight_decay, 0.0)
     _choice(p, "trainer.optimizer", tr.optimizer, S.OPTIMIZERS)
     if len(tr.betas) != 2 or not all(0.0 <= b < 1.0 for b in tr.betas):
