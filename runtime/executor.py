@@ -47,6 +47,9 @@ from .actor import Actor
 from .ids import actor_id, thread_of
 from .plan import QUEUES, ActorSpec, Plan, PlanError
 
+# A cross-rank edge's receiver holds two registers: the next piece travels while the consumer uses this one.
+RECEIVE_QUOTA = 2
+
 
 # An idle queue thread blocks on its inbox: messages, and the ``None`` that stops a run, wake it, so
 # the timeout is only a backstop. Each wake-up of a Python thread takes the GIL from the compute
@@ -265,7 +268,8 @@ def _local_specs(plan: Plan, me: int) -> list:
         if me == b:
             recv = f"recv:{src}"
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-            local.append(ActorSpec(recv, _receiver(a, group, device, out), queue=queue_name, quota=2, every=every))
+            local.append(ActorSpec(recv, _receiver(a, group, device, out), queue=queue_name, quota=RECEIVE_QUOTA,
+                                   every=every))
             local = [
                 replace(s, inputs=tuple(recv if i == src else i for i in s.inputs),
                         initial={(recv if k == src else k): v for k, v in s.initial.items()})

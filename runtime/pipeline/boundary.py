@@ -18,6 +18,7 @@ from sbp_core import GlobalTensor, Layout
 from sbp_core.boxing.cross_placement import transfer_slices
 
 from ..plan import ActorSpec
+from .schedule import ASSEMBLE_QUOTA, CUT_QUOTA
 
 
 def as_tuple(out) -> tuple:
@@ -81,11 +82,11 @@ def boundary_actors(name: str, producer: dict, src: Layout, dst: Layout, require
         for k, i, ss, _ in mine:
             cut = f"{name}.cut{k}@{i}"
             out = (_sliced_shape(src.local_shape(i), ss), src.dtype)
-            actors.append(ActorSpec(cut, _cut(ss, select, src.dtype), inputs=(producer[i],), queue="copy", quota=1, rank=i,
-                                    out=out))
+            actors.append(ActorSpec(cut, _cut(ss, select, src.dtype), inputs=(producer[i],), queue="copy",
+                                    quota=CUT_QUOTA, rank=i, out=out))
             cuts.append(cut)
         asm = f"{name}.assemble@{j}"
         actors.append(ActorSpec(asm, _assemble(dst, j, [ds for *_, ds in mine], requires_grad, device),
-                                inputs=tuple(cuts), queue="copy", quota=2, rank=j))
+                                inputs=tuple(cuts), queue="copy", quota=ASSEMBLE_QUOTA, rank=j))
         assembler[j] = asm
     return actors, assembler

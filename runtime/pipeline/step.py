@@ -76,7 +76,7 @@ from ..executor import run
 from ..plan import ActorSpec, Plan
 from . import plain_stage
 from .boundary import as_tuple, boundary_actors
-from .schedule import SCHEDULES, stash_quota, too_few_micro_batches
+from .schedule import SCHEDULES, compute_actors, stash_quota, too_few_micro_batches
 from .tied import TiedGrads
 from .weight_pass import input_first
 
@@ -447,14 +447,11 @@ class PipelineStep:
                     ]
                     continue
                 b_in = (f"s{s}.F@{r}",) + (() if last else bwd_in.get(r, ()))
-                actors += [
-                    ActorSpec(f"s{s}.F@{r}", self._forward, inputs=f_in, quota=cfg.stash_quota(s), rank=r, role="F"),
-                    ActorSpec(f"s{s}.B@{r}", self._backward, inputs=b_in, quota=2, priority=1, rank=r, role="B"),
-                    ActorSpec(f"s{s}.reduce@{r}", self._reduce, inputs=(f"s{s}.B@{r}",), quota=1, priority=2,
-                              rank=r, every=m, role="reduce"),
-                    ActorSpec(f"s{s}.update@{r}", self._update, inputs=(f"s{s}.reduce@{r}",), quota=1, priority=3,
-                              rank=r, every=m, role="update"),
-                ]
+                inputs = {"F": f_in, "B": b_in, "reduce": (f"s{s}.B@{r}",), "update": (f"s{s}.reduce@{r}",)}
+                act = {"F": self._forward, "B": self._backward, "reduce": self._reduce, "update": self._update}
+                actors += [ActorSpec(f"s{s}.{role}@{r}", act[role], inputs=inputs[role], quota=quota, priority=priority,
+                                     rank=r, every=every, role=role)
+                           for role, (quota, priority, every) in compute_actors(cfg.schedule, pp, s, m).items()]
         last_leader = cfg.placements[-1].ranks[0]
         if 0 not in cfg.placements[-1]:
             # The loss is known after reduce: rank 0 need not wait for the last stage's optimizer step.

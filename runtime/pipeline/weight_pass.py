@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from typing import Callable
 
-import torch
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from runtime.pipeline.schedule import stash_quota, too_few_micro_batches
+from runtime.pipeline.schedule import ASSEMBLE_QUOTA, CUT_QUOTA, SEND_QUOTA, compute_actors, too_few_micro_batches
 
 from .simulator import SimActor, TaskGraph
 
@@ -75,29 +75,28 @@ def pipeline_graph(stages: list, micro_batches: int, schedule: str = "1f1b", tie
         comp, copy = f"s{s}.compute", f"s{s}.copy"
         f_in = () if s == 0 else (f"s{s - 1}.act.assemble",)
         b_in = (f"s{s}.F",) if s == pp - 1 else (f"s{s}.F", f"s{s + 1}.grad.assemble")
-        actors += [
-            SimActor(f"s{s}.F", comp, w.forward, f_in, quota=stash_quota(schedule, pp, s, m), weight=w.weight),
-            SimActor(f"s{s}.B", comp, [w.backward_first] + [w.backward] * (m - 1), b_in, quota=2, priority=1,
-                     weight=w.weight),
-            SimActor(f"s{s}.reduce", comp, w.reduce, (f"s{s}.B",), quota=1, priority=2, every=m, weight=w.weight),
-        ]
+        table = compute_actors(schedule, pp, s, m)  # the runtime's quotas, priorities and rates
+        work = {"F": w.forward, "B": [w.backward_first] + [w.backward] * (m - 1), "reduce": w.reduce}
+        inputs = {"F": f_in, "B": b_in, "reduce": (f"s{s}.B",)}
+        actors += [SimActor(f"s{s}.{role}", comp, work[role], inputs[role], quota=table[role][0],
+                            priority=table[role][1], every=table[role][2], weight=w.weight) for role in work]
         if s < pp - 1:
             nxt = stages[s + 1]
             actors += [
-                SimActor(f"s{s}.act.cut", copy, w.copy, (f"s{s}.F",), quota=1, weight=w.weight),
-                SimActor(f"s{s}.act.send", f"link.s{s}>s{s + 1}", w.send, (f"s{s}.act.cut",), quota=2,
+                SimActor(f"s{s}.act.cut", copy, w.copy, (f"s{s}.F",), quota=CUT_QUOTA, weight=w.weight),
+                SimActor(f"s{s}.act.send", f"link.s{s}>s{s + 1}", w.send, (f"s{s}.act.cut",), quota=SEND_QUOTA,
                          weight=w.weight),
-                SimActor(f"s{s}.act.assemble", f"s{s + 1}.copy", nxt.copy, (f"s{s}.act.send",), quota=2,
-                         weight=nxt.weight),
+                SimActor(f"s{s}.act.assemble", f"s{s + 1}.copy", nxt.copy, (f"s{s}.act.send",),
+                         quota=ASSEMBLE_QUOTA, weight=nxt.weight),
             ]
         if s > 0:
             prev = stages[s - 1]
             actors += [
-                SimActor(f"s{s}.grad.cut", copy, w.copy, (f"s{s}.B",), quota=1, weight=w.weight),
-                SimActor(f"s{s}.grad.send", f"link.s{s}>s{s - 1}", w.send, (f"s{s}.grad.cut",), quota=2,
+                SimActor(f"s{s}.grad.cut", copy, w.copy, (f"s{s}.B",), quota=CUT_QUOTA, weight=w.weight),
+                SimActor(f"s{s}.grad.send", f"link.s{s}>s{s - 1}", w.send, (f"s{s}.grad.cut",), quota=SEND_QUOTA,
                          weight=w.weight),
-                SimActor(f"s{s}.grad.assemble", f"s{s - 1}.copy", prev.copy, (f"s{s}.grad.send",), quota=2,
-                         weight=prev.weight),
+                SimActor(f"s{s}.grad.assemble", f"s{s - 1}.copy", prev.copy, (f"s{s}.grad.send",),
+                         quota=ASSEMBLE_QUOTA, weight=prev.weight),
             ]
     if tied is not None and pp > 1:
         actors.append(SimActor("tied", "link.tied", tied, ("s0.reduce", f"s{pp - 1}.reduce"), quota=1, every=m))
@@ -107,6 +106,7 @@ def pipeline_graph(stages: list, micro_batches: int, schedule: str = "1f1b", tie
             u_in.append("tied")
         if clip and pp > 1:
             u_in += [f"s{j}.reduce" for j in range(pp) if j != s]
-        actors.append(SimActor(f"s{s}.update", f"s{s}.compute", w.update, tuple(u_in), quota=1, priority=3,
-                               every=m, weight=w.weight))
+        quota, priority, every = compute_actors(schedule, pp, s, m)["update"]
+        actors.append(SimActor(f"s{s}.update", f"s{s}.compute", w.update, tuple(u_in), quota=quota,
+                               priority=priority, every=every, weight=w.weight))
     return TaskGraph(actors, m, rate=rate)
