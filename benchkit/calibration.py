@@ -58,7 +58,7 @@ def _best(fn, repeats: int) -> float:
 
 
 def thread_speedup(costs=None) -> float:
-    """2 intra-op threads vs 1 over the kernels of one step of the large calibration GPT-2 (see the module doc)."""
+    """2 intra-op threads vs 1 over the kernels of one step of the large calibration GPT-2 (scripts/calibrate_machine.py's docstring says why)."""
     from toolkit.search.opcost import MeasuredOpCosts
     from toolkit.search.threadgain import MeasuredThreadGain
 

@@ -24,6 +24,7 @@ from typing import Callable
 
 import torch
 
+from runtime.pipeline.boundary import as_tuple
 from sbp_core.global_tensor import GlobalTensor
 from sbp_core.layout import Layout
 from sbp_core.module import box_grads, defer_grad_boxing
@@ -127,7 +128,7 @@ def trace_stage(spec: StageSpec) -> StageTrace:
             with r.phase("F") as f:
                 y = spec.forward(module, x, labels if spec.last else None)
                 if not spec.last:  # the boundary's tensors: one, or a tuple
-                    y = [t.to_global(sbp=spec.act_sbp) for t in (y if isinstance(y, (tuple, list)) else (y,))]
+                    y = [t.to_global(sbp=spec.act_sbp) for t in as_tuple(y)]
             if k == 0:
                 out.phases["F"] = f
                 out.stash_bytes = f.end_bytes
@@ -140,7 +141,7 @@ def trace_stage(spec: StageSpec) -> StageTrace:
                         ys = [t for t in y if t.requires_grad]
                         torch.autograd.backward(ys, [global_input(t.shape, t.dtype, placement, spec.act_sbp)
                                                      for t in ys])
-                for t in () if spec.first else (x if isinstance(x, (tuple, list)) else (x,)):
+                for t in () if spec.first else as_tuple(x):
                     if isinstance(t, GlobalTensor) and t.grad is not None:
                         t.grad.to_global(sbp=spec.act_sbp)
             out.phases[b.name] = b

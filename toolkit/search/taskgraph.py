@@ -56,6 +56,16 @@ def stage_actor_names(stage: int, pp: int) -> list:
     return names
 
 
+def _transfer(name: str, producer: str, src: int, dst: int, w: StageWork, to: StageWork) -> list:
+    """A boundary tensor from stage ``src`` to ``dst``: cut on the sender's copy queue, sent on their link,
+    assembled on the receiver's copy queue (the runtime's boundary actors, ``runtime.pipeline.boundary``)."""
+    return [SimActor(f"{name}.cut", f"s{src}.copy", w.copy, (producer,), quota=CUT_QUOTA, weight=w.weight),
+            SimActor(f"{name}.send", f"link.s{src}>s{dst}", w.send, (f"{name}.cut",), quota=SEND_QUOTA,
+                     weight=w.weight),
+            SimActor(f"{name}.assemble", f"s{dst}.copy", to.copy, (f"{name}.send",), quota=ASSEMBLE_QUOTA,
+                     weight=to.weight)]
+
+
 def pipeline_graph(stages: list, micro_batches: int, schedule: str = "1f1b", tied: float | None = None,
                    clip: bool = False, rate=None) -> TaskGraph:
     """One training step of ``len(stages)`` stages over ``micro_batches`` micro-batches.
@@ -72,7 +82,7 @@ def pipeline_graph(stages: list, micro_batches: int, schedule: str = "1f1b", tie
         raise ValueError(f"{m} micro-batches for {pp} stages: a pipeline needs at least as many micro-batches as stages")
     actors = []
     for s, w in enumerate(stages):
-        comp, copy = f"s{s}.compute", f"s{s}.copy"
+        comp = f"s{s}.compute"
         f_in = () if s == 0 else (f"s{s - 1}.act.assemble",)
         b_in = (f"s{s}.F",) if s == pp - 1 else (f"s{s}.F", f"s{s + 1}.grad.assemble")
         table = compute_actors(schedule, pp, s, m)  # the runtime's quotas, priorities and rates
@@ -80,24 +90,10 @@ def pipeline_graph(stages: list, micro_batches: int, schedule: str = "1f1b", tie
         inputs = {"F": f_in, "B": b_in, "reduce": (f"s{s}.B",)}
         actors += [SimActor(f"s{s}.{role}", comp, work[role], inputs[role], quota=table[role][0],
                             priority=table[role][1], every=table[role][2], weight=w.weight) for role in work]
-        if s < pp - 1:
-            nxt = stages[s + 1]
-            actors += [
-                SimActor(f"s{s}.act.cut", copy, w.copy, (f"s{s}.F",), quota=CUT_QUOTA, weight=w.weight),
-                SimActor(f"s{s}.act.send", f"link.s{s}>s{s + 1}", w.send, (f"s{s}.act.cut",), quota=SEND_QUOTA,
-                         weight=w.weight),
-                SimActor(f"s{s}.act.assemble", f"s{s + 1}.copy", nxt.copy, (f"s{s}.act.send",),
-                         quota=ASSEMBLE_QUOTA, weight=nxt.weight),
-            ]
+        if s < pp - 1:  # activations to the next stage, gradients back to the one before
+            actors += _transfer(f"s{s}.act", f"s{s}.F", s, s + 1, w, stages[s + 1])
         if s > 0:
-            prev = stages[s - 1]
-            actors += [
-                SimActor(f"s{s}.grad.cut", copy, w.copy, (f"s{s}.B",), quota=CUT_QUOTA, weight=w.weight),
-                SimActor(f"s{s}.grad.send", f"link.s{s}>s{s - 1}", w.send, (f"s{s}.grad.cut",), quota=SEND_QUOTA,
-                         weight=w.weight),
-                SimActor(f"s{s}.grad.assemble", f"s{s - 1}.copy", prev.copy, (f"s{s}.grad.send",),
-                         quota=ASSEMBLE_QUOTA, weight=prev.weight),
-            ]
+            actors += _transfer(f"s{s}.grad", f"s{s}.B", s, s - 1, w, stages[s - 1])
     if tied is not None and pp > 1:
         actors.append(SimActor("tied", "link.tied", tied, ("s0.reduce", f"s{pp - 1}.reduce"), quota=1, every=m))
     for s, w in enumerate(stages):
