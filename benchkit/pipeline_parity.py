@@ -3,16 +3,19 @@ pipeline step, run a layout, compare with one device training on its own, and re
 (micro-batches held per stage, bubble)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 import sbp_core as sc
 from recipes.gpt2.model import GPT2Config, GPT2LMHeadModel
 from recipes.gpt2.plan import ACT_SBP, DATA_SBP, PIPELINE, TIED, mesh_plan, stage_forward
 from runtime.pipeline import PipelineConfig, PipelineStep
+from runtime.pipeline.schedule import chunk_ranks
 from runtime.pipeline.timeline import bubble, peak_held
 from runtime.trace import Trace
 from toolkit.mesh import plan_for_module, stage_placements
-from toolkit.stages import keep_stage, stage_ranges
+from toolkit.stages import keep_chunks, stage_ranges
 
 WORLD = 8
 STEPS = 3
@@ -31,24 +34,26 @@ def global_batch(step: int) -> torch.Tensor:
 
 def build(dp: int, tp: int, pp: int, micro: int = MICRO, schedule: str = "1f1b", traced: bool = False,
           cfg: GPT2Config = CFG, batch_of=global_batch, seq: int = SEQ, batch: int = BATCH, max_grad_norm=None,
-          rows_weigh_equally: bool = True, loss_scale=None, dtype=torch.float32):
-    """This rank's pipelined GPT-2: ``(PipelineStep, stage module or None)``; every rank calls it.
+          rows_weigh_equally: bool = True, loss_scale=None, dtype=torch.float32, virtual: int = 1):
+    """This rank's pipelined GPT-2: ``(PipelineStep, its module or None)``; every rank calls it.
 
     ``loss_scale``: an ``sc.LossScaler`` the step scales the loss by (fp16's; here in fp32).
-    ``dtype``: the model's and the stage boundaries' precision.
+    ``dtype``: the model's and the stage boundaries' precision. ``virtual``: stages per pipeline rank
+    (``cfg.n_layer`` layers split into ``virtual * pp`` stages, placed as ``schedule`` says).
 
     ``rows_weigh_equally``: GPT-2's loss is (``Recipe.rows_weigh_equally``), so dp stages (dp2_pp2) run plain
     after their audit."""
     me = torch.distributed.get_rank()
     placements = stage_placements(dp, tp, pp)
-    stage = me // (dp * tp) if me < dp * tp * pp else None
+    rank = me // (dp * tp) if me < dp * tp * pp else None
     torch.manual_seed(0)
     model = GPT2LMHeadModel(cfg).to(dtype)
     names = tuple({n for n, _ in model.named_parameters(remove_duplicate=False)} | {n for n, _ in model.named_modules()})
-    module = opt = None
-    if stage is not None:
-        module = keep_stage(model, PIPELINE, stage_ranges(cfg.n_layer, pp), stage)
-        sc.distribute_module(module, placements[stage], plan_for_module(module, mesh_plan(), names))
+    module = opt = chunks = None
+    if rank is not None:
+        stages = [c for c, r in enumerate(chunk_ranks(schedule, pp, virtual)) if r == rank]
+        module, chunks = keep_chunks(model, PIPELINE, stage_ranges(cfg.n_layer, pp * virtual), stages)
+        sc.distribute_module(module, placements[rank], plan_for_module(module, mesh_plan(), names))
         opt = torch.optim.AdamW(module.parameters(), **ADAMW)
     d = (me % (dp * tp)) // tp
 
@@ -56,23 +61,25 @@ def build(dp: int, tp: int, pp: int, micro: int = MICRO, schedule: str = "1f1b",
         return batch_of(step).tensor_split(micro)[k].tensor_split(dp)[d]
 
     pcfg = PipelineConfig(placements, micro, {"input_ids": ((batch // micro, seq), torch.int64)},
-                          [(((batch // micro, seq, cfg.n_embd), dtype),)] * (pp - 1), DATA_SBP, ACT_SBP,
+                          [(((batch // micro, seq, cfg.n_embd), dtype),)] * (pp * virtual - 1), DATA_SBP, ACT_SBP,
                           ("input_ids",), ("input_ids",), schedule=schedule, tied=TIED, max_grad_norm=max_grad_norm,
-                          timeout=20, rows_weigh_equally=rows_weigh_equally)
+                          timeout=20, rows_weigh_equally=rows_weigh_equally, virtual=virtual)
     trace = (lambda: Trace(rank=me)) if traced else None
-    return PipelineStep(pcfg, module, opt, stage_forward, batches, trace_factory=trace, loss_scale=loss_scale), module
+    return PipelineStep(pcfg, module, opt, stage_forward, batches, trace_factory=trace, loss_scale=loss_scale,
+                        chunks=chunks), module
 
 
 def run_pipeline(name: str, steps: int = STEPS, schedule: str = "1f1b", micro: int = MICRO, max_grad_norm=None,
-                 loss_scale=None, dtype: str = "float32"):
+                 loss_scale=None, dtype: str = "float32", virtual: int = 1, n_layer: int = CFG.n_layer):
     """Worker: per step, the loss (where known), the stage leader's full gradients (as the optimizer sees them),
     the trace; after the last step, the leader's parameters (``params`` of the last entry).
 
-    ``loss_scale``: a starting scale, or ``None`` for no loss scaling."""
+    ``loss_scale``: a starting scale, or ``None`` for no loss scaling; ``virtual``: stages per pipeline rank
+    of a GPT-2 of ``n_layer`` layers."""
     dp, tp, pp = LAYOUTS[name]
     scaler = sc.LossScaler(loss_scale) if loss_scale else None
     step, module = build(dp, tp, pp, micro, schedule, traced=True, max_grad_norm=max_grad_norm, loss_scale=scaler,
-                         dtype=getattr(torch, dtype))
+                         dtype=getattr(torch, dtype), virtual=virtual, cfg=replace(CFG, n_layer=n_layer))
     grads = []
     if module is not None:
         opt_step = step.optimizer.step
@@ -86,8 +93,10 @@ def run_pipeline(name: str, steps: int = STEPS, schedule: str = "1f1b", micro: i
     for i in range(steps):
         loss = step.step(i)
         loss = None if loss is None else float(loss)
-        leader = step.stage is not None and torch.distributed.get_rank() == step.cfg.placements[step.stage].ranks[0]
-        held = {n: s.max_live for n, s in step.last_stats.items() if ".F@" in n}
+        leader = step.stage is not None and torch.distributed.get_rank() == step.placement.ranks[0]
+        # Per forward actor and per rank's stash pool (several stages per rank): most registers held at once.
+        held = {n: s.max_live for n, s in step.last_stats.items() if ".F@" in n or n.startswith("stash@")}
+        held.update({n: s.actions for n, s in step.last_stats.items() if ".W@" in n})
         out.append({"loss": loss, "grads": grads[-1] if leader else None, "stage": step.stage,
                     "events": step.last_trace.wall_events() if step.last_trace else [], "max_live": held})
     if module is not None:
@@ -104,7 +113,8 @@ def _rel(a, b) -> float:
 TOLERANCE = {"float64": (1e-9, 1e-9, 1e-9), "float32": (1e-5, 1e-4, 1e-2)}
 
 
-def compare(per_rank: list, steps: int = STEPS, max_grad_norm=None, dtype: str = "float32") -> tuple:
+def compare(per_rank: list, steps: int = STEPS, max_grad_norm=None, dtype: str = "float32",
+            n_layer: int = CFG.n_layer) -> tuple:
     """``(worst loss, worst grad, worst final parameter)`` relative differences against one device that
     trains on its own (its own forward, backward, clipping and AdamW steps), in ``dtype``.
 
@@ -112,7 +122,7 @@ def compare(per_rank: list, steps: int = STEPS, max_grad_norm=None, dtype: str =
     that step; the parameters after the last step against the reference's.
     """
     torch.manual_seed(0)
-    ref = GPT2LMHeadModel(CFG).to(getattr(torch, dtype))
+    ref = GPT2LMHeadModel(replace(CFG, n_layer=n_layer)).to(getattr(torch, dtype))
     opt = torch.optim.AdamW(ref.parameters(), **ADAMW)
     worst_loss = worst_grad = 0.0
     for i in range(steps):

@@ -15,25 +15,46 @@ from collections import deque
 class Register:
     """One out register: a value and how many consumers still have to ack it."""
 
-    __slots__ = ("owner", "value", "piece", "pending")
+    __slots__ = ("owner", "value", "piece", "pending", "pooled")
 
     def __init__(self, owner):
         self.owner = owner
         self.value = None
         self.piece = -1
         self.pending = 0
+        self.pooled = False  # it holds one of its owner's pool's slots until freed
+
+
+class Pool:
+    """A register budget that several actors of one thread share (``ActorSpec.pool``).
+
+    An actor in a pool acts only when the pool has more free slots than its
+    ``reserve`` (``ActorSpec.reserve``: slots it leaves to others), as well
+    as a free register of its own; each register it fills holds a slot until
+    it is freed. A pipeline rank's stages share their activation memory this
+    way: the rank holds at most ``size`` micro-batches' activations,
+    whichever of its stages they belong to, and a shallower stage leaves a
+    slot to each deeper one, so the deeper ones, whose backwards free the
+    slots, can always go on.
+    """
+
+    __slots__ = ("name", "size", "free", "max_live")
+
+    def __init__(self, name: str, size: int):
+        self.name, self.size, self.free, self.max_live = name, size, size, 0
 
 
 class Actor:
     __slots__ = ("aid", "spec", "remaining", "inputs", "need", "free", "consumers", "max_live", "actions", "next_piece",
-                 "_single")
+                 "_single", "pool")
 
     # An edge read ``need > 1`` registers per action is an accumulating edge
     # (OneFlow's acc actor): each register's value is taken and acked as it
     # arrives, so the producer's quota does not have to cover ``need``.
 
-    def __init__(self, aid: int, spec, pieces: int, need=None):
+    def __init__(self, aid: int, spec, pieces: int, need=None, pool: Pool | None = None):
         self.aid = aid
+        self.pool = pool
         self.spec = spec
         self.remaining = pieces // spec.every
         self.next_piece = 0
@@ -51,6 +72,8 @@ class Actor:
 
     def ready(self) -> bool:
         if self.remaining <= 0 or not self.free:
+            return False
+        if self.pool is not None and self.pool.free <= self.spec.reserve:
             return False
         for q, n in zip(self.inputs, self.need):  # a loop, not all(<generator>): called per pick per actor
             if len(q) < n:
@@ -72,6 +95,12 @@ class Actor:
             values = [rs[0].value if n == 1 else rs for rs, n in zip(taken, self.need)]
         free = self.free
         reg = free.pop()
+        pool = self.pool
+        if pool is not None:
+            pool.free -= 1
+            reg.pooled = True
+            if pool.size - pool.free > pool.max_live:
+                pool.max_live = pool.size - pool.free
         out = reg.value = self.spec.action(piece, *values)
         reg.piece = piece
         reg.pending = len(self.consumers)
@@ -104,4 +133,7 @@ class Actor:
 
     def release(self, reg) -> None:
         reg.value = None
+        if reg.pooled:
+            reg.pooled = False
+            self.pool.free += 1
         self.free.append(reg)

@@ -43,7 +43,7 @@ from sbp_core.boxing import collectives
 from sbp_core.process_groups import channel_group, world_rank, world_size
 
 from . import workers
-from .actor import Actor
+from .actor import Actor, Pool
 from .ids import actor_id, thread_of
 from .plan import QUEUES, ActorSpec, Plan, PlanError
 
@@ -73,7 +73,7 @@ class ActorStats:
 
 @dataclass
 class RunResult:
-    stats: dict  # actor name -> ActorStats
+    stats: dict  # actor (or pool) name -> ActorStats
     outputs: dict  # sink actor name -> its outputs in piece order
 
 
@@ -245,7 +245,7 @@ def run(plan: Plan, pieces: int, timeout: float = 60.0, trace=None) -> RunResult
     specs = _local_specs(plan, me)
     gangs = [(channel_group(f"gang:{tuple(g)}", g), min(g)) for g in plan.lockstep]
     gang = next(((grp, lead) for (grp, lead), g in zip(gangs, plan.lockstep) if me in g), None)
-    return _execute(specs, pieces, timeout, trace, me, {s.name for s in plan.actors}, gang)
+    return _execute(specs, pieces, timeout, trace, me, {s.name for s in plan.actors}, gang, plan.pools)
 
 
 def _local_specs(plan: Plan, me: int) -> list:
@@ -372,7 +372,7 @@ def thread_homes(specs, ganged: bool) -> dict:
     return home
 
 
-def _execute(specs, pieces, timeout, trace, rank, user_names, gang=None) -> RunResult:
+def _execute(specs, pieces, timeout, trace, rank, user_names, gang=None, pools=None) -> RunResult:
     st = _Run(trace)
     home = thread_homes(specs, gang is not None)
     used = sorted(set(home.values()), key=_queue_order)
@@ -385,10 +385,11 @@ def _execute(specs, pieces, timeout, trace, rank, user_names, gang=None) -> RunR
         compute.gang = (gang[0], gang[1], sorted(a.key for a in specs if a.queue == "compute"))
     every = {s.name: s.every for s in specs}
     actors = {}
+    pool = {name: Pool(name, size) for name, size in (pools or {}).items() if any(s.pool == name for s in specs)}
     for k, spec in enumerate(specs):
         t = st.threads[used.index(home[spec.name])]
         need = [spec.every // every[src] for src in spec.inputs]
-        a = Actor(actor_id(rank, t.index, k), spec, pieces, need)
+        a = Actor(actor_id(rank, t.index, k), spec, pieces, need, pool.get(spec.pool))
         t.actors.append(a)
         actors[spec.name] = a
     for t in st.threads.values():
@@ -423,6 +424,7 @@ def _execute(specs, pieces, timeout, trace, rank, user_names, gang=None) -> RunR
         where = f"actor {actor.spec.name!r} failed on piece {actor.next_piece}" if actor else "a queue thread failed"
         raise RuntimeFailure(f"rank {rank}: {where}: {type(exc).__name__}: {exc}") from exc
     stats = {n: ActorStats(a.actions, a.max_live, a.spec.quota) for n, a in actors.items()}
+    stats.update({n: ActorStats(0, p.max_live, p.size) for n, p in pool.items()})
     return RunResult(stats, st.outputs)
 
 
@@ -478,4 +480,6 @@ def _why(a: Actor) -> str:
         need.append(f"input from {lacks}")
     if not a.free:
         need.append("a free out register")
+    elif a.pool is not None and a.pool.free <= a.spec.reserve:
+        need.append(f"more than {a.spec.reserve} free slots of pool {a.pool.name!r}")
     return f"{a.spec.name} (piece {a.next_piece}) needs {' and '.join(need) or 'its thread'}"

@@ -38,7 +38,11 @@ class ActorSpec:
     defaults to ``name``. ``out``: ``(shape, dtype)`` when every output is a
     contiguous tensor of that shape and dtype; an edge from it to another
     rank then sends the data alone (no header per value), and a value of
-    another shape or dtype fails the run.
+    another shape or dtype fails the run. ``pool``: the name of a register
+    budget (``Plan.pools``) it shares with other compute actors of its rank:
+    each of its registers also holds one of the pool's slots until freed
+    (``runtime.actor.Pool``); ``reserve``: it takes a slot only while more
+    than ``reserve`` are free.
     """
 
     name: str
@@ -52,6 +56,8 @@ class ActorSpec:
     every: int = 1
     role: str = ""
     out: tuple | None = None
+    pool: str = ""
+    reserve: int = 0
 
     @property
     def key(self) -> str:
@@ -75,6 +81,7 @@ class Plan:
 
     actors: list
     lockstep: list = field(default_factory=list)
+    pools: dict = field(default_factory=dict)  # pool name -> its slots (ActorSpec.pool)
 
     def by_name(self) -> dict:
         return {a.name: a for a in self.actors}
@@ -111,6 +118,7 @@ class Plan:
                                           and isinstance(a.out[1], torch.dtype)
                                           and all(isinstance(n, int) and n >= 0 for n in a.out[0])):
                 raise PlanError(f"actor {a.name!r}: out={a.out!r} must be (shape of ints >= 0, torch dtype)")
+        self._check_pools()
         by = self.by_name()
         for a in self.actors:
             for src in a.inputs:
@@ -121,6 +129,27 @@ class Plan:
                     raise PlanError(f"actor {a.name!r}: an initial register needs the same every as {src!r}")
         self._check_gangs(world_size)
         self._check_cycles()
+
+    def _check_pools(self) -> None:
+        """A pool has at least one slot and its actors are compute actors of one rank (one thread owns it)."""
+        for name, size in self.pools.items():
+            if not isinstance(size, int) or size < 1:
+                raise PlanError(f"pool {name!r}: size {size!r} must be an int >= 1")
+        where = {}
+        for a in self.actors:
+            if not a.pool:
+                continue
+            if a.pool not in self.pools:
+                raise PlanError(f"actor {a.name!r}: pool {a.pool!r} is not one of the plan's pools {sorted(self.pools)}")
+            if a.queue != "compute":
+                raise PlanError(f"actor {a.name!r}: only compute actors share a pool, not {a.queue!r} ones")
+            if not isinstance(a.reserve, int) or not 0 <= a.reserve < self.pools[a.pool]:
+                raise PlanError(f"actor {a.name!r}: reserve {a.reserve!r} must be an int in [0, {self.pools[a.pool]})")
+            if where.setdefault(a.pool, a.rank) != a.rank:
+                raise PlanError(f"pool {a.pool!r}: its actors must be on one rank; {a.name!r} is on {a.rank}, "
+                                f"another on {where[a.pool]}")
+            if any(a.name in b.initial for b in self.actors):
+                raise PlanError(f"actor {a.name!r}: an actor in a pool cannot have initial registers")
 
     def _check_gangs(self, world_size: int) -> None:
         seen = set()

@@ -22,6 +22,8 @@ summing their gradients.
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
@@ -121,6 +123,43 @@ def keep_layers(model: nn.Module, plan: dict, layers, first: bool, last: bool) -
         for path in plan.get("last", ()):
             _drop(model, path)
     return model
+
+
+def keep_chunks(model: nn.Module, plan: dict, ranges: list, stages: list) -> tuple:
+    """One rank's several stages (virtual pipeline stages): ``(module, {stage: view})``, both in place of ``model``.
+
+    ``module`` is ``model`` with every stage in ``stages`` kept (one set of
+    parameters for the rank's optimizer, gradient reduction and checkpoint,
+    under the full model's names; tied parameters stay one object). Each
+    view runs one stage's forward: a shallow copy of ``module`` along the
+    paths to the plan's containers and first/last modules, with the other
+    stages' modules absent, sharing every parameter, buffer and hook with
+    ``module``.
+    """
+    n = len(ranges)
+    layers = [i for s in stages for i in ranges[s]]
+    module = keep_layers(model, plan, layers, 0 in stages, n - 1 in stages)
+    return module, {s: keep_layers(_view(module, plan), plan, ranges[s], s == 0, s == n - 1) for s in stages}
+
+
+def _view(model: nn.Module, plan: dict) -> nn.Module:
+    """A copy of ``model`` whose modules on the paths to the plan's containers and first/last modules are new
+    objects (so ``keep_layers`` can drop modules from it) and whose other modules are ``model``'s own."""
+    root = copy.copy(model)
+    root._modules = dict(model._modules)
+    copied = {"": root}
+    paths = [plan["layers"]] if isinstance(plan["layers"], str) else list(plan["layers"])
+    parents = [p.rpartition(".")[0] for p in (*plan.get("first", ()), *plan.get("last", ()))]
+    for path in paths + [p for p in parents if p]:
+        at = ""
+        for part in path.split("."):
+            here = f"{at}.{part}" if at else part
+            if here not in copied:
+                mod = copy.copy(copied[at]._modules[part])
+                mod._modules = dict(mod._modules)
+                copied[at]._modules[part] = copied[here] = mod
+            at = here
+    return root
 
 
 def boundary_specs(build, forward, plan: dict, ranges: list, batch: dict, inputs: tuple) -> list:

@@ -49,10 +49,10 @@ AUDIT_RTOL = 1e-5  # the float32 parity bar for a stage's outputs and loss (scri
 _S0 = Split(0)
 
 
-def replicas(cfg, stage: int, module, zero=None) -> int:
-    """n > 1 when stage ``stage`` may run plain as pure data parallel over n devices (module docstring), else 0;
-    never under ZeRO (``zero``: its strategy object, or ``None``)."""
-    p = cfg.placements[stage]
+def replicas(cfg, rank: int, module, zero=None) -> int:
+    """n > 1 when pipeline rank ``rank``'s stages may run plain as pure data parallel over n devices (module
+    docstring), else 0; never under ZeRO (``zero``: its strategy object, or ``None``)."""
+    p = cfg.placements[rank]
     if p.size == 1 or not cfg.rows_weigh_equally or zero is not None \
             or not sc.replicated(module):
         return 0

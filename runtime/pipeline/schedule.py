@@ -1,27 +1,95 @@
-"""What a pipeline schedule is made of: the activation stash's quota per stage, and nothing else.
+"""What a pipeline schedule is made of: where the model's chunks are placed, and quotas and priorities.
+
+A model split into ``V = v * pp`` chunks (stages, in model order) runs on
+``pp`` pipeline ranks, ``v`` chunks each. A schedule is three facts, and
+no list of operations:
+
+- **placement** (``chunk_ranks``): chunk ``c`` on pipeline rank ``c mod pp``
+  (round robin, as Megatron's virtual stages), or in a V for ``zbv``
+  (chunk ``c`` on rank ``c`` going down, ``2 pp - 1 - c`` coming back, so the
+  first and last chunk share rank 0);
+- **the rank's activation budget** (``stash_budget``): how many
+  micro-batches (of any of its chunks) a rank may hold between a forward and
+  the end of its backward — a pool shared by the rank's forward actors
+  (``runtime.actor.Pool``);
+- **priorities** (``compute_actors``): which ready action a rank's compute
+  thread takes first.
+
+From those, with the executor taking the highest-priority ready actor:
+
+==============  =========================================  ==================================
+``1f1b``        budget ``pp - r`` (``v = 1``);                 1F1B; interleaved 1F1B (Megatron's
+                ``(v-1) pp + 2 (pp-1-r) + 1`` (``v > 1``),      warm-up counts, bubble
+                the forwards that fit before the first        ``(pp-1)/(v m)``)
+                gradient can come back                        
+``gpipe``,      every micro-batch of every chunk (``v m``);   GPipe; looped BFS (all forwards of
+``looped_bfs``  shallower chunks' forwards first              a chunk before the next chunk's)
+``zb``          ``v pp``, held until the weight pass;         ZB-H1 (v = 1): weight passes fill
+                backward split into ``B`` (input gradient)    the bubbles, peak memory 1F1B's
+                and ``W`` (weights), ``W`` last               first stage's
+``zbv``         V placement, ``v = 2``, ``2 pp`` held until   ZB-V
+                ``W``; ``W`` last
+==============  =========================================  ==================================
+
+Within a rank, a deeper chunk's actions outrank a shallower chunk's (its
+micro-batches are closer to finishing, and hold memory longer), and a
+backward outranks a forward of the same chunk; under ``zb``/``zbv`` a
+backward outranks every forward, every forward every weight pass, deeper
+first within each. ``reduce`` and ``update`` (once per step) come after
+every backward.
 
 The pipeline step (``runtime.pipeline.step``) and the search's task graph
-(``toolkit.search.taskgraph``) build their forward actors with these quotas;
-the config schema lists ``SCHEDULES``. Under ``1f1b`` stage ``s`` of ``pp``
-holds at most ``pp - s`` micro-batches awaiting their backward; under
-``gpipe`` every micro-batch of the step.
+(``toolkit.search.taskgraph``) build their actors from these functions;
+the config schema lists ``SCHEDULES``.
 """
 from __future__ import annotations
 
 from ..executor import RECEIVE_QUOTA
 
-SCHEDULES = ("1f1b", "gpipe")
+SCHEDULES = ("1f1b", "gpipe", "looped_bfs", "zb", "zbv")
+SPLIT_BACKWARD = ("zb", "zbv")  # the backward is two actors: B (input gradient) and W (weights)
+
+
+def check_schedule(schedule: str, pp: int, v: int) -> None:
+    """Refuse a schedule that cannot place ``v`` chunks on each of ``pp`` ranks."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"pp_schedule {schedule!r} is not one of {SCHEDULES}")
+    if not isinstance(v, int) or v < 1:
+        raise ValueError(f"pp_virtual={v!r} must be an int >= 1 (model chunks per pipeline rank)")
+    if schedule == "zbv" and v != 2:
+        raise ValueError(f"pp_schedule=zbv places two chunks per rank in a V: it needs pp_virtual=2, got {v}")
+
+
+def chunk_ranks(schedule: str, pp: int, v: int) -> list:
+    """The pipeline rank (0..pp-1) of each of the ``v * pp`` chunks, in model order."""
+    check_schedule(schedule, pp, v)
+    if schedule == "zbv":
+        return list(range(pp)) + list(reversed(range(pp)))
+    return [c % pp for c in range(v * pp)]
+
+
+def stash_budget(schedule: str, pp: int, v: int, rank: int, micro_batches: int) -> int:
+    """Micro-batch chunks pipeline rank ``rank`` may hold between a forward and the end of its backward."""
+    check_schedule(schedule, pp, v)
+    m = micro_batches
+    if schedule in ("gpipe", "looped_bfs"):
+        budget = v * m
+    elif schedule == "1f1b":
+        budget = pp - rank if v == 1 else (v - 1) * pp + 2 * (pp - 1 - rank) + 1
+    elif schedule == "zb":
+        budget = v * pp
+    else:  # zbv: a V of 2 pp chunks, each half a 1F1B stage: 1F1B's first-stage memory on every rank
+        budget = 2 * pp
+    return max(1, min(budget, v * m))
 
 
 def stash_quota(schedule: str, pp: int, stage: int, micro_batches: int) -> int:
-    """Micro-batches stage ``stage`` may hold between their forward and their backward."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"pp_schedule {schedule!r} is not one of {SCHEDULES}")
-    return pp - stage if schedule == "1f1b" else micro_batches
+    """Micro-batches stage ``stage`` of a one-chunk-per-rank pipeline may hold (its rank's budget)."""
+    return stash_budget(schedule, pp, 1, stage, micro_batches)
 
 
 def too_few_micro_batches(micro_batches: int, pp: int) -> bool:
-    """A pipeline of ``pp`` stages needs at least ``pp`` micro-batches per step (each stage one in flight)."""
+    """A pipeline of ``pp`` ranks needs at least ``pp`` micro-batches per step (each rank one in flight)."""
     return pp > 1 and micro_batches < pp
 
 
@@ -30,16 +98,48 @@ def too_few_micro_batches(micro_batches: int, pp: int) -> bool:
 CUT_QUOTA, SEND_QUOTA, ASSEMBLE_QUOTA = 1, RECEIVE_QUOTA, 2
 
 
-def compute_actors(schedule: str, pp: int, stage: int, micro_batches: int) -> dict:
-    """Stage ``stage``'s compute actors in a training step: ``{role: (quota, priority, every)}``.
+def stash_reserve(pp: int, v: int, stage: int) -> int:
+    """Slots of its rank's budget chunk ``stage``'s forward leaves free: one per deeper chunk of the rank.
 
-    ``F`` holds the activation stash (``stash_quota``); ``B`` outranks it, so
-    a stage whose stash is full or that has a gradient waiting runs a backward
-    (1F1B); ``reduce`` and ``update`` run once per step (``every`` is the
-    number of pieces per run: 1 per micro-batch, ``micro_batches`` per step),
-    after the last backward. The pipeline step (``runtime.pipeline.step``) and
-    the search's task graph (``toolkit.search.taskgraph``) both build their
-    actors from this table.
+    So the chunks up to the ``j``-th of a rank never hold more than the
+    budget less ``v - 1 - j`` slots: a deeper chunk, nearer the loss, always
+    finds one, and its backwards free slots for the rest (without it, a
+    rank could fill its budget with its first chunk's micro-batches while
+    its last chunk's forward, whose backward frees them, waits).
     """
-    m = micro_batches
-    return {"F": (stash_quota(schedule, pp, stage, m), 0, 1), "B": (2, 1, 1), "reduce": (1, 2, m), "update": (1, 3, m)}
+    return v - 1 - stage // pp
+
+
+def split_backward(schedule: str, chunk: int) -> bool:
+    """Does chunk ``chunk`` run its backward as B then W? Under ``zb``/``zbv``, every chunk but the first
+    (whose input gradient nobody waits for)."""
+    return schedule in SPLIT_BACKWARD and chunk > 0
+
+
+def compute_actors(schedule: str, pp: int, stage: int, micro_batches: int, v: int = 1) -> dict:
+    """Chunk ``stage``'s compute actors in a training step: ``{role: (quota, priority, every)}``.
+
+    ``F`` holds the activation stash: its registers count against its rank's
+    budget (``stash_budget``; the pool of the rank's forwards, or with one
+    chunk per rank the quota itself); ``B`` backward (and ``W``, the weight
+    pass, under ``zb``/``zbv``: it reads F's and B's registers, so the
+    stash is held until it ran); ``reduce`` and ``update`` run once per step
+    (``every`` is the number of pieces per run: 1 per micro-batch,
+    ``micro_batches`` per step), after every chunk's last backward — they
+    are the rank's, listed with its every chunk. Priorities as the module
+    docstring says.
+    """
+    m, j = micro_batches, stage // pp  # j: the chunk's place among its rank's chunks, shallow to deep
+    quota = stash_budget(schedule, pp, v, chunk_ranks(schedule, pp, v)[stage], m)
+    top = 4 * v + 10  # reduce and update above every chunk's actions
+    if schedule in SPLIT_BACKWARD:
+        prio = {"W": j, "F": v + j, "B": 2 * v + j}
+    elif schedule in ("gpipe", "looped_bfs"):
+        prio = {"F": v - 1 - j, "B": v + j}  # the shallowest chunk's forwards first: breadth first
+    else:
+        prio = {"F": 2 * j, "B": 2 * j + 1}
+    roles = {"F": (quota, prio["F"], 1), "B": (quota if split_backward(schedule, stage) else 2, prio["B"], 1)}
+    if split_backward(schedule, stage):
+        roles["W"] = (1, prio["W"], 1)
+    roles.update({"reduce": (1, top, m), "update": (1, top + 1, m)})
+    return roles

@@ -1,7 +1,10 @@
-"""One pipelined training step as actors; 1F1B or GPipe from the activation stash's quota.
+"""One pipelined training step as actors; the schedule from placements, quotas and priorities.
 
-Every rank builds the same plan from the stages' placements and runs its
-own actors. For stage ``s`` of ``pp`` on each of its ranks ``r``:
+The model is split into ``V = v * pp`` stages (chunks), ``v`` per pipeline
+rank (``PipelineConfig.virtual``), placed as the schedule says
+(``runtime.pipeline.schedule``: round robin, or a V for ``zbv``). Every
+rank builds the same plan and runs its own actors. For stage ``s`` of ``V``
+on each of its ranks ``r``:
 
 - ``s{s}.data@r`` (data queue; first and last stage): micro-batch ``k``'s
   fields (``batch``), global tensors laid out ``data_sbp`` (no
@@ -9,9 +12,11 @@ own actors. For stage ``s`` of ``pp`` on each of its ranks ``r``:
   ``labels`` fields;
 - ``s{s}.F@r`` (compute): the stage's forward of micro-batch ``k``; its out
   register is the *activation stash* (the input leaves, the outputs and the
-  autograd graph between them). Its quota is ``pp - s`` under 1F1B and
-  ``m`` under GPipe: stage ``s`` cannot start a forward while that many
-  micro-batches await their backward;
+  autograd graph between them). Its registers count against its rank's
+  activation budget (``stash_budget``: ``pp - s`` under 1F1B with one
+  stage per rank, ``m`` under GPipe; with several stages per rank a pool
+  they share): a rank cannot start a forward while that many micro-batches
+  await their backward;
 - ``s{s}.B@r`` (compute, higher priority than F): backward of micro-batch
   ``k`` (``loss / m`` on the last stage, the received output gradient
   elsewhere); gradients accumulate in the layout they arrive in
@@ -23,12 +28,19 @@ own actors. For stage ``s`` of ``pp`` on each of its ranks ``r``:
   micro-batch's backward computes that input gradient alone and leaves the
   weights' gradients to ``reduce`` (``weight_pass``): the stage before,
   waiting for it, starts its last backward one weight pass earlier;
+- ``s{s}.W@r`` (zero-bubble schedules ``zb``/``zbv``, every stage but the
+  first, lowest priority): the stage's backward is split for every
+  micro-batch: ``B`` computes the input gradient alone and sends it, ``W``
+  the weights' gradients (``weight_pass``), in a bubble; ``W`` reads the
+  stash too, so the micro-batch's activations count against the budget
+  until it ran;
 - boundary actors (``runtime.pipeline.boundary``) carry activations from
   stage ``s`` to ``s + 1`` and gradients back, by cross-placement boxing:
   one set per tensor of the boundary (``acts[s]``: any number, any shapes
   and dtypes, as stage ``s``'s forward returns them; a tensor that is not
   floating point carries no gradient back);
-- ``s{s}.reduce@r`` (compute, once per step): runs the deferred weight
+- ``s{s}.reduce@r`` (compute, once per step, on the rank's first stage
+  for all of its stages): runs the deferred weight
   pass if any, boxes any gradient left in
   another layout than its parameter's (``box_grads``, or ZeRO's
   ``sync_grads``) and sums tied parameters' gradients across stages;
@@ -41,7 +53,9 @@ own actors. For stage ``s`` of ``pp`` on each of its ranks ``r``:
 
 Nothing here orders forwards and backwards: with the stash full a stage can
 only run a backward, and a backward wins when both are ready, so stage
-``s`` runs ``pp - s`` forwards, then alternates — 1F1B. The ranks of a stage
+``s`` runs ``pp - s`` forwards, then alternates — 1F1B; with several
+stages per rank the deeper stage's actions win, and interleaved 1F1B
+follows from the rank's budget (the schedule module). The ranks of a stage
 form a lockstep gang (their actions call collectives with each other), so
 they act in the order their first rank picks — unless that order is forced
 (a stash of one register, evaluation), when they need no gang.
@@ -63,6 +77,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Callable
 
 import torch
@@ -76,7 +91,8 @@ from ..executor import run
 from ..plan import ActorSpec, Plan
 from . import plain_stage
 from .boundary import as_tuple, boundary_actors
-from .schedule import SCHEDULES, compute_actors, stash_quota, too_few_micro_batches
+from .schedule import (check_schedule, chunk_ranks, compute_actors, split_backward, stash_budget, stash_reserve,
+                       too_few_micro_batches)
 from .tied import TiedGrads
 from .weight_pass import input_first
 
@@ -93,13 +109,16 @@ class Stash:
 class PipelineConfig:
     """Everything every rank must agree on.
 
-    ``batch``: ``{field: (global shape, dtype)}`` of one micro-batch, every
-    field laid out ``data_sbp``; ``inputs``/``labels``: the fields the first
-    and the last stage read; ``acts``: per boundary (stage ``s`` to
-    ``s + 1``), the ``(global shape, dtype)`` of each tensor of a
-    micro-batch that stage ``s``'s forward returns, in order (``[]`` for one
-    stage; ``toolkit.stages.boundary_specs`` finds them from the model), all
-    laid out ``act_sbp``. A stage whose boundary holds one tensor gets and
+    ``placements``: one per pipeline rank (disjoint); ``virtual``: stages
+    (model chunks) per pipeline rank, placed as ``schedule`` says
+    (``stage_placement``). ``batch``: ``{field: (global shape, dtype)}`` of
+    one micro-batch, every field laid out ``data_sbp``;
+    ``inputs``/``labels``: the fields the first and the last stage read;
+    ``acts``: per boundary (stage ``s`` to ``s + 1``), the ``(global shape,
+    dtype)`` of each tensor of a micro-batch that stage ``s``'s forward
+    returns, in order (``[]`` for one stage;
+    ``toolkit.stages.boundary_specs`` finds them from the model), all laid
+    out ``act_sbp``. A stage whose boundary holds one tensor gets and
     returns that tensor; several, a tuple.
     """
 
@@ -119,31 +138,40 @@ class PipelineConfig:
     # A plain stage after the first splits its last backward (input gradient first: weight_pass).
     # Not under torch.compile: a compiled graph's backward is one node, which gives every gradient at once.
     split_last_backward: bool = True
+    virtual: int = 1
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.placements) * self.virtual
+
+    def stage_placement(self, stage: int):
+        """The placement stage ``stage`` runs on (its pipeline rank's, ``chunk_ranks``)."""
+        return self.placements[chunk_ranks(self.schedule, len(self.placements), self.virtual)[stage]]
 
     def check(self) -> None:
         pp, m = len(self.placements), self.micro_batches
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"pp_schedule {self.schedule!r} is not one of {SCHEDULES}")
+        check_schedule(self.schedule, pp, self.virtual)
         if not isinstance(m, int) or m < 1 or too_few_micro_batches(m, pp):
             raise ValueError(f"{m} micro-batches for {pp} stages: a pipeline needs at least as many "
                              f"micro-batches as stages (raise gradient accumulation to >= {pp})")
         missing = [f for f in (*self.inputs, *self.labels) if f not in self.batch]
         if missing:
             raise ValueError(f"inputs/labels {missing} are not fields of the batch {sorted(self.batch)}")
-        if len(self.acts) != pp - 1 or not all(self.acts):
-            raise ValueError(f"{pp} stages need acts, {pp - 1} boundaries of (shape, dtype) tensors; got {self.acts!r}")
+        n = self.n_stages
+        if len(self.acts) != n - 1 or not all(self.acts):
+            raise ValueError(f"{n} stages need acts, {n - 1} boundaries of (shape, dtype) tensors; got {self.acts!r}")
         seen = set()
         for s, p in enumerate(self.placements):
             if seen & set(p.ranks):
                 raise ValueError(f"stage {s}'s placement {p} shares ranks with an earlier stage; stages must be disjoint")
             seen |= set(p.ranks)
 
-    def stash_quota(self, stage: int) -> int:
-        return stash_quota(self.schedule, len(self.placements), stage, self.micro_batches)
+    def compute_actors(self, stage: int) -> dict:
+        return compute_actors(self.schedule, len(self.placements), stage, self.micro_batches, self.virtual)
 
     def act_layouts(self, boundary: int, stage: int) -> list:
         """The layouts of boundary ``boundary``'s tensors on stage ``stage``'s placement."""
-        return [Layout(self.placements[stage], tuple(self.act_sbp), torch.Size(shape), dtype)
+        return [Layout(self.stage_placement(stage), tuple(self.act_sbp), torch.Size(shape), dtype)
                 for shape, dtype in self.acts[boundary]]
 
     def grad_slots(self, boundary: int) -> list:
@@ -152,7 +180,7 @@ class PipelineConfig:
 
 
 def stage_of(placements: list, rank: int) -> int | None:
-    """The stage whose placement holds ``rank`` (stages are disjoint), or ``None``."""
+    """The pipeline rank (index into ``placements``, which are disjoint) whose placement holds ``rank``, or ``None``."""
     return next((s for s, p in enumerate(placements) if rank in p), None)
 
 
@@ -161,8 +189,13 @@ class PipelineStep:
 
     Every rank of the world constructs it and calls ``step`` (building the
     plan's channels is collective); ``module`` and ``optimizer`` are this
-    rank's stage's, ``None`` on a rank in no stage (which then only joins
-    those collectives). ``forward(module, x,
+    rank's (all of its stages' parameters), ``None`` on a rank in no stage
+    (which then only joins those collectives). ``chunks``: ``{stage: the
+    module its forward runs}`` for each stage on this rank, modules that
+    share ``module``'s parameters (``toolkit.stages.keep_chunks``); by
+    default ``module`` itself, which serves a rank of one stage. A rank that
+    holds both the first and the last stage (``zbv``) holds tied parameters
+    as one object: nothing is exchanged for them. ``forward(module, x,
     labels)`` returns the stage output (``labels`` is ``None`` before the
     last stage) or the loss (last stage). ``batches`` gives this rank's
     local rows of micro-batch ``k`` (token ids; also the labels on the last
@@ -178,12 +211,13 @@ class PipelineStep:
     skips the step (``skipped``) where any rank's overflowed. ``zero``: the
     ZeRO strategy that distributed ``module`` (``toolkit.zero.Zero``), or
     ``None``: it keeps gradients in its masters' layout (``reduce`` calls
-    its ``sync_grads`` instead of boxing them) and its stage stays on the
+    its ``sync_grads`` instead of boxing them) and its stages stay on the
     dispatched path (its cast module keeps masters and compute copies apart).
     """
 
     def __init__(self, cfg: PipelineConfig, module, optimizer, forward: Callable, batches: Callable,
-                 scheduler=None, trace_factory=None, loss_scale: "sc.LossScaler | None" = None, zero=None):
+                 scheduler=None, trace_factory=None, loss_scale: "sc.LossScaler | None" = None, zero=None,
+                 chunks: dict | None = None):
         cfg.check()
         self.cfg, self.module, self.optimizer, self.scheduler = cfg, module, optimizer, scheduler
         self.zero = zero
@@ -192,25 +226,37 @@ class PipelineStep:
         self.forward, self.batches = forward, batches
         self.trace_factory = trace_factory
         me = world_rank()
-        self.stage = stage_of(cfg.placements, me)
-        if self.stage is not None and module is None:
-            raise ValueError(f"rank {me} is in stage {self.stage} but got no module")
-        self.pp = len(cfg.placements)
+        self.pp = cfg.n_stages  # stages (model chunks) in all
+        self.rank_index = stage_of(cfg.placements, me)  # this rank's pipeline rank, or None
+        self.stages = [c for c in range(self.pp) if me in cfg.stage_placement(c)]
+        self.stage = self.stages[0] if self.stages else None  # this rank's first stage
+        if self.stages and module is None:
+            raise ValueError(f"rank {me} holds stages {self.stages} but got no module")
+        if chunks is None and len(self.stages) > 1:
+            raise ValueError(f"rank {me} holds stages {self.stages}: give each its module (chunks=)")
+        self.chunks = dict(chunks) if chunks is not None else {s: module for s in self.stages}
+        if sorted(self.chunks) != self.stages:
+            raise ValueError(f"chunks are for stages {sorted(self.chunks)}, but rank {me} holds {self.stages}")
+        self.placement = cfg.placements[self.rank_index] if self.stages else None
         # Built here, on every rank, because a placement's groups are built collectively;
         # global-norm clipping across stages meets on it.
         sc.placement(cfg.placements[0].device_type, sorted(r for p in cfg.placements for r in p.ranks))
-        self.tied = TiedGrads(cfg.tied, module, cfg.placements, self.stage)
+        stage_placements = [cfg.stage_placement(c) for c in range(self.pp)]
+        one_rank = stage_placements[0] is stage_placements[-1]  # zbv: tied parameters are one object here
+        tied_stage = None if not self.stages else 0 if 0 in self.stages else self.pp - 1 if self.pp - 1 in self.stages \
+            else self.stage
+        self.tied = TiedGrads([] if one_rank else cfg.tied, module, stage_placements, tied_stage)
         # ZeRO's cast module keeps masters and compute copies apart: it stays on the dispatched path.
-        one = self.stage is not None and cfg.placements[self.stage].size == 1 and zero is None
-        self._replicas = plain_stage.replicas(cfg, self.stage, module, zero) if self.stage is not None and not one \
-            else 0
+        one = self.stages and self.placement.size == 1 and zero is None
+        self._replicas = plain_stage.replicas(cfg, self.rank_index, module, zero) if self.stages and not one else 0
         self._shards = sc.LocalParameters(module) if one else \
             sc.LocalParameters(module, partial=True) if self._replicas else None
-        self._audit = bool(self._replicas)  # the next training step's first micro-batch audits the plain path
-        self._audited = False  # passed: the data-parallel stage runs plain from now on
-        self._auditing = False  # this step's first forward is the audit
-        self._local = False  # this step runs the stage on plain tensors (decided per run, see _run)
-        self._weight_pass = None  # the last backward's deferred weight gradients, run by reduce
+        self._audit = bool(self._replicas)  # the next training step's first micro-batches audit the plain path
+        self._audited = False  # passed: the data-parallel rank runs plain from now on
+        self._auditing: set = set()  # stages whose first forward of this step is the audit
+        self._verdicts: dict = {}  # stage -> its audit passed
+        self._local = False  # this step runs the stages on plain tensors (decided per run, see _run)
+        self._weight_passes: dict = {}  # (stage, micro-batch) -> its deferred weight gradients
         self.step_index = 0
         self._losses = []
         self.last_trace, self.last_loss, self.grad_norm = None, None, None
@@ -220,10 +266,11 @@ class PipelineStep:
     # -- actions ---------------------------------------------------------------------------
 
     def _data_actors(self, batches, s: int, r: int, mine: bool) -> tuple:
-        """``(actors, name of the last)`` producing rank ``r``'s local micro-batches."""
+        """``(actors, name of the last)`` producing rank ``r``'s local micro-batches for stage ``s``."""
         prefix = f"s{s}.data@{r}"
         if hasattr(batches, "stages"):
-            device = self.cfg.placements[s].device() if self.cfg.placements[s].device_type == "cuda" else None
+            placement = self.cfg.stage_placement(s)
+            device = placement.device() if placement.device_type == "cuda" else None
             specs = [replace(a, rank=r) for a in batches.stages(device=device, prefix=prefix)]
             return specs, specs[-1].name
 
@@ -234,7 +281,7 @@ class PipelineStep:
 
     def _global_fields(self, local, names: tuple) -> dict:
         """``{field: GlobalTensor}`` of ``names`` from this rank's local micro-batch (no communication);
-        the locals themselves on a stage that runs on plain tensors."""
+        the locals themselves on a rank that runs on plain tensors."""
         if not isinstance(local, dict):
             if len(self.cfg.batch) != 1:
                 raise TypeError(f"the batch has fields {sorted(self.cfg.batch)}: its data must be a dict of them")
@@ -244,34 +291,34 @@ class PipelineStep:
         out = {}
         for name in names:
             shape, dtype = self.cfg.batch[name]
-            layout = Layout(self.cfg.placements[self.stage], tuple(self.cfg.data_sbp), torch.Size(shape), dtype)
+            layout = Layout(self.placement, tuple(self.cfg.data_sbp), torch.Size(shape), dtype)
             out[name] = GlobalTensor(local[name], layout)
         return out
 
-    def _split_inputs(self, ins: tuple) -> tuple:
-        """``(x, labels)`` from an F actor's inputs: the first stage's data, else the boundary's tensors;
+    def _split_inputs(self, s: int, ins: tuple) -> tuple:
+        """``(x, labels)`` from stage ``s``'s F inputs: the first stage's data, else the boundary's tensors;
         then, on the last stage, its data again (the labels)."""
-        s, last = self.stage, self.stage == self.pp - 1
+        last = s == self.pp - 1
         if s == 0:
             return ins[0], (ins[1] if last else None)
         return ins[:len(self.cfg.acts[s - 1])], (ins[-1] if last else None)
 
-    def _forward(self, k, *ins):
-        if self._auditing and k == 0:
-            self._auditing = self._audit = False
-            st, self._audited = plain_stage.audit(
-                lambda: self._forward(k, *ins), lambda: self._plain_forward(k, *ins),
-                self.cfg.placements[self.stage], self._replicas, self.stage == self.pp - 1)
+    def _forward(self, s: int, k, *ins):
+        if s in self._auditing and k == 0:
+            self._auditing.discard(s)
+            st, self._verdicts[s] = plain_stage.audit(
+                lambda: self._forward(s, k, *ins), lambda: self._plain_forward(s, k, *ins),
+                self.placement, self._replicas, s == self.pp - 1)
             return st
-        s, last = self.stage, self.stage == self.pp - 1
-        x, labels = self._split_inputs(ins)
+        last = s == self.pp - 1
+        x, labels = self._split_inputs(s, ins)
         if s == 0:
             x = self._global_fields(x, self.cfg.inputs)
         elif self._local:  # the received activations' locals, leaves of this stage's graph
             x = tuple(t._local.detach().requires_grad_(t.requires_grad) for t in x)
         if last:
             labels = self._global_fields(labels, self.cfg.labels)
-        out = self.forward(self.module, x if s == 0 or len(x) > 1 else x[0], labels)
+        out = self.forward(self.chunks[s], x if s == 0 or len(x) > 1 else x[0], labels)
         if not last:
             out = as_tuple(out)
             if len(out) != len(self.cfg.acts[s]):
@@ -283,7 +330,7 @@ class PipelineStep:
             out = out / self._replicas
         return Stash(x if s > 0 else None, out)
 
-    def _plain_forward(self, k, *ins):
+    def _plain_forward(self, s: int, k, *ins):
         """``_forward`` on plain tensors, this once (the audit's other side); the module's buffers
         (e.g. batch norm's running statistics, which a training forward updates) are left as they were."""
         buffers = [b.to_local() if isinstance(b, GlobalTensor) else b for b in self.module.buffers()]
@@ -291,7 +338,7 @@ class PipelineStep:
         self._shards.swap()
         self._local = True
         try:
-            return self._forward(k, *ins)
+            return self._forward(s, k, *ins)
         finally:
             self._local = False
             self._shards.restore()
@@ -299,25 +346,23 @@ class PipelineStep:
                 for b, v in zip(buffers, saved):
                     b.copy_(v)
 
-    def _eval_forward(self, k, *ins):
+    def _eval_forward(self, s: int, k, *ins):
         with torch.no_grad():
-            st = self._forward(k, *ins)
-        if self.stage == self.pp - 1:
+            st = self._forward(s, k, *ins)
+        if s == self.pp - 1:
             self._losses.append(st.output)
         return st
 
     def _eval_loss(self, k, _):
         losses, self._losses = self._losses, []
-        if self.stage != self.pp - 1:
-            return None
         total = losses[0]
         for x in losses[1:]:
             total = total + x
         self.last_loss = float(self._value(total / len(losses)))
         return self.last_loss
 
-    def _backward(self, k, stash: Stash, *grads):
-        m, s = self.cfg.micro_batches, self.stage
+    def _backward(self, s: int, k, stash: Stash, *grads):
+        m = self.cfg.micro_batches
         if s == self.pp - 1:  # the last stage: its share of the mean loss, times fp16's loss scale if any
             loss = stash.output
             outputs, grads = [loss / m if self.loss_scale is None else loss / m * self.loss_scale.scale], None
@@ -330,9 +375,13 @@ class PipelineStep:
         if s == 0 and k == m - 1:
             self.tied.expect()  # the last stage's tied gradients arrive while this backward runs
         inputs = None if stash.inputs is None else [stash.inputs[i] for i in self.cfg.grad_slots(s - 1)]
-        if self._local and inputs and k == m - 1 and self.cfg.split_last_backward:
+        weights = self.chunks[s].parameters()
+        if split_backward(self.cfg.schedule, s) and outputs:
+            # Zero bubble: the input gradient now, for the stage before; the weights' in this stage's W actor.
+            self._weight_passes[(s, k)] = input_first(outputs, grads, inputs, weights)
+        elif self._local and inputs and k == m - 1 and self.cfg.split_last_backward:
             # The stage before waits for these input gradients: the weights' gradients come in reduce (weight_pass).
-            self._weight_pass = input_first(outputs, grads, inputs, self.module.parameters())
+            self._weight_passes[(s, k)] = input_first(outputs, grads, inputs, weights)
         elif outputs:
             # All but the last micro-batch accumulate partial sums locally; the last one's backward
             # boxes the sums in buckets that overlap it (sbp_core.grad_buckets), as DDP's no_sync.
@@ -347,9 +396,15 @@ class PipelineStep:
         out = [x.grad if x.grad is not None else torch.zeros_like(x) for x in inputs]
         return tuple(out if self._local else (g.to_global(sbp=self.cfg.act_sbp) for g in out))
 
-    def _reduce(self, k, outs):
-        if self._weight_pass is not None:
-            self._weight_pass, weight_pass = None, self._weight_pass
+    def _weight(self, s: int, k, stash, grads):
+        """Stage ``s``'s weight pass of micro-batch ``k`` (zero-bubble schedules); frees its stash after."""
+        weight_pass = self._weight_passes.pop((s, k), None)
+        if weight_pass is not None:
+            weight_pass()
+
+    def _reduce(self, k, *outs):
+        passes, self._weight_passes = self._weight_passes, {}
+        for weight_pass in passes.values():  # the last backward's deferred weight gradients
             weight_pass()
         if self._local:
             self._shards.restore()
@@ -358,7 +413,7 @@ class PipelineStep:
         else:
             sc.box_grads(self.module)
         self.tied.sum_grads()
-        if self.stage != self.pp - 1:
+        if self.pp - 1 not in self.stages:
             return None
         losses, self._losses = self._losses, []
         total = losses[0]
@@ -371,7 +426,7 @@ class PipelineStep:
         if isinstance(loss, GlobalTensor):
             return loss.full_tensor()
         if self._replicas:
-            return plain_stage.loss_value(loss, self.cfg.placements[self.stage])
+            return plain_stage.loss_value(loss, self.placement)
         return loss
 
     def _update(self, k, loss):
@@ -404,80 +459,132 @@ class PipelineStep:
 
     # -- plan ------------------------------------------------------------------------------
 
-    def _plan(self, batches, m: int, train: bool) -> Plan:
-        """The actors of one training step (``train``) or one forward-only evaluation of ``m`` micro-batches."""
-        cfg, pp = self.cfg, self.pp
-        device = cfg.placements[0].device()
-        actors, lockstep = [], []
-        fwd_in, bwd_in = {}, {}  # rank -> the assemble actors of the boundary tensors it receives, in order
-        for s in range(pp - 1):
+    def _boundaries(self, train: bool, device) -> tuple:
+        """The boundary actors of every stage boundary: ``(actors, fwd_in, bwd_in)``, where ``fwd_in``/``bwd_in``
+        map ``(stage, rank)`` to the assemble actors of the activations / gradients that stage receives there."""
+        cfg, actors, fwd_in, bwd_in = self.cfg, [], {}, {}
+        for s in range(self.pp - 1):
             src, dst = cfg.act_layouts(s, s), cfg.act_layouts(s, s + 1)
             for i in range(len(cfg.acts[s])):
                 acts, asm = boundary_actors(f"s{s}.act" + (f".{i}" if i else ""),
-                                            {r: f"s{s}.F@{r}" for r in cfg.placements[s].ranks}, src[i], dst[i],
+                                            {r: f"s{s}.F@{r}" for r in cfg.stage_placement(s).ranks}, src[i], dst[i],
                                             train and dst[i].dtype.is_floating_point, device,
                                             select=lambda st, i=i: st.output[i])
                 actors += acts
                 for r, name in asm.items():
-                    fwd_in[r] = fwd_in.get(r, ()) + (name,)
+                    fwd_in[(s + 1, r)] = fwd_in.get((s + 1, r), ()) + (name,)
             if train:
                 for j, i in enumerate(cfg.grad_slots(s)):
                     grads, gasm = boundary_actors(f"s{s + 1}.grad" + (f".{i}" if i else ""),
-                                                  {r: f"s{s + 1}.B@{r}" for r in cfg.placements[s + 1].ranks},
+                                                  {r: f"s{s + 1}.B@{r}" for r in cfg.stage_placement(s + 1).ranks},
                                                   dst[i], src[i], False, device, select=lambda g, j=j: g[j])
                     actors += grads
                     for r, name in gasm.items():
-                        bwd_in[r] = bwd_in.get(r, ()) + (name,)
-        for s, p in enumerate(cfg.placements):
-            if len(p.ranks) > 1 and self._order_varies(s, train):
-                lockstep.append(tuple(p.ranks))
-            for r in p.ranks:
-                first, last = s == 0, s == pp - 1
-                f_in = () if first else fwd_in[r]
+                        bwd_in[(s, r)] = bwd_in.get((s, r), ()) + (name,)
+        return actors, fwd_in, bwd_in
+
+    def _plan(self, batches, m: int, train: bool) -> Plan:
+        """The actors of one training step (``train``) or one forward-only evaluation of ``m`` micro-batches."""
+        cfg, n, v = self.cfg, self.pp, self.cfg.virtual
+        device = cfg.placements[0].device()
+        actors, fwd_in, bwd_in = self._boundaries(train, device)
+        pools, lockstep = {}, []
+        for p, placement in enumerate(cfg.placements):
+            if len(placement.ranks) > 1 and self._order_varies(p, train):
+                lockstep.append(tuple(placement.ranks))
+        for s in range(n):
+            placement, first, last = cfg.stage_placement(s), s == 0, s == n - 1
+            table = cfg.compute_actors(s)
+            split = "W" in table
+            tag = "" if v == 1 else str(s // len(cfg.placements))  # the stage's role name within its rank's gang
+            for r in placement.ranks:
+                f_in = () if first else fwd_in[(s, r)]
                 if first or last:
-                    specs, data = self._data_actors(batches, s, r, self.stage == s and world_rank() == r)
+                    specs, data = self._data_actors(batches, s, r, s in self.stages and world_rank() == r)
                     actors += specs
                     f_in = (data,) + f_in if first else f_in
                     f_in += (data,) if last else ()
+                forward = partial(self._eval_forward if not train else self._forward, s)
                 if not train:
-                    actors += [
-                        ActorSpec(f"s{s}.F@{r}", self._eval_forward, inputs=f_in, quota=2, rank=r, role="F"),
-                        ActorSpec(f"s{s}.loss@{r}", self._eval_loss, inputs=(f"s{s}.F@{r}",), quota=1, priority=2,
-                                  rank=r, every=m, role="loss"),
-                    ]
+                    actors.append(ActorSpec(f"s{s}.F@{r}", forward, inputs=f_in, quota=2, rank=r, role=f"F{tag}"))
+                    if last:
+                        actors.append(ActorSpec(f"s{s}.loss@{r}", self._eval_loss, inputs=(f"s{s}.F@{r}",), quota=1,
+                                                priority=2, rank=r, every=m, role="loss"))
                     continue
-                b_in = (f"s{s}.F@{r}",) + (() if last else bwd_in.get(r, ()))
-                inputs = {"F": f_in, "B": b_in, "reduce": (f"s{s}.B@{r}",), "update": (f"s{s}.reduce@{r}",)}
-                act = {"F": self._forward, "B": self._backward, "reduce": self._reduce, "update": self._update}
-                actors += [ActorSpec(f"s{s}.{role}@{r}", act[role], inputs=inputs[role], quota=quota, priority=priority,
-                                     rank=r, every=every, role=role)
-                           for role, (quota, priority, every) in compute_actors(cfg.schedule, pp, s, m).items()]
-        last_leader = cfg.placements[-1].ranks[0]
-        if 0 not in cfg.placements[-1]:
+                pool = f"stash@{r}" if v > 1 else ""
+                if pool:
+                    pools[pool] = stash_budget(cfg.schedule, len(cfg.placements), v, chunk_ranks(
+                        cfg.schedule, len(cfg.placements), v)[s], m)
+                b_in = (f"s{s}.F@{r}",) + (() if last else bwd_in.get((s, r), ()))
+                (fq, fp, _), (bq, bp, _) = table["F"], table["B"]
+                actors += [ActorSpec(f"s{s}.F@{r}", forward, inputs=f_in, quota=fq, priority=fp, rank=r,
+                                     role=f"F{tag}", pool=pool, reserve=stash_reserve(len(cfg.placements), v, s)
+                                     if pool else 0),
+                           ActorSpec(f"s{s}.B@{r}", partial(self._backward, s), inputs=b_in, quota=bq, priority=bp,
+                                     rank=r, role=f"B{tag}")]
+                if split:
+                    wq, wp, _ = table["W"]
+                    actors.append(ActorSpec(f"s{s}.W@{r}", partial(self._weight, s),
+                                            inputs=(f"s{s}.F@{r}", f"s{s}.B@{r}"), quota=wq, priority=wp, rank=r,
+                                            role=f"W{tag}"))
+        if train:
+            actors += self._step_actors(m)
+        last_leader = cfg.stage_placement(n - 1).ranks[0]
+        if 0 not in cfg.stage_placement(n - 1):
             # The loss is known after reduce: rank 0 need not wait for the last stage's optimizer step.
-            final = f"s{pp - 1}.{'reduce' if train else 'loss'}@{last_leader}"
+            final = f"s{n - 1}.{'reduce' if train else 'loss'}@{last_leader}"
+            if train:
+                final = f"s{self._rank_first_stage(n - 1)}.reduce@{last_leader}"
             actors.append(ActorSpec("loss@0", lambda k, loss: loss, inputs=(final,), queue="data", rank=0, every=m))
-        return Plan(actors, lockstep)
+        return Plan(actors, lockstep, pools)
 
-    def _order_varies(self, s: int, train: bool) -> bool:
-        """Can stage ``s``'s compute actors be ready two at a time (so its ranks need a lockstep gang)?
+    def _rank_first_stage(self, stage: int) -> int:
+        """The first stage on ``stage``'s pipeline rank (its reduce and update actors carry that stage's name)."""
+        where = chunk_ranks(self.cfg.schedule, len(self.cfg.placements), self.cfg.virtual)
+        return where.index(where[stage])
 
-        Not when the stash holds one micro-batch (the last stage under 1F1B, or
-        ``pp = 1``): ``F`` needs a free stash register and ``B`` a full one, so
-        they alternate, and ``reduce``/``update`` become ready only after the
-        last ``B``. Nor in evaluation (``F`` per piece, then ``loss``). There
-        every rank of the stage acts in that one order without the leader's
-        per-action broadcast, which would otherwise sync the ranks at every action.
+    def _step_actors(self, m: int) -> list:
+        """Each rank's ``reduce`` (after every backward, or weight pass, of its stages) and ``update``."""
+        cfg, actors = self.cfg, []
+        where = chunk_ranks(cfg.schedule, len(cfg.placements), cfg.virtual)
+        for p, placement in enumerate(cfg.placements):
+            stages = [c for c in range(self.pp) if where[c] == p]
+            s = stages[0]
+            table = cfg.compute_actors(s)
+            for r in placement.ranks:
+                ends = tuple(f"s{c}.{'W' if 'W' in cfg.compute_actors(c) else 'B'}@{r}" for c in stages)
+                (rq, rp, re), (uq, up, ue) = table["reduce"], table["update"]
+                actors += [ActorSpec(f"s{s}.reduce@{r}", self._reduce, inputs=ends, quota=rq, priority=rp, rank=r,
+                                     every=re, role="reduce"),
+                           ActorSpec(f"s{s}.update@{r}", self._update, inputs=(f"s{s}.reduce@{r}",), quota=uq,
+                                     priority=up, rank=r, every=ue, role="update")]
+        return actors
+
+    def _order_varies(self, p: int, train: bool) -> bool:
+        """Can pipeline rank ``p``'s compute actors be ready two at a time (so its ranks need a lockstep gang)?
+
+        Not when it holds one stage whose stash holds one micro-batch (the
+        last stage under 1F1B, or ``pp = 1``): ``F`` needs a free stash
+        register and ``B`` a full one, so they alternate, and
+        ``reduce``/``update`` become ready only after the last ``B``. Nor in
+        evaluation (``F`` per piece, then ``loss``). There every rank of the
+        stage acts in that one order without the leader's per-action
+        broadcast, which would otherwise sync the ranks at every action.
         """
-        return train and self.cfg.stash_quota(s) > 1
+        cfg = self.cfg
+        if not train or cfg.virtual > 1:
+            return train
+        return "W" in cfg.compute_actors(p) or cfg.compute_actors(p)["F"][0] > 1
 
     def _run(self, plan, pieces: int, batches, train: bool):
         if hasattr(batches, "stages"):
             batches.step = self.step_index
         trace = self.trace_factory() if self.trace_factory else None
-        self.last_loss, self._weight_pass = None, None
-        self._local = self._shards is not None and plain_stage.plain(self.cfg.placements[self.stage], self._audited)
-        self._auditing = self._audit and train and not explaining()
+        self.last_loss, self._weight_passes = None, {}
+        self._local = self._shards is not None and plain_stage.plain(self.placement, self._audited)
+        self._auditing = set(self.stages) if self._audit and train and not explaining() else set()
+        if self._auditing:
+            self._audit, self._verdicts = False, {}
         if self._local:
             self._shards.swap()
         try:
@@ -485,6 +592,8 @@ class PipelineStep:
         finally:  # evaluation, or a failed step: the module gets its global parameters back
             if self._shards is not None:
                 self._shards.restore()
+        if self._verdicts:  # the audit's step: plain from now on when every stage of the rank passed
+            self._audited, self._verdicts = all(self._verdicts.values()), {}
         self.last_trace, self.last_stats = trace, res.stats
         if "loss@0" in res.outputs:
             return res.outputs["loss@0"][0]
@@ -511,4 +620,3 @@ class PipelineStep:
         loss = self._run(self.plan, self.cfg.micro_batches, self.batches, train=True)
         self.step_index += 1
         return loss
-

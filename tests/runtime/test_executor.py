@@ -104,6 +104,29 @@ def test_priority_prefers_the_higher_actor():
     assert order.index("high") < order.index("low")
 
 
+def test_a_pool_bounds_the_registers_its_actors_hold_together():
+    """Two producers of 3 registers each share a pool of 2; the first leaves one slot to the second (reserve)."""
+    held, order = [0], []
+
+    def make(name):
+        def produce(k):
+            held[0] += 1
+            order.append((name, held[0]))
+            return k
+        return produce
+
+    def consume(k, x):
+        held[0] -= 1
+
+    plan = Plan([ActorSpec("a", make("a"), quota=3, pool="p", reserve=1),
+                 ActorSpec("b", make("b"), quota=3, pool="p", priority=-1),
+                 ActorSpec("use_a", consume, inputs=("a",), priority=-2),
+                 ActorSpec("use_b", consume, inputs=("b",), priority=-2)], pools={"p": 2})
+    res = run(plan, 4)
+    assert max(n for _, n in order) <= 2 and res.stats["p"].max_live == 2
+    assert all(n <= 1 for name, n in order if name == "a")  # a never takes the slot it leaves to b
+
+
 def test_an_exception_stops_everything_and_names_the_actor():
     def boom(k, x):
         if k == 3:
@@ -122,6 +145,7 @@ def test_an_exception_stops_everything_and_names_the_actor():
      "has no initial register to break it"),
     ([ActorSpec("a", lambda k: k, queue="gpu")], "queue 'gpu' is not one of"),
     ([ActorSpec("a", lambda k: k, out=((2, 3), "float32"))], r"out=\(\(2, 3\), 'float32'\) must be \(shape"),
+    ([ActorSpec("a", lambda k: k, pool="p")], r"pool 'p' is not one of the plan's pools \[\]"),
 ])
 def test_bad_plans_are_refused_before_running(actors, words):
     with pytest.raises(PlanError, match=words):

@@ -114,8 +114,12 @@ def test_timeline_counts_held_micro_batches_and_idle_time():
 def test_bad_pipeline_input_is_refused_before_anything_runs():
     with pytest.raises(ValueError, match="at least as many micro-batches as stages"):
         PipelineConfig([object()] * 4, 2, BATCH, [ACT] * 3, (), (), ("ids",), ("ids",)).check()
-    with pytest.raises(ValueError, match="pp_schedule 'zb' is not one of"):
-        PipelineConfig([], 2, BATCH, [], (), (), ("ids",), ("ids",), schedule="zb").check()
+    with pytest.raises(ValueError, match="pp_schedule 'zbx' is not one of"):
+        PipelineConfig([], 2, BATCH, [], (), (), ("ids",), ("ids",), schedule="zbx").check()
+    with pytest.raises(ValueError, match="zbv places two chunks per rank in a V: it needs pp_virtual=2, got 1"):
+        PipelineConfig([object()] * 2, 2, BATCH, [ACT], (), (), ("ids",), ("ids",), schedule="zbv").check()
+    with pytest.raises(ValueError, match="4 stages need acts, 3 boundaries"):
+        PipelineConfig([object()] * 2, 2, BATCH, [ACT], (), (), ("ids",), ("ids",), virtual=2).check()
     with pytest.raises(ValueError, match=r"inputs/labels \['labels'\] are not fields of the batch \['ids'\]"):
         PipelineConfig([object()] * 2, 2, BATCH, [ACT], (), (), ("ids",), ("labels",)).check()
     with pytest.raises(ValueError, match="cannot be split uniformly into pp=3"):

@@ -7,7 +7,10 @@ registers is free; its register is freed when every consumer has finished
 the action that read it (an edge reading ``every`` > 1 pieces at once takes
 and frees each register as it arrives, as the runtime's accumulating edges
 do). One actor runs at a time per queue; among ready actors the highest
-``priority`` goes first, ties to the one listed first — so 1F1B (or GPipe)
+``priority`` goes first, ties to the one listed first; an actor in a
+``pool`` (``TaskGraph.pools``) also needs more free slots of it than its
+``reserve``, and each of its registers holds one until freed
+(``runtime.actor.Pool``) — so 1F1B (or GPipe)
 comes out of the stash quota exactly as in training, not from a schedule.
 
 Time: each piece of an actor needs ``work`` seconds at full speed. On a
@@ -43,6 +46,8 @@ class SimActor:
     priority: int = 0
     every: int = 1
     weight: float = 0.0
+    pool: str = ""
+    reserve: int = 0
 
     def work_of(self, k: int) -> float:
         w = self.work
@@ -54,6 +59,7 @@ class TaskGraph:
     actors: list
     pieces: int
     rate: object = None  # speed of each busy thread given how many are busy (shared cores); None: no sharing
+    pools: dict = field(default_factory=dict)  # pool name -> slots (SimActor.pool)
 
     def by_name(self) -> dict:
         return {a.name: a for a in self.actors}
@@ -73,7 +79,7 @@ class Timeline:
 class _State:
     """Everything the event loop mutates. A snapshot (``copy``) keeps ``tasks`` as a count: the list only grows."""
 
-    __slots__ = ("t", "remaining", "next_piece", "free", "readable", "pending", "running", "tasks", "done")
+    __slots__ = ("t", "remaining", "next_piece", "free", "readable", "pending", "running", "tasks", "done", "pool")
 
     def copy(self, tasks=None):
         """A snapshot; with ``tasks`` (the finished tasks so far), a live state restored from one."""
@@ -82,6 +88,7 @@ class _State:
         s.remaining = dict(self.remaining)
         s.next_piece = dict(self.next_piece)
         s.free = dict(self.free)
+        s.pool = dict(self.pool)
         s.readable = {k: list(v) for k, v in self.readable.items()}
         s.pending = dict(self.pending)
         s.running = {q: list(r) for q, r in self.running.items()}
@@ -105,6 +112,8 @@ class _Sim:
                 if a.every % self.by[src].every:
                     raise ValueError(f"actor {a.name!r} (every {a.every}) reads {src!r} (every "
                                      f"{self.by[src].every}): every must be a multiple of its producers'")
+            if a.pool and a.pool not in graph.pools:
+                raise ValueError(f"actor {a.name!r}: pool {a.pool!r} is not one of {sorted(graph.pools)}")
             if graph.pieces % a.every:
                 raise ValueError(f"{graph.pieces} pieces are not a multiple of every={a.every} of {a.name!r}")
         self.need = {a.name: [a.every // self.by[s].every for s in a.inputs] for a in self.actors}
@@ -123,6 +132,7 @@ class _Sim:
         s.remaining = {a.name: self.g.pieces // a.every for a in self.actors}
         s.next_piece = {a.name: 0 for a in self.actors}
         s.free = {a.name: a.quota for a in self.actors}
+        s.pool = dict(self.g.pools)
         # readable[(consumer, edge)]: producer register ids (piece numbers) waiting to be read
         s.readable = {(a.name, e): [] for a in self.actors for e in range(len(a.inputs))}
         s.pending = {}  # (producer, piece) -> consumers still to finish reading it
@@ -133,6 +143,8 @@ class _Sim:
 
     def _ready(self, s: _State, a: SimActor) -> bool:
         if s.remaining[a.name] <= 0 or s.free[a.name] <= 0:
+            return False
+        if a.pool and s.pool[a.pool] <= a.reserve:
             return False
         need = self.need[a.name]
         return all(len(s.readable[(a.name, e)]) >= n for e, n in enumerate(need))
@@ -157,6 +169,8 @@ class _Sim:
                     reads.append((a.inputs[e], taken[0]))  # freed when this action ends
                 # accumulating edges were acknowledged on arrival
             s.free[a.name] -= 1
+            if a.pool:
+                s.pool[a.pool] -= 1
             s.next_piece[a.name] += 1
             s.running[q] = [a, piece, a.work_of(piece), s.t, reads]
 
@@ -172,20 +186,27 @@ class _Sim:
         s.done += 1
         cons = self.consumers[a.name]
         if not cons:
-            s.free[a.name] += 1
+            self._release(s, a.name)
         else:
             s.pending[(a.name, piece)] = sum(1 for c, e in cons if self.need[c][e] == 1)
             for c, e in cons:
                 s.readable[(c, e)].append(piece)
             if s.pending[(a.name, piece)] == 0:  # only accumulating consumers: taken on arrival
                 del s.pending[(a.name, piece)]
-                s.free[a.name] += 1
+                self._release(s, a.name)
         for src, reg in reads:
             key = (src, reg)
             s.pending[key] -= 1
             if s.pending[key] == 0:
                 del s.pending[key]
-                s.free[src] += 1
+                self._release(s, src)
+
+    def _release(self, s: _State, name: str) -> None:
+        """A register of ``name`` is free again, with its pool slot if any."""
+        s.free[name] += 1
+        pool = self.by[name].pool
+        if pool:
+            s.pool[pool] += 1
 
     def run(self, s: _State, snapshots: list, every: int = 1) -> _State:
         total = sum(self.g.pieces // a.every for a in self.actors)
