@@ -15,7 +15,7 @@ from runtime.pipeline.schedule import chunk_ranks
 from runtime.pipeline.timeline import bubble, peak_held
 from runtime.trace import Trace
 from toolkit.mesh import plan_for_module, stage_placements
-from toolkit.stages import keep_chunks, stage_ranges
+from toolkit.stages import chunk_views, keep_stages, stage_ranges
 
 WORLD = 8
 STEPS = 3
@@ -52,7 +52,9 @@ def build(dp: int, tp: int, pp: int, micro: int = MICRO, schedule: str = "1f1b",
     module = opt = chunks = None
     if rank is not None:
         stages = [c for c, r in enumerate(chunk_ranks(schedule, pp, virtual)) if r == rank]
-        module, chunks = keep_chunks(model, PIPELINE, stage_ranges(cfg.n_layer, pp * virtual), stages)
+        ranges = stage_ranges(cfg.n_layer, pp * virtual)
+        module = keep_stages(model, PIPELINE, ranges, stages)
+        chunks = chunk_views(module, PIPELINE, ranges, stages)
         sc.distribute_module(module, placements[rank], plan_for_module(module, mesh_plan(), names))
         opt = torch.optim.AdamW(module.parameters(), **ADAMW)
     d = (me % (dp * tp)) // tp

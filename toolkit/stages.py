@@ -125,21 +125,27 @@ def keep_layers(model: nn.Module, plan: dict, layers, first: bool, last: bool) -
     return model
 
 
-def keep_chunks(model: nn.Module, plan: dict, ranges: list, stages: list) -> tuple:
-    """One rank's several stages (virtual pipeline stages): ``(module, {stage: view})``, both in place of ``model``.
+def keep_stages(model: nn.Module, plan: dict, ranges: list, stages: list) -> nn.Module:
+    """``model`` with every stage in ``stages`` kept (in place; returns it): one rank's module when it holds
+    several stages (virtual pipeline stages), under the full model's names, tied parameters one object."""
+    n = len(layer_paths(model, plan))
+    if sum(len(r) for r in ranges) != n:
+        raise ValueError(f"stage ranges cover {sum(len(r) for r in ranges)} layers, {plan['layers']} has {n}")
+    layers = [i for s in stages for i in ranges[s]]
+    return keep_layers(model, plan, layers, 0 in stages, len(ranges) - 1 in stages)
 
-    ``module`` is ``model`` with every stage in ``stages`` kept (one set of
-    parameters for the rank's optimizer, gradient reduction and checkpoint,
-    under the full model's names; tied parameters stay one object). Each
-    view runs one stage's forward: a shallow copy of ``module`` along the
-    paths to the plan's containers and first/last modules, with the other
-    stages' modules absent, sharing every parameter, buffer and hook with
-    ``module``.
+
+def chunk_views(module: nn.Module, plan: dict, ranges: list, stages: list) -> dict:
+    """``{stage: view}``: a module per stage of ``module`` (``keep_stages``) that runs that stage's forward.
+
+    A view is a shallow copy of ``module`` along the paths to the plan's
+    containers and first/last modules, with the other stages' modules
+    absent; it shares every parameter, buffer, hook and layer with
+    ``module`` (so ZeRO's and activation checkpointing's changes to them,
+    made before or after, are the view's too).
     """
     n = len(ranges)
-    layers = [i for s in stages for i in ranges[s]]
-    module = keep_layers(model, plan, layers, 0 in stages, n - 1 in stages)
-    return module, {s: keep_layers(_view(module, plan), plan, ranges[s], s == 0, s == n - 1) for s in stages}
+    return {s: keep_layers(_view(module, plan), plan, ranges[s], s == 0, s == n - 1) for s in stages}
 
 
 def _view(model: nn.Module, plan: dict) -> nn.Module:

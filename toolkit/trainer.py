@@ -38,6 +38,7 @@ import torch.distributed as dist
 import sbp_core as sc
 from runtime.host_memory import keep_freed_host_memory
 from runtime.pipeline import PipelineConfig, PipelineStep, stage_of
+from runtime.pipeline.schedule import chunk_ranks
 from toolkit import run_state
 from toolkit.config import typed, validate
 from toolkit.mesh import model_names, plan_for_module, stage_placements, with_overrides
@@ -45,7 +46,7 @@ from toolkit.metrics import MetricsLogger
 from toolkit.optim import build_scheduler, lr_at
 from toolkit.peak import device_peak
 from toolkit.recipe import data_shard, recipe_batch
-from toolkit.stages import boundary_specs, keep_stage, stage_ranges
+from toolkit.stages import boundary_specs, chunk_views, keep_stages, stage_ranges
 from toolkit.zero import apply_zero
 
 
@@ -103,11 +104,13 @@ class Job:
         names = model_names(model)
         self.n_params = sum(p.numel() for p in model.parameters())
         self.module = model
-        ranges, split = None, recipe.pipeline_plan(cfg.model)
+        ranges, split, self.chunks = None, recipe.pipeline_plan(cfg.model), None
+        v = lay.pp_virtual
+        stages = [c for c, r in enumerate(chunk_ranks(str(cfg.parallel.pp_schedule), lay.pp, v)) if r == self.stage]
         if split is not None:
-            ranges = stage_ranges(recipe.n_layers(cfg.model), lay.pp,
+            ranges = stage_ranges(recipe.n_layers(cfg.model), lay.pp * v,
                                   list(lay.stage_layers) if lay.stage_layers else None)
-            self.module = keep_stage(model, split, ranges, self.stage)
+            self.module = keep_stages(model, split, ranges, stages)
         if tr.activation_checkpointing:
             recipe.checkpoint_layers(self.module, cfg.model)
         plan = plan_for_module(self.module, with_overrides(recipe.mesh_plan(cfg), cfg.parallel.plan), names)
@@ -123,6 +126,8 @@ class Job:
         if self.zero is not None:
             self.zero.attach(self.optimizer)
         self.scheduler = build_scheduler(self.optimizer, tr)
+        if v > 1:  # each stage's forward runs a view of the rank's module (made last: it shares what came before)
+            self.chunks = chunk_views(self.module, split, ranges, stages)
         return init, ranges
 
     def _pipeline(self, ranges) -> PipelineStep:
@@ -137,16 +142,17 @@ class Job:
             self.placements, lay.accumulation, batch, acts,
             recipe.data_sbp, recipe.act_sbp, recipe.inputs, recipe.labels, schedule=str(cfg.parallel.pp_schedule),
             max_grad_norm=float(tr.grad_clip) if tr.grad_clip else None, tied=list(recipe.tied),
-            rows_weigh_equally=recipe.rows_weigh_equally, split_last_backward=not tr.compile)
+            rows_weigh_equally=recipe.rows_weigh_equally, split_last_backward=not tr.compile, virtual=lay.pp_virtual)
         forward = recipe.stage_forward
         if tr.compile:
-            forward = compiled_forward(forward, self.module, verbose=self.rank == 0)
+            modules = list(self.chunks.values()) if self.chunks else [self.module]
+            forward = compiled_forward(forward, modules, verbose=self.rank == 0)
         if tr.precision != "fp32":
             forward = autocast_forward(forward, self.placements[0].device_type, AUTOCAST[tr.precision])
         # fp16 needs its loss scaled (GradScaler's dynamic scale; the skip is decided for the whole job).
         scaler = sc.LossScaler() if tr.precision == "fp16" else None
         return PipelineStep(self.pipe_cfg, self.module, self.optimizer, forward, self.train_batches,
-                            self.scheduler, loss_scale=scaler, zero=self.zero)
+                            self.scheduler, loss_scale=scaler, zero=self.zero, chunks=self.chunks)
 
     def lr(self, step: int) -> float:
         tr = self.cfg.trainer
@@ -167,8 +173,9 @@ def _holds_global(x) -> bool:
     return isinstance(x, sc.GlobalTensor)
 
 
-def compiled_forward(forward, module, verbose: bool = False):
-    """``forward(module, x, labels)`` with ``module`` compiled (``trainer.compile=true``).
+def compiled_forward(forward, modules: list, verbose: bool = False):
+    """``forward(module, x, labels)`` with each of ``modules`` compiled (``trainer.compile=true``): the rank's
+    stage module, or each of its stages' (virtual stages).
 
     ``torch.compile`` traces plain tensors: a stage that runs on them (one
     device, or a data-parallel stage after its audit; ``runtime.pipeline``)
@@ -179,7 +186,7 @@ def compiled_forward(forward, module, verbose: bool = False):
     data-parallel stage's first, audited micro-batch; ``sc.explain``) runs
     eager, and says so once.
     """
-    compiled = torch.compile(module)
+    compiled = {id(m): torch.compile(m) for m in modules}
     told = []
 
     def run(mod, x, labels=None):
@@ -189,7 +196,7 @@ def compiled_forward(forward, module, verbose: bool = False):
                 print("trainer.compile: a forward on global tensors runs eager (a data-parallel stage's first, "
                       "audited micro-batch, or sc.explain); the forwards on plain tensors are compiled", flush=True)
             return forward(mod, x, labels)
-        return forward(compiled if mod is module else mod, x, labels)
+        return forward(compiled.get(id(mod), mod), x, labels)
 
     return run
 

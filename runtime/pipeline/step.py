@@ -33,7 +33,8 @@ on each of its ranks ``r``:
   micro-batch: ``B`` computes the input gradient alone and sends it, ``W``
   the weights' gradients (``weight_pass``), in a bubble; ``W`` reads the
   stash too, so the micro-batch's activations count against the budget
-  until it ran;
+  until it ran (under ZeRO ``B`` computes both: the weight pass cannot
+  reach the compute copies its cast makes);
 - boundary actors (``runtime.pipeline.boundary``) carry activations from
   stage ``s`` to ``s + 1`` and gradients back, by cross-placement boxing:
   one set per tensor of the boundary (``acts[s]``: any number, any shapes
@@ -192,7 +193,7 @@ class PipelineStep:
     rank's (all of its stages' parameters), ``None`` on a rank in no stage
     (which then only joins those collectives). ``chunks``: ``{stage: the
     module its forward runs}`` for each stage on this rank, modules that
-    share ``module``'s parameters (``toolkit.stages.keep_chunks``); by
+    share ``module``'s parameters (``toolkit.stages.chunk_views``); by
     default ``module`` itself, which serves a rank of one stage. A rank that
     holds both the first and the last stage (``zbv``) holds tied parameters
     as one object: nothing is exchanged for them. ``forward(module, x,
@@ -376,8 +377,10 @@ class PipelineStep:
             self.tied.expect()  # the last stage's tied gradients arrive while this backward runs
         inputs = None if stash.inputs is None else [stash.inputs[i] for i in self.cfg.grad_slots(s - 1)]
         weights = self.chunks[s].parameters()
-        if split_backward(self.cfg.schedule, s) and outputs:
+        if split_backward(self.cfg.schedule, s) and outputs and self.zero is None:
             # Zero bubble: the input gradient now, for the stage before; the weights' in this stage's W actor.
+            # (Not under ZeRO: its compute copies come from a cast of the masters, which the weight pass, asked
+            # for the stage's parameters, cannot reach; there B computes both and W only frees the stash.)
             self._weight_passes[(s, k)] = input_first(outputs, grads, inputs, weights)
         elif self._local and inputs and k == m - 1 and self.cfg.split_last_backward:
             # The stage before waits for these input gradients: the weights' gradients come in reduce (weight_pass).

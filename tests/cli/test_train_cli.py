@@ -64,6 +64,20 @@ def test_activation_checkpointing_and_bf16_under_pipelines(layout, option, toler
     assert len(losses) == 3 and all(abs(a - b) <= tolerance * abs(b) for a, b in zip(losses, single)), (losses, single)
 
 
+@pytest.mark.parametrize("options", [
+    "parallel=pp2 parallel.pp_virtual=2",  # interleaved 1F1B
+    "parallel=dp2_pp2_zero1 parallel.pp_virtual=2",
+    "parallel=dp2_pp2_zero2 parallel.pp_schedule=zb",
+    "parallel=dp2_pp2_zero3 parallel.pp_schedule=zbv parallel.pp_virtual=2",  # the tied copies on one rank
+    "parallel=tp2_pp2 parallel.pp_schedule=zb trainer.activation_checkpointing=true",
+    "parallel=tp2_pp2 parallel.pp_schedule=zbv parallel.pp_virtual=2 trainer.activation_checkpointing=true",
+    "parallel=pp2 parallel.pp_schedule=looped_bfs parallel.pp_virtual=2",
+])
+def test_virtual_and_zero_bubble_schedules_equal_single(options, single, sbp_cache, tmp_path):
+    losses = train_pooled([*TINY, *options.split()], tmp_path, sbp_cache)
+    assert len(losses) == 3 and all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(losses, single)), (losses, single)
+
+
 def test_compiled_stage_forwards_agree_with_eager(single, sbp_cache, tmp_path):
     # pp2: two one-device stages, each forward compiled; the second's input is the boundary's leaf.
     losses = train_pooled([*TINY, "parallel=pp2", "trainer.compile=true"], tmp_path, sbp_cache)

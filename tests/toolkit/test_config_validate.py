@@ -101,8 +101,23 @@ def test_bad_stage_layers(stages):
     assert "parallel.stage_layers=" in text and "needs 3 (pp*pp_virtual) entries" in text
 
 
-def test_pp_virtual_is_refused():
-    assert "interleaved (virtual) stages are not supported" in problems("parallel=pp2", "parallel.pp_virtual=2")
+def test_virtual_stages_split_the_layers_into_pp_times_pp_virtual():
+    job = validate(cfg_of("parallel=pp2", "trainer.global_batch_size=32", "parallel.pp_virtual=2"))
+    assert (job.pp_virtual, job.stage_layers) == (2, (1, 1, 1, 1))
+    assert "model: 4 layers do not divide into parallel.pp*pp_virtual=6" in problems(
+        "parallel=pp2", "parallel.pp_virtual=3")
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    (("parallel=pp2", "parallel.pp_schedule=zbv"), "parallel.pp_schedule=zbv: places two stages per pipeline rank "
+     "in a V; needs parallel.pp_virtual=2, got 1"),
+    (("parallel=single", "parallel.pp_virtual=2"), "parallel.pp_virtual=2: virtual stages interleave a pipeline; "
+     "needs parallel.pp > 1"),
+    (("parallel=pp2", "parallel.pp_schedule=zb", "trainer.compile=true"), "trainer.compile=true: "
+     "parallel.pp_schedule=zb splits every backward into input and weight gradients"),
+])
+def test_bad_virtual_and_zero_bubble_configs(overrides, fragment):
+    assert fragment in problems(*overrides)
 
 
 def test_global_batch_divides_by_micro_times_dp():
@@ -160,7 +175,7 @@ def test_sequence_parallel_is_refused_where_the_plan_has_no_such_variant(name):
     ("trainer.optimizer=lamb", "trainer.optimizer='lamb': unknown choice; valid: adamw, sgd"),
     ("trainer.momentum=1.5", "trainer.momentum=1.5: must be in [0, 1)"),
     ("device=tpu", "device='tpu': unknown choice; valid: auto, cpu, cuda"),
-    ("parallel.pp_schedule=zb", "parallel.pp_schedule='zb': unknown choice; valid: 1f1b, gpipe"),
+    ("parallel.pp_schedule=zb1p", "parallel.pp_schedule='zb1p': unknown choice; valid: 1f1b, gpipe, looped_bfs, zb, zbv"),
     ("trainer.precision=fp8", "trainer.precision='fp8': unknown choice; valid: fp32, bf16, fp16"),
     ("parallel=tp2 trainer.compile=true", "trainer.compile=true: compiles the stage forwards that run on plain "
      "tensors, and with tp=2 every stage runs on global tensors"),

@@ -69,8 +69,15 @@ class ParallelConfig:
     """Degrees and knobs of the parallel layout; ``world = dp * tp * pp`` processes.
 
     - ``zero``: ZeRO stage 0..3 over the dp axis (ignored, with a warning, when dp == 1).
-    - ``pp_schedule``: ``1f1b`` or ``gpipe``; ``pp_virtual``: model chunks per
-      pipeline rank (1 = no interleaving).
+    - ``pp_schedule``: ``1f1b`` (interleaved 1F1B when ``pp_virtual > 1``),
+      ``gpipe`` or ``looped_bfs`` (the same rule: every micro-batch's
+      forwards before the backwards, shallower stages first), ``zb`` (ZB-H1:
+      backward split into input and weight gradients, weight passes filling
+      the bubbles) or ``zbv`` (ZB-V: two stages per rank in a V, needs
+      ``pp_virtual=2``); each follows from placements, quotas and
+      priorities (``runtime.pipeline.schedule``). ``pp_virtual``: model
+      chunks (stages) per pipeline rank, placed round robin (Megatron's
+      virtual stages), 1 = no interleaving.
     - ``stage_layers``: transformer blocks per pipeline stage (``pp * pp_virtual``
       entries summing to ``model.n_layer``); ``None`` = uniform split.
     - ``sequence_parallel``: the recipe's sequence-parallel variant of its

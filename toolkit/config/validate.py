@@ -12,7 +12,11 @@ value range and cross-field rule, collecting *all* problems into one
   on a node must not outnumber its visible devices.
 - With a pipeline split: the recipe's layer count divides by
   ``pp * pp_virtual``, or ``stage_layers`` has ``pp * pp_virtual`` positive
-  entries summing to it.
+  entries summing to it; ``pp_virtual > 1`` needs ``pp > 1``; ``zbv`` needs
+  ``pp_virtual = 2``; the zero-bubble schedules (``zb``, ``zbv``) split
+  each backward in two, which a compiled stage cannot (``trainer.compile``).
+  No schedule needs the micro-batches to be a multiple of ``pp``: each
+  follows from quotas, not from rounds of ``pp`` micro-batches.
 - ``global_batch_size`` divides by ``micro_batch_size * data_shards`` (the
   batch shards the recipe's ``data_sbp`` cuts over a stage's mesh: ``dp``
   for ``(S(0), B)``, ``dp * tp`` for ``(S(0), S(0))``); the quotient is the
@@ -162,9 +166,14 @@ def _check_parallel(p: list, cfg, recipe, world_size: Optional[int], env) -> tup
     if not degrees_ok:
         return False, zero, world, (env.world_size if env is not None else 0) if world_size is None else world_size, \
             layout_name, stage_layers
-    if par.pp_virtual != 1:
-        p.append(f"parallel.pp_virtual={par.pp_virtual}: interleaved (virtual) stages are not supported "
-                 "by the pipeline executor; valid: 1")
+    if par.pp_schedule == "zbv" and par.pp_virtual != 2:
+        p.append(f"parallel.pp_schedule=zbv: places two stages per pipeline rank in a V; needs "
+                 f"parallel.pp_virtual=2, got {par.pp_virtual}")
+    if par.pp_virtual > 1 and par.pp == 1:
+        p.append(f"parallel.pp_virtual={par.pp_virtual}: virtual stages interleave a pipeline; needs parallel.pp > 1 "
+                 "(valid with pp=1: pp_virtual=1)")
+    if par.pp_virtual > 1 and recipe.pipeline_plan(cfg.model) is None:
+        p.append(f"parallel.pp_virtual={par.pp_virtual}: recipe {recipe.name} has no pipeline split; valid: 1")
     if recipe.pipeline_plan(cfg.model) is not None:
         try:  # counted on a meta model (Recipe.n_layers): a bad model config may not build
             n_layer = recipe.n_layers(cfg.model)
@@ -259,6 +268,10 @@ def _check_trainer(p: list, tr, par, recipe, zero: int) -> None:
         p.append(f"trainer.compile=true: compiles the stage forwards that run on plain tensors, and with {why} "
                  "every stage runs on global tensors; valid: tp=1 and zero=0, and dp=1 unless the recipe's "
                  "rows weigh equally (then data-parallel stages run plain after their first micro-batch)")
+    if tr.compile and par.pp_schedule in ("zb", "zbv"):
+        p.append(f"trainer.compile=true: parallel.pp_schedule={par.pp_schedule} splits every backward into input and "
+                 "weight gradients, and a compiled stage's backward is one node that gives both at once; valid: "
+                 "trainer.compile=false, or pp_schedule 1f1b, gpipe or looped_bfs")
 
 
 def validate(cfg: Any, recipe, world_size: Optional[int] = None) -> JobLayout:
