@@ -158,12 +158,13 @@ def compare(per_rank: list, steps: int = STEPS, max_grad_norm=None, dtype: str =
 
 
 def schedule_report(per_rank: list, pp: int, micro: int, step: int = -1) -> tuple:
-    """``({stage: peak held}, {stage: bubble})`` of one step (the last by default)."""
+    """``({pipeline rank: peak held}, {pipeline rank: bubble})`` of one step (the last by default); a pipeline rank
+    is named by its first stage, and its bubble read on its first device."""
     held, events = {}, {}
-    for rank, r in enumerate(per_rank):
+    for r in per_rank:
         st = r[step]["stage"]
         if st is None:
             continue
         held[st] = max(held.get(st, 0), peak_held(r[step]["events"]))
-        events[rank] = r[step]["events"]
+        events.setdefault(st, r[step]["events"])
     return held, bubble(events)

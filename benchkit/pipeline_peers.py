@@ -22,6 +22,14 @@ from toolkit.stages import keep_stage, stage_ranges
 
 VARIANTS = ("ours 1f1b", "torch 1F1B", "ours gpipe", "torch GPipe")
 PAIRS = ((VARIANTS[0], VARIANTS[1]), (VARIANTS[2], VARIANTS[3]))  # (ours, the peer) compared
+# --schedules: interleaved (2 stages per rank) and zero-bubble schedules against torch's on the same split.
+SCHEDULE_VARIANTS = ("ours interleaved", "torch Interleaved1F1B", "ours zb", "torch InterleavedZeroBubble",
+                     "ours zbv", "torch ZBVZeroBubble")
+SCHEDULE_PAIRS = tuple((SCHEDULE_VARIANTS[i], SCHEDULE_VARIANTS[i + 1]) for i in (0, 2, 4))
+# Each variant's schedule: (our pp_schedule, stages per rank); a peer's torch class shares its pair's split.
+SCHEDULES = {"1f1b": ("1f1b", 1), "gpipe": ("gpipe", 1), "interleaved": ("1f1b", 2), "zb": ("zb", 1),
+             "zbv": ("zbv", 2), "1F1B": ("1f1b", 1), "GPipe": ("gpipe", 1), "Interleaved1F1B": ("1f1b", 2),
+             "InterleavedZeroBubble": ("zb", 1), "ZBVZeroBubble": ("zbv", 2)}
 ADAMW = dict(lr=1e-3, weight_decay=0.1)
 MB = 1 << 20
 
@@ -119,14 +127,17 @@ class StageOutput(nn.Module):
 
 
 class Ours:
-    def __init__(self, o, schedule):
+    def __init__(self, o, variant: str):
         from benchkit.pipeline_parity import build
 
+        schedule, virtual = SCHEDULES[variant]
         batch_of = functools.partial(_batch, vocab=o.vocab, batch=o.batch, seq=o.seq)
-        self.step_, module = build(1, 1, o.pp, o.micro, schedule, True, _cfg(o), batch_of, o.seq, o.batch)
+        self.step_, module = build(1, 1, o.pp, o.micro, schedule, True, _cfg(o), batch_of, o.seq, o.batch,
+                                   virtual=virtual)
         self.params = list(module.parameters())
         self.acts = SavedActivations(self.params)
-        module.forward = self.acts.wrap(module.forward)
+        for chunk in self.step_.chunks.values():  # each stage's forward (views of the module, or it)
+            chunk.forward = self.acts.wrap(chunk.forward)
 
     def step(self, i):
         loss = self.step_.step(i)
@@ -142,31 +153,54 @@ class Ours:
 
 
 class Theirs:
-    def __init__(self, o, schedule, tied_group):
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    """``torch.distributed.pipelining``'s schedule ``variant`` (its class name less ``Schedule``) on the same
+    split as ours: ``PipelineStage`` per stage this rank holds, placed as our schedule of the pair places it
+    (round robin; a V for ZB-V, which torch's class places so itself)."""
 
-        self.o, self.tied_group = o, tied_group
+    def __init__(self, o, variant: str, tied_groups: dict):
+        import torch.distributed.pipelining as pipelining
+        from torch.distributed.pipelining import PipelineStage
+
+        from runtime.pipeline.schedule import chunk_ranks
+
+        self.o = o
         self.rank = dist.get_rank()
-        self.stage = s = self.rank
-        torch.manual_seed(0)
-        model = keep_stage(GPT2LMHeadModel(_cfg(o)), PIPELINE, stage_ranges(o.layers, o.pp), s)
-        self.module = StageOutput(model)
-        self.params = list(self.module.parameters())
-        self.tied = model.transformer.wte.weight if s == 0 else model.lm_head.weight if s == o.pp - 1 else None
+        self.stage = self.rank
+        schedule, virtual = SCHEDULES[variant]
+        n = o.pp * virtual
+        where = chunk_ranks(schedule, o.pp, virtual)
+        self.mine = [c for c in range(n) if where[c] == self.rank]
+        self.first, self.last = 0 in self.mine, n - 1 in self.mine
+        self.tied_group = tied_groups.get((where[0], where[-1]))
+        ranges = stage_ranges(o.layers, n)
+        models, self.modules = {}, []
+        for c in self.mine:
+            torch.manual_seed(0)
+            models[c] = keep_stage(GPT2LMHeadModel(_cfg(o)), PIPELINE, ranges, c)
+            self.modules.append(StageOutput(models[c]))
+        # The tied copies held here: the first stage's embedding, the last stage's LM head.
+        self.tied = ([models[0].transformer.wte.weight] if self.first else []) + \
+            ([models[n - 1].lm_head.weight] if self.last else [])
+        self.params = [p for m in self.modules for p in m.parameters()]
         self.opt = torch.optim.AdamW(self.params, **ADAMW)
         self.acts = SavedActivations(self.params)
-        self.module.forward = self.acts.wrap(self.module.forward)
-        self.pstage = PipelineStage(self.module, s, o.pp, torch.device("cpu"))
+        for m in self.modules:
+            m.forward = self.acts.wrap(m.forward)
+        self.pstages = [PipelineStage(m, c, n, torch.device("cpu")) for m, c in zip(self.modules, self.mine)]
         self._events = []
-        self._time(self.pstage, "forward_one_chunk", "F")
-        self._time(self.pstage, "backward_one_chunk", "B")
-        cls = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
+        for ps, c in zip(self.pstages, self.mine):
+            self._time(ps, c, "forward_one_chunk", "F")
+            self._time(ps, c, "backward_one_chunk", "B")
+            self._time(ps, c, "backward_weight_one_chunk", "W")
+        cls = getattr(pipelining, f"Schedule{variant}")
         # The loss is timed as part of the forward it follows (ours computes it inside the forward).
-        self.schedule = cls(self.pstage, o.micro, loss_fn=self._timed_loss(self.acts.wrap(next_token_loss)))
+        loss = self._timed_loss(self.acts.wrap(next_token_loss))
+        self.schedule = cls(self.pstages if virtual > 1 or variant.startswith("Interleaved") else self.pstages[0],
+                            o.micro, loss_fn=loss)
 
-    def _time(self, obj, method, kind):
+    def _time(self, obj, stage, method, kind):
         fn = getattr(obj, method)
-        name = f"s{self.stage}.{kind}@{self.rank}"
+        name = f"s{stage}.{kind}@{self.rank}"
 
         def timed(chunk, *a, **k):
             t = time.time()
@@ -187,23 +221,24 @@ class Theirs:
         return loss
 
     def step(self, i):
-        o, s, last = self.o, self.stage, self.stage == self.o.pp - 1
+        o, s = self.o, self.stage
         self._events = []
         ids, losses = _batch(i, o.vocab, o.batch, o.seq), []
-        if s == 0:
-            self.schedule.step(ids, return_outputs=False)
-        elif last:
-            self.schedule.step(target=ids, losses=losses, return_outputs=False)
-        else:
-            self.schedule.step(return_outputs=False)
+        args = (ids,) if self.first else ()
+        kwargs = dict(target=ids, losses=losses) if self.last else {}
+        self.schedule.step(*args, **kwargs, return_outputs=False)
         t = time.time()
-        if self.tied is not None and o.pp > 1:
-            dist.all_reduce(self.tied.grad, group=self.tied_group)
+        if len(self.tied) == 2:  # both copies here (ZB-V): their sum, locally
+            total = self.tied[0].grad + self.tied[1].grad
+            for p in self.tied:
+                p.grad.copy_(total)
+        elif self.tied and self.tied_group is not None:
+            dist.all_reduce(self.tied[0].grad, group=self.tied_group)
         t1 = time.time()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         self._events += [(f"s{s}.reduce@{self.rank}", t, t1, 0), (f"s{s}.update@{self.rank}", t1, time.time(), 0)]
-        return float(torch.stack(losses).detach().mean()) if last else None
+        return float(torch.stack(losses).detach().mean()) if self.last else None
 
     def events(self):
         return list(self._events)
@@ -242,11 +277,14 @@ def _memory_step(v, i):
 def worker(o):
     """Every rank: build each variant, warm it up, measure its memory; then timed steps round-robin."""
     rank = dist.get_rank()
-    tied_group = dist.new_group([0, o.pp - 1]) if o.pp > 1 else None
-    variants, out = {}, {"stage": rank, "mem": {}, "times": {n: [] for n in VARIANTS}, "cpu": {n: [] for n in VARIANTS},
-                         "losses": {n: {} for n in VARIANTS}, "events": {n: [] for n in VARIANTS}}
-    for name in VARIANTS:
-        v = Ours(o, name.split()[1]) if name.startswith("ours") else Theirs(o, name.split()[1].lower(), tied_group)
+    names = variants_of(o)
+    # The peer sums tied gradients over the first and last stages' ranks (a group built by every rank).
+    tied_groups = {(0, o.pp - 1): dist.new_group([0, o.pp - 1])} if o.pp > 1 else {}
+    variants, out = {}, {"stage": rank, "mem": {}, "times": {n: [] for n in names}, "cpu": {n: [] for n in names},
+                         "losses": {n: {} for n in names}, "events": {n: [] for n in names}}
+    for name in names:
+        side, variant = name.split()
+        v = Ours(o, variant) if side == "ours" else Theirs(o, variant, tied_groups)
         for i in range(o.warmup):
             out["losses"][name][i] = v.step(i)
         step_peak, saved, loss, when, events = _memory_step(v, o.warmup)
@@ -254,7 +292,7 @@ def worker(o):
         out["mem"][name] = dict(step=step_peak, saved=saved, when=when, events=events)
         variants[name] = v
     first = o.warmup + 1
-    orders = balanced_orders(list(VARIANTS))
+    orders = balanced_orders(list(names))
     for k in range(o.steps):
         for name in orders[k % len(orders)]:
             dist.barrier()
@@ -283,8 +321,22 @@ def parse(argv=None, description: str = "pipeline benchmark on a GPT-2 split"):
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--trace", default=None, help="write ours 1f1b and torch 1F1B's last step as a Chrome trace here")
+    ap.add_argument("--trace", default=None, help="write the first pair's last step as a Chrome trace here")
+    ap.add_argument("--schedules", action="store_true",
+                    help="interleaved (2 stages per rank), zb and zbv against torch's schedules, not 1f1b and gpipe")
     o = ap.parse_args(argv)
-    if o.batch % o.micro or o.layers % o.pp:
-        ap.error(f"--batch {o.batch} must divide into --micro {o.micro} and --layers {o.layers} into --pp {o.pp}")
+    stages = o.pp * (2 if o.schedules else 1)
+    if o.batch % o.micro or o.layers % stages:
+        ap.error(f"--batch {o.batch} must divide into --micro {o.micro} and --layers {o.layers} into "
+                 f"{stages} stages (--pp {o.pp}{' x 2 stages per rank' if o.schedules else ''})")
     return o
+
+
+def variants_of(o) -> tuple:
+    """The variants the options compare, in order."""
+    return SCHEDULE_VARIANTS if o.schedules else VARIANTS
+
+
+def pairs_of(o) -> tuple:
+    """``(ours, the peer)`` pairs the options compare."""
+    return SCHEDULE_PAIRS if o.schedules else PAIRS

@@ -1,6 +1,6 @@
-"""Our pipelined GPT-2 (1F1B and GPipe from register quotas) against ``torch.distributed.pipelining``.
+"""Our pipelined GPT-2 (schedules from placements and register quotas) against ``torch.distributed.pipelining``.
 
-    python scripts/bench_pipeline.py [--pp 2|4] [--micro 8] [--steps 6] [--warmup 1]
+    python scripts/bench_pipeline.py [--pp 2|4] [--micro 8] [--steps 6] [--warmup 1] [--schedules]
 
 On ``pp`` local gloo ranks (one rank pool, CPU, one intra-op thread per rank),
 four variants train the same GPT-2 (``--layers 8 --embd 256 --heads 8 --vocab
@@ -19,6 +19,17 @@ live on the same ranks of one pool for the whole run:
   hidden states (or logits), and the schedule's ``loss_fn`` is
   ``GPT2LMHeadModel``'s next-token cross-entropy (``scale_grads`` divides by
   ``m`` as we divide each micro-batch's loss by ``m``; ``return_outputs=False``).
+
+``--schedules`` runs six other variants instead, in three pairs on the
+same split into ``2 pp`` or ``pp`` stages: ``ours interleaved`` (1F1B,
+``pp_virtual=2``, stages round robin) against ``ScheduleInterleaved1F1B``;
+``ours zb`` (ZB-H1) against ``ScheduleInterleavedZeroBubble`` with one stage
+per rank (torch's nearest: its ZB1P, whose warm-up with one stage per rank
+is 1F1B's); ``ours zbv`` against ``ScheduleZBVZeroBubble`` (two stages per
+rank in a V, so the first and last stage, and their tied copies, share
+rank 0, where the peer sums them locally). Its last line is
+``schedules: interleaved A.AAx thr B.BBx mem; zb C.CCx thr D.DDx mem; zbv
+E.EEx thr F.FFx mem (vs torch)``.
 
 Tied embedding / LM head, the same on both sides: the first and last stage
 copies start equal; after the micro-batches their gradients are summed (ours
@@ -92,11 +103,11 @@ import re
 import statistics
 
 from benchkit.paired import paired_ratio
-from benchkit.pipeline_peers import MB, PAIRS, VARIANTS, parse, worker
+from benchkit.pipeline_peers import MB, SCHEDULES, VARIANTS, pairs_of, parse, variants_of, worker
 from runtime.pipeline.timeline import bubble, peak_held, theory
 
 
-_KIND = re.compile(r"^s\d+\.(F|B|data|reduce|update|act\.cut|act\.assemble|grad\.cut|grad\.assemble)")
+_KIND = re.compile(r"^s\d+\.(F|B|W|data|reduce|update|act\.cut|act\.assemble|grad\.cut|grad\.assemble)")
 
 
 def _kind(name: str) -> str:
@@ -116,7 +127,7 @@ def _actions(per_step_events):
             k = _kind(name)
             total[k] = total.get(k, 0.0) + (end - start)
             count[k] = count.get(k, 0) + 1
-            if k in ("F", "B"):
+            if k in ("F", "B", "W"):
                 fb += end - start
     n = len(per_step_events)
     return {k: (total[k] / count[k] * 1e3, count[k] / n) for k in total}, fb / n
@@ -126,8 +137,8 @@ def _running(mem) -> str:
     """The compute action (forward, backward, reduce, update) of the sampled step that ran at its heap peak."""
     when = mem["when"]
     for name, start, end, piece in mem["events"]:
-        if start <= when <= end and _kind(name) in ("F", "B", "reduce", "update"):
-            return f"{_kind(name)}{piece if _kind(name) in ('F', 'B') else ''}"
+        if start <= when <= end and _kind(name) in ("F", "B", "W", "reduce", "update"):
+            return f"{_kind(name)}{piece if _kind(name) in ('F', 'B', 'W') else ''}"
     return "between actions"
 
 
@@ -135,6 +146,7 @@ def report(res, o) -> str:
     """The benchmark's text: per variant its step, memory and held micro-batches, the trace's actions, the
     bubble against theory, and the last line. One function: every line reads the same per-variant tables."""
     lines = []
+    VARIANTS, PAIRS = variants_of(o), pairs_of(o)  # noqa: N806  (the module's names, for the options' mode)
     tokens = o.batch * o.seq
     step_time = {n: statistics.median(max(r["times"][n][k] for r in res) for k in range(o.steps)) for n in VARIANTS}
     cpu_time = {n: statistics.median(max(r["cpu"][n][k] for r in res) for k in range(o.steps)) for n in VARIANTS}
@@ -144,24 +156,26 @@ def report(res, o) -> str:
     worst = max(abs(losses[n][i] - ref[i]) / abs(ref[i]) for n in VARIANTS for i in ref)
     lines.append(f"GPT-2 {o.layers} layers x {o.embd} (vocab {o.vocab}), pp={o.pp}, m={o.micro}, "
                  f"batch {o.batch} x seq {o.seq} = {tokens} tokens/step, {o.steps} timed steps after {o.warmup}+1")
-    lines.append(f"loss per step agrees across the 4 variants: max rel diff {worst:.1e} "
+    lines.append(f"loss per step agrees across the {len(VARIANTS)} variants: max rel diff {worst:.1e} "
                  f"(step 0 loss {ref[0]:.4f}, last {ref[max(ref)]:.4f})")
     lines.append("")
-    head = f"{'variant':12s} {'step ms':>9s} {'tokens/s':>9s} {'cpu ms':>7s}"
+    w = max(12, max(len(n) for n in VARIANTS))
+    head = f"{'variant':{w}s} {'step ms':>9s} {'tokens/s':>9s} {'cpu ms':>7s}"
     for r in res:
         head += f" {'heap MB s' + str(r['stage']):>11s} {'saved MB s' + str(r['stage']):>12s}"
     lines.append(head)
     for n in VARIANTS:
-        row = f"{n:12s} {step_time[n] * 1e3:9.0f} {tokens / step_time[n]:9.0f} {cpu_time[n] * 1e3:7.0f}"
+        row = f"{n:{w}s} {step_time[n] * 1e3:9.0f} {tokens / step_time[n]:9.0f} {cpu_time[n] * 1e3:7.0f}"
         for r in res:
             row += f" {r['mem'][n]['step'] / MB:11.1f} {r['mem'][n]['saved'] / MB:12.1f}"
         lines.append(row)
     lines.append("")
-    lines.append(f"{'ours / torch':14s} {'throughput':>10s} {'by CPU time':>11s} {'peak heap':>10s}")
+    pw = max(14, max(len(f"{a[5:]} vs {b[6:]}") for a, b in PAIRS))
+    lines.append(f"{'ours / torch':{pw}s} {'throughput':>10s} {'by CPU time':>11s} {'peak heap':>10s}")
     ratios = {}
     for ours, theirs in PAIRS:
         ratios[ours] = (step_time[theirs] / step_time[ours], mem[ours] / mem[theirs])
-        lines.append(f"{ours[5:] + ' vs ' + theirs[6:]:14s} {ratios[ours][0]:9.2f}x "
+        lines.append(f"{ours[5:] + ' vs ' + theirs[6:]:{pw}s} {ratios[ours][0]:9.2f}x "
                      f"{cpu_time[theirs] / cpu_time[ours]:10.2f}x {ratios[ours][1]:9.2f}x")
     pairs = []
     for ours, theirs in PAIRS:
@@ -171,19 +185,22 @@ def report(res, o) -> str:
     lines.append("paired, the median over rounds of each round's own ratio (drift between rounds cancels): "
                  + "; ".join(pairs))
     lines.append("")
-    th = theory(o.pp, o.micro)
-    lines.append(f"per stage: bubble (median over the timed steps; theory (p-1)/(m+p-1) = {th:.2f}) and the most "
-                 "micro-batches held between forward and backward")
+    virtuals = sorted({SCHEDULES[n.split()[1]][1] for n in VARIANTS})
+    lines.append("per pipeline rank: bubble (median over the timed steps; 1F1B's theory (p-1)/(v m+p-1) = "
+                 + ", ".join(f"{theory(o.pp, o.micro, v):.2f} for v={v}" for v in virtuals)
+                 + ") and the most micro-batches (of any stage) held between forward and backward (or weight pass)")
+    bubbles = {}
     for n in VARIANTS:
         per_step = [bubble({r["stage"]: r["events"][n][k] for r in res}) for k in range(o.steps)]
         med = {s: statistics.median(b[s] for b in per_step) for s in sorted(per_step[0])}
+        bubbles[n] = statistics.mean(med.values())
         held = {r["stage"]: peak_held(r["mem"][n]["events"]) for r in res}
-        lines.append(f"  {n:12s} bubble " + ", ".join(f"s{s} {x:.2f}" for s, x in med.items())
-                     + "   held " + ", ".join(f"s{s} {held[s]}" for s in sorted(held)))
+        lines.append(f"  {n:{w}s} bubble " + ", ".join(f"s{s} {x:.2f}" for s, x in med.items())
+                     + f" (mean {bubbles[n]:.2f})   held " + ", ".join(f"s{s} {held[s]}" for s in sorted(held)))
     lines.append("")
     lines.append("where the time goes: ms per action, mean over the timed steps [actions per step]; "
                  "send/recv include waiting for the peer")
-    order = ("F", "B", "data", "act.cut", "act.assemble", "grad.cut", "grad.assemble", "send act", "recv act",
+    order = ("F", "B", "W", "data", "act.cut", "act.assemble", "grad.cut", "grad.assemble", "send act", "recv act",
              "send grad", "recv grad", "reduce", "update", "send loss", "recv loss", "other")
     per_step = {}
     for n in VARIANTS:
@@ -192,20 +209,28 @@ def report(res, o) -> str:
             acts, fb = _actions(r["events"][n])
             per_step[n, r["stage"]] = {k: acts[k][0] * acts[k][1] for k in acts}
             parts = [f"{k} {acts[k][0]:.1f}[{acts[k][1]:g}]" for k in order if k in acts]
-            lines.append(f"  {n:12s} s{r['stage']}: F+B {fb * 1e3:.0f} of {mean_step * 1e3:.0f} ms/step; " + " ".join(parts))
+            lines.append(f"  {n:{w}s} s{r['stage']}: F+B(+W) {fb * 1e3:.0f} of {mean_step * 1e3:.0f} ms/step; "
+                         + " ".join(parts))
     lines.append("ours - torch, ms per step: " + "; ".join(
         f"{ours[5:]} s{st}: " + " ".join(f"{k} {per_step[ours, st].get(k, 0) - per_step[theirs, st].get(k, 0):+.0f}"
-                                         for k in ("F", "B", "reduce", "update"))
+                                         for k in ("F", "B", "W", "reduce", "update"))
         for ours, theirs in PAIRS for st in range(o.pp)))
     lines.append("heap peak during (per stage, the compute action running when the sampled step's heap peaked):")
     for n in VARIANTS:
-        lines.append(f"  {n:12s} " + "; ".join(f"s{r['stage']} {_running(r['mem'][n])}" for r in sorted(res, key=lambda r: r["stage"])))
-    (t1, m1), (tg, mg) = ratios["ours 1f1b"], ratios["ours gpipe"]
-    lines.append(f"vs Schedule1F1B: {t1:.2f}x throughput, {m1:.2f}x peak memory; vs ScheduleGPipe: {tg:.2f}x, {mg:.2f}x")
+        lines.append(f"  {n:{w}s} " + "; ".join(f"s{r['stage']} {_running(r['mem'][n])}"
+                                                for r in sorted(res, key=lambda r: r["stage"])))
+    if o.schedules:
+        (ti, mi), (tz, mz), (tv, mv) = (ratios[ours] for ours, _ in PAIRS)
+        lines.append(f"schedules: interleaved {ti:.2f}x thr {mi:.2f}x mem; zb {tz:.2f}x thr {mz:.2f}x mem; "
+                     f"zbv {tv:.2f}x thr {mv:.2f}x mem (vs torch)")
+    else:
+        (t1, m1), (tg, mg) = ratios["ours 1f1b"], ratios["ours gpipe"]
+        lines.append(f"vs Schedule1F1B: {t1:.2f}x throughput, {m1:.2f}x peak memory; vs ScheduleGPipe: {tg:.2f}x, "
+                     f"{mg:.2f}x")
     return "\n".join(lines)
 
 
-def write_trace(res, path: str, pair=("ours 1f1b", "torch 1F1B")) -> str:
+def write_trace(res, path: str, pair=VARIANTS[:2]) -> str:
     """Both variants' last timed step as one Chrome trace, each shifted to start at 0."""
     events = []
     for v, name in enumerate(pair):
@@ -232,7 +257,7 @@ def main(argv=None) -> str:
     text = report(res, o)
     print(text, flush=True)
     if o.trace:
-        print(f"trace of the last timed step: {write_trace(res, o.trace)}")
+        print(f"trace of the last timed step: {write_trace(res, o.trace, variants_of(o)[:2])}")
     return text
 
 

@@ -17,7 +17,7 @@ OPS = {"transformer.h.0.mlp.c_fc.weight": "B", "transformer.h.0.mlp.c_fc.bias": 
 def _resolved(tmp_path, sbp_cache, strategy):
     """What ``parallel=auto`` resolves to when ``strategy``'s plan file is cached."""
     from recipes.registry import get
-    from toolkit.search.auto import plan_path, resolve
+    from toolkit.search.auto import PLAN_FORMAT, plan_path, resolve
     from toolkit.config import compose
 
     base = [*TINY, "parallel=auto", f"parallel.search.cache_dir={tmp_path}/plans", f"data.cache_dir={sbp_cache}"]
@@ -25,11 +25,12 @@ def _resolved(tmp_path, sbp_cache, strategy):
     recipe = get(cfg.recipe.name)
     path, _ = plan_path(cfg, recipe)
     path.parent.mkdir(parents=True)
-    path.write_text(json.dumps({"format": 1, "name": strategy.name, "strategy": strategy.to_dict()}))
+    path.write_text(json.dumps({"format": PLAN_FORMAT, "name": strategy.name, "strategy": strategy.to_dict()}))
     out = resolve(cfg, recipe, log=lambda *_: None)
     par = out.parallel
     assert (par.dp, par.tp, par.pp, par.auto) == (strategy.dp, strategy.tp, strategy.pp, False)
     assert dict(par.plan) == dict(strategy.ops) and out.trainer.micro_batch_size == strategy.micro_batch_size
+    assert (par.pp_schedule, par.pp_virtual) == (strategy.schedule, strategy.virtual)
     return out, recipe
 
 

@@ -19,3 +19,17 @@ def test_bench_pipeline_prints_table_and_summary(capsys):
     last = text.strip().splitlines()[-1]
     assert re.fullmatch(r"vs Schedule1F1B: \d+\.\d\dx throughput, \d+\.\d\dx peak memory; "
                         r"vs ScheduleGPipe: \d+\.\d\dx, \d+\.\d\dx", last), last
+
+
+def test_bench_pipeline_schedules_against_torch_s(capsys):
+    """--schedules: interleaved, zb and zbv against torch's classes on the same split; the losses agree."""
+    from benchkit.pipeline_peers import SCHEDULE_VARIANTS
+
+    text = main([*TINY[:-6], "--layers", "4", "--micro", "2", "--steps", "1", "--warmup", "0", "--schedules"])
+    for name in SCHEDULE_VARIANTS:
+        assert re.search(rf"^{re.escape(name)}\s+\d+\s+\d+", text, re.M), f"no table row for {name}"
+    worst = float(re.search(r"max rel diff ([\d.e+-]+)", text).group(1))
+    assert worst < 1e-5, text
+    last = text.strip().splitlines()[-1]
+    assert re.fullmatch(r"schedules: interleaved \d+\.\d\dx thr \d+\.\d\dx mem; zb \d+\.\d\dx thr \d+\.\d\dx mem; "
+                        r"zbv \d+\.\d\dx thr \d+\.\d\dx mem \(vs torch\)", last), last

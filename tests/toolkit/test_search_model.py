@@ -87,3 +87,59 @@ def test_insightface_is_traced_and_priced():
     assert not piped.problems(pp2)
     two = Evaluator(piped, cluster, RooflineOpCosts(cluster.peak_flops, cluster.mem_bandwidth)).predict(pp2)
     assert [t.act_bytes for t in two.traces] == [4 * 32 * 8 * 8 * 4, 0]  # layer2 out: [4, 2*16, 32/4, 32/4] fp32
+
+
+@pytest.fixture(scope="module")
+def four_layers():
+    from recipes.registry import get
+    from toolkit.search.search_model import RecipeSearchModel
+    from toolkit.config import compose
+
+    cfg = compose([*TINY, "model.n_layer=4", "trainer.global_batch_size=8", "trainer.micro_batch_size=2"],
+                  run_dir="/tmp/autoparallel-schedules")
+    return RecipeSearchModel(get(cfg.recipe.name), cfg)
+
+
+@pytest.mark.parametrize("schedule,virtual", [("1f1b", 1), ("1f1b", 2), ("gpipe", 1), ("zb", 1), ("zbv", 2)])
+def test_every_schedule_is_priced_from_the_same_plan(four_layers, schedule, virtual):
+    """pp2 under each schedule: the task graph has the runtime's actors (a pool per rank with several stages,
+    weight passes under zero bubble) and memory per pipeline rank counts every stage it holds."""
+    from toolkit.search.cluster import cluster_from_dict
+    from toolkit.search.evaluate import Evaluator
+    from toolkit.search.opcost import RooflineOpCosts
+
+    cluster = cluster_from_dict({"name": "toy", "nodes": 1, "devices_per_node": 2,
+                                 "device": {"memory_gib": 1, "peak_tflops": {"float32": 1.0},
+                                            "memory_bandwidth_gbs": 10},
+                                 "links": {"intra_node": {"bandwidth_gbs": 10, "latency_us": 10}}})
+    ev = Evaluator(four_layers, cluster, RooflineOpCosts(cluster.peak_flops, cluster.mem_bandwidth))
+    s = Strategy(pp=2, micro_batch_size=2, schedule=schedule, virtual=virtual)
+    assert not four_layers.problems(s)
+    p = ev.predict(s)
+    names = {a.name for a in p.graph.actors}
+    assert len(p.traces) == 2 * virtual and len(p.memory) == 2 and p.step_seconds > 0
+    assert bool(p.graph.pools) == (virtual > 1)
+    assert any(n.endswith(".W") for n in names) == (schedule in ("zb", "zbv"))
+    if schedule == "zbv":  # the first and last stage on rank 0: no tied-gradient exchange
+        assert "tied" not in names
+    one = ev.predict(Strategy(pp=2, micro_batch_size=2))
+    # Rank 0 against 1F1B's: the same under ZB-H1 (a budget of pp, its layers); more with a second stage (its
+    # parameters, the budget of more micro-batches) and under GPipe (every micro-batch held).
+    assert p.memory[0] == one.memory[0] if (schedule, virtual) in (("1f1b", 1), ("zb", 1)) else \
+        p.memory[0] > one.memory[0]
+
+
+def test_the_search_moves_between_schedules(four_layers):
+    import random
+
+    from toolkit.search.space import PIPELINES, SearchSpace
+
+    space = SearchSpace(four_layers, 2)
+    rng, seen = random.Random(0), set()
+    s = Strategy(pp=2, micro_batch_size=2)
+    for _ in range(200):
+        t = space.propose(s, rng)
+        if (t.dp, t.tp, t.pp) == (1, 1, 2) and space.valid(t):
+            seen.add((t.schedule, t.virtual))
+    assert seen >= set(PIPELINES) - {("1f1b", 1)}
+    assert four_layers.problems(Strategy(pp=2, micro_batch_size=2, schedule="1f1b", virtual=3))  # 4 layers, 6 stages

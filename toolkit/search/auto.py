@@ -33,7 +33,7 @@ from toolkit.config import typed
 from .cluster_file import load_cluster
 from .stage_spec import mesh_plan, strategy_cfg
 
-PLAN_FORMAT = 1
+PLAN_FORMAT = 2  # 2: the strategy holds the pipeline schedule and stages per rank
 
 
 def _devices(cfg, cluster) -> tuple:
@@ -56,7 +56,7 @@ def plan_key(cfg, recipe, cluster_text: str, devices: int) -> str:
              "data": repr(recipe.batch_fields(cfg)),
              "trainer": {k: tr.get(k) for k in ("global_batch_size", "precision", "activation_checkpointing",
                                                  "grad_clip", "optimizer")},
-             "schedule": str(cfg.parallel.pp_schedule), "cluster": cluster_text, "devices": devices,
+             "cluster": cluster_text, "devices": devices,
              "search": {k: v for k, v in search.items() if k != "cache_dir"}, "format": PLAN_FORMAT}
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 

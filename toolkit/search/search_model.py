@@ -61,7 +61,6 @@ class RecipeSearchModel:
         self.recipe = recipe
         self.cfg = cfg = typed(cfg, recipe)
         self.global_batch = int(cfg.trainer.global_batch_size)
-        self.schedule = str(cfg.parallel.pp_schedule)
         self.grad_clip = float(cfg.trainer.grad_clip) > 0
         self.split = recipe.pipeline_plan(cfg.model)
         self.n_layer = recipe.n_layers(cfg.model) if self.split is not None else 0
@@ -163,7 +162,7 @@ class RecipeSearchModel:
             if s == base or s in out or self.problems(s):
                 continue
             try:
-                for stage in range(s.pp):
+                for stage in range(s.stages):
                     self.trace(s, stage)  # rehearse now: predictions then price cached traces
             except (ValueError, RuntimeError, NotImplementedError):
                 continue
@@ -194,7 +193,7 @@ class RecipeSearchModel:
         pipe = self.split
         if pipe is None:
             return set(self.shapes)
-        r = stage_ranges(self.n_layer, strategy.pp)[stage]
+        r = stage_ranges(self.n_layer, strategy.stages)[stage]
 
         def under(n, paths):
             return any(n.startswith(p + ".") for p in paths)
@@ -207,7 +206,7 @@ class RecipeSearchModel:
             elif under(n, pipe.get("first", ())):
                 keep = stage == 0
             elif under(n, pipe.get("last", ())):
-                keep = stage == strategy.pp - 1
+                keep = stage == strategy.stages - 1
             else:
                 keep = True
             if keep:
@@ -218,7 +217,7 @@ class RecipeSearchModel:
         return tuple((p, s) for p, s in strategy.ops if any(fnmatch.fnmatchcase(n, p) for n in names))
 
     def trace(self, strategy: Strategy, stage: int) -> StageTrace:
-        pp = strategy.pp
+        pp = strategy.stages
         layers = stage_layers(self.recipe, self.cfg, pp, stage)
         ops = self._ops_for(strategy, stage, self._stage_names(strategy, stage))
         uniform = self.layers_alike and all(_layer_uniform(p) for p, _ in ops)
@@ -245,7 +244,7 @@ class RecipeSearchModel:
 
     def tied_bytes(self, strategy: Strategy):
         """Bytes of one tied gradient copy on a rank (what the first and last stage exchange), or None."""
-        if not self.tied or strategy.pp == 1:
+        if not self.tied or strategy.pp == 1 or strategy.stage_rank(0) == strategy.stage_rank(strategy.stages - 1):
             return None
         plan = mesh_plan(self.recipe, self.cfg, strategy)
         total = 0

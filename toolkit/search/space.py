@@ -4,9 +4,11 @@ A strategy (``strategy.Strategy``) sets dp, tp and pp (using all of a
 cluster's devices; on a machine whose devices are processes sharing a CPU,
 any power-of-two count up to them), the ZeRO stage (with dp > 1), the
 micro-batch size (a divisor of ``global_batch`` over the batch's shards —
-``dp`` for GPT-2 — with at least ``pp`` micro-batches), sequence parallel (with tp > 1) and one candidate per
-per-op choice point (``model.choices``: index 0 is the recipe's own
-layout). ``model.problems(strategy)`` has the last word on validity.
+``dp`` for GPT-2 — with at least ``pp`` micro-batches), sequence parallel (with tp > 1), the pipeline schedule and
+stages per rank (with pp > 1: ``PIPELINES``) and one candidate per per-op
+choice point (``model.choices``: index 0 is the recipe's own layout).
+``model.problems(strategy)`` has the last word on validity (e.g. layers
+that do not divide into ``pp * virtual`` stages).
 
 ``propose(strategy, rng)`` changes one thing, chosen uniformly among the
 kinds of change the strategy allows — FlexFlow's proposal: a random op
@@ -17,6 +19,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 from .strategy import Strategy
+
+# (pp_schedule, stages per pipeline rank) the search may pick for a pipeline: 1F1B, interleaved 1F1B,
+# GPipe, ZB-H1 and ZB-V.
+PIPELINES = (("1f1b", 1), ("1f1b", 2), ("gpipe", 1), ("zb", 1), ("zbv", 2))
 
 
 def divisors(n: int) -> list:
@@ -74,6 +80,8 @@ class SearchSpace:
 
     def _moves(self, s: Strategy) -> list:
         moves = ["degrees", "micro_batch"]
+        if s.pp > 1:
+            moves.append("schedule")
         if s.dp > 1 and len(self.zero_stages) > 1:
             moves.append("zero")
         if s.tp > 1 and self.sequence_parallel:
@@ -90,8 +98,9 @@ class SearchSpace:
             mbs = self.micro_batch_sizes(dp, tp, pp) or [1]
             mb = min(mbs, key=lambda x: (abs(x - s.micro_batch_size), x))
             zero = s.zero if dp > 1 else 0
+            schedule, virtual = (s.schedule, s.virtual) if pp > 1 else ("1f1b", 1)
             return replace(s, dp=dp, tp=tp, pp=pp, micro_batch_size=mb, zero=zero,
-                           sequence_parallel=s.sequence_parallel and tp > 1)
+                           sequence_parallel=s.sequence_parallel and tp > 1, schedule=schedule, virtual=virtual)
         if move == "micro_batch":
             mbs = [m for m in self.micro_batch_sizes(s.dp, s.tp, s.pp) if m != s.micro_batch_size]
             return replace(s, micro_batch_size=rng.choice(mbs)) if mbs else s
@@ -99,5 +108,8 @@ class SearchSpace:
             return replace(s, zero=rng.choice([z for z in self.zero_stages if z != s.zero]))
         if move == "sequence_parallel":
             return replace(s, sequence_parallel=not s.sequence_parallel)
+        if move == "schedule":
+            schedule, virtual = rng.choice([p for p in PIPELINES if p != (s.schedule, s.virtual)])
+            return replace(s, schedule=schedule, virtual=virtual)
         choice = rng.choice(self.choices)
         return self.model.apply_choice(s, choice, rng.randrange(len(choice.candidates)))

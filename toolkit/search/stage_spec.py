@@ -34,23 +34,25 @@ def strategy_cfg(cfg, recipe, strategy: Strategy):
     par = out.parallel
     par.dp, par.tp, par.pp, par.zero = strategy.dp, strategy.tp, strategy.pp, strategy.zero
     par.sequence_parallel, par.plan, par.stage_layers = strategy.sequence_parallel, dict(strategy.ops), None
+    par.pp_schedule, par.pp_virtual = strategy.schedule, strategy.virtual
     par.auto = False
     out.trainer.micro_batch_size = strategy.micro_batch_size
     return out
 
 
-def stage_layers(recipe, cfg, pp: int, stage: int) -> range:
+def stage_layers(recipe, cfg, stages: int, stage: int) -> range:
+    """The repeated layers of stage ``stage`` of ``stages`` (the uniform split)."""
     if recipe.pipeline_plan(cfg.model) is None:
         return range(0)
-    return stage_ranges(recipe.n_layers(cfg.model), pp)[stage]
+    return stage_ranges(recipe.n_layers(cfg.model), stages)[stage]
 
 
 def stage_spec(recipe, cfg, strategy: Strategy, stage: int, layers=None) -> StageSpec:
     """``StageSpec`` of stage ``stage`` (``layers``: the repeated layers it holds, default the uniform split's)."""
     cfg = strategy_cfg(cfg, recipe, strategy)
-    pp = strategy.pp
-    layers = stage_layers(recipe, cfg, pp, stage) if layers is None else layers
-    first, last = stage == 0, stage == pp - 1
+    n = strategy.stages
+    layers = stage_layers(recipe, cfg, n, stage) if layers is None else layers
+    first, last = stage == 0, stage == n - 1
     split = recipe.pipeline_plan(cfg.model)
     mesh_shape, origin = (strategy.dp, strategy.tp), (0, 0)
     rows = strategy.micro_batch_size * data_shard(recipe.data_sbp, mesh_shape, origin)[1]

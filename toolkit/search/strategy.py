@@ -11,6 +11,9 @@ a plan file stores for training to run unchanged:
   micro-batches is ``global_batch / (micro_batch_size * shards)``, shards
   being ``dp`` for a batch laid out ``(S(0), B)``);
 - ``sequence_parallel``: the recipe's sequence-parallel activation pins;
+- ``schedule``, ``virtual``: the pipeline schedule and stages per pipeline
+  rank (``parallel.pp_schedule``, ``parallel.pp_virtual``), so the search
+  chooses them with the rest (``stages`` = ``pp * virtual``);
 - ``ops``: per-op signature choices, as ``(parameter pattern, tp-axis SBP)``
   pairs that override the recipe's plan (the dp axis of a parameter is
   ``B``; ZeRO shards it), e.g. ``("*.mlp.c_fc.weight", "B")`` runs that op
@@ -21,6 +24,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field, replace
 
+from runtime.pipeline.schedule import check_schedule, chunk_ranks
 from sbp_core.sbp import Broadcast, Partial, Split
 
 _SBP = re.compile(r"^(?:S\((\d+)\)|B|P\((sum|max|min)\))$")
@@ -47,14 +51,17 @@ class Strategy:
     micro_batch_size: int = 1
     sequence_parallel: bool = False
     ops: tuple = field(default_factory=tuple)  # sorted ((pattern, "S(1)"|"S(0)"|"B"), ...)
+    schedule: str = "1f1b"
+    virtual: int = 1
 
     def __post_init__(self):
-        for k in ("dp", "tp", "pp", "micro_batch_size"):
+        for k in ("dp", "tp", "pp", "micro_batch_size", "virtual"):
             v = getattr(self, k)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"Strategy.{k}={v!r}: must be an int >= 1")
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"Strategy.zero={self.zero!r}: must be one of 0, 1, 2, 3")
+        check_schedule(self.schedule, self.pp, self.virtual)
         for pattern, sbp in self.ops:
             parse_sbp(sbp)
         ops = tuple(sorted((str(p), str(s)) for p, s in self.ops))
@@ -68,6 +75,15 @@ class Strategy:
         return self.dp * self.tp * self.pp
 
     @property
+    def stages(self) -> int:
+        """Pipeline stages (model chunks): ``virtual`` on each of the ``pp`` pipeline ranks."""
+        return self.pp * self.virtual
+
+    def stage_rank(self, stage: int) -> int:
+        """The pipeline rank (0..pp-1) that holds stage ``stage`` (``runtime.pipeline.schedule.chunk_ranks``)."""
+        return chunk_ranks(self.schedule, self.pp, self.virtual)[stage]
+
+    @property
     def name(self) -> str:
         """``dpX_tpY_ppZ`` (with ``_zeroK`` when ZeRO is on): a layout name ``train.py parallel=`` accepts."""
         base = f"dp{self.dp}_tp{self.tp}_pp{self.pp}"
@@ -75,6 +91,8 @@ class Strategy:
 
     def describe(self) -> str:
         extras = [f"micro-batch {self.micro_batch_size}"]
+        if self.pp > 1:
+            extras.append(f"{self.schedule}" + (f" x{self.virtual} stages per rank" if self.virtual > 1 else ""))
         if self.sequence_parallel:
             extras.append("sequence parallel")
         if self.ops:
@@ -95,11 +113,11 @@ class Strategy:
     def to_dict(self) -> dict:
         return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "zero": self.zero,
                 "micro_batch_size": self.micro_batch_size, "sequence_parallel": self.sequence_parallel,
-                "ops": {p: s for p, s in self.ops}}
+                "ops": {p: s for p, s in self.ops}, "schedule": self.schedule, "virtual": self.virtual}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Strategy":
-        known = {"dp", "tp", "pp", "zero", "micro_batch_size", "sequence_parallel", "ops"}
+        known = {"dp", "tp", "pp", "zero", "micro_batch_size", "sequence_parallel", "ops", "schedule", "virtual"}
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"strategy keys {unknown} are unknown; valid: {sorted(known)}")
