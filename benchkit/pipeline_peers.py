@@ -22,10 +22,12 @@ from toolkit.stages import keep_stage, stage_ranges
 
 VARIANTS = ("ours 1f1b", "torch 1F1B", "ours gpipe", "torch GPipe")
 PAIRS = ((VARIANTS[0], VARIANTS[1]), (VARIANTS[2], VARIANTS[3]))  # (ours, the peer) compared
-# --schedules: interleaved (2 stages per rank) and zero-bubble schedules against torch's on the same split.
+# --schedules: interleaved (2 stages per rank) and zero-bubble schedules against torch's on the same split, and
+# our 1F1B beside them (its bubble and trace, unpaired).
 SCHEDULE_VARIANTS = ("ours interleaved", "torch Interleaved1F1B", "ours zb", "torch InterleavedZeroBubble",
-                     "ours zbv", "torch ZBVZeroBubble")
+                     "ours zbv", "torch ZBVZeroBubble", "ours 1f1b")
 SCHEDULE_PAIRS = tuple((SCHEDULE_VARIANTS[i], SCHEDULE_VARIANTS[i + 1]) for i in (0, 2, 4))
+SCHEDULE_TRACE = ("ours 1f1b", "ours interleaved", "ours zbv")  # --trace in --schedules mode: side by side
 # Each variant's schedule: (our pp_schedule, stages per rank); a peer's torch class shares its pair's split.
 SCHEDULES = {"1f1b": ("1f1b", 1), "gpipe": ("gpipe", 1), "interleaved": ("1f1b", 2), "zb": ("zb", 1),
              "zbv": ("zbv", 2), "1F1B": ("1f1b", 1), "GPipe": ("gpipe", 1), "Interleaved1F1B": ("1f1b", 2),

@@ -27,7 +27,9 @@ same split into ``2 pp`` or ``pp`` stages: ``ours interleaved`` (1F1B,
 per rank (torch's nearest: its ZB1P, whose warm-up with one stage per rank
 is 1F1B's); ``ours zbv`` against ``ScheduleZBVZeroBubble`` (two stages per
 rank in a V, so the first and last stage, and their tied copies, share
-rank 0, where the peer sums them locally). Its last line is
+rank 0, where the peer sums them locally); and ``ours 1f1b`` on ``pp``
+stages beside them, unpaired (its bubble; with ``--trace``, the trace
+shows ``ours 1f1b``, ``ours interleaved`` and ``ours zbv``). Its last line is
 ``schedules: interleaved A.AAx thr B.BBx mem; zb C.CCx thr D.DDx mem; zbv
 E.EEx thr F.FFx mem (vs torch)``.
 
@@ -103,7 +105,7 @@ import re
 import statistics
 
 from benchkit.paired import paired_ratio
-from benchkit.pipeline_peers import MB, SCHEDULES, VARIANTS, pairs_of, parse, variants_of, worker
+from benchkit.pipeline_peers import MB, SCHEDULE_TRACE, SCHEDULES, VARIANTS, pairs_of, parse, variants_of, worker
 from runtime.pipeline.timeline import bubble, peak_held, theory
 
 
@@ -117,6 +119,13 @@ def _kind(name: str) -> str:
         return f"{way} " + ("act" if ".act." in src else "grad" if ".grad." in src else "loss")
     m = _KIND.match(name)
     return m.group(1) if m else "other"
+
+
+def _label(name: str, piece) -> str:
+    """A trace event's name: ``F2 5`` (stage 2's forward of micro-batch 5; a colour per kind and stage), else
+    the action's kind and piece."""
+    m = re.match(r"^s(\d+)\.([FBW])@", name)
+    return f"{m.group(2)}{m.group(1)} {piece}" if m else f"{_kind(name)} {piece}"
 
 
 def _actions(per_step_events):
@@ -231,7 +240,7 @@ def report(res, o) -> str:
 
 
 def write_trace(res, path: str, pair=VARIANTS[:2]) -> str:
-    """Both variants' last timed step as one Chrome trace, each shifted to start at 0."""
+    """The variants' (``pair``: two or more) last timed step as one Chrome trace, each shifted to start at 0."""
     events = []
     for v, name in enumerate(pair):
         steps = [r["events"][name][-1] for r in res]
@@ -239,9 +248,9 @@ def write_trace(res, path: str, pair=VARIANTS[:2]) -> str:
         for r, evs in zip(res, steps):
             pid = v * len(res) + r["stage"]
             events.append({"ph": "M", "name": "process_name", "pid": pid,
-                           "args": {"name": f"{name.split()[0]} rank {r['stage']}"}})
+                           "args": {"name": f"{name} rank {r['stage']}"}})
             for ev_name, start, end, piece in evs:
-                events.append({"ph": "X", "name": f"{_kind(ev_name)} {piece}", "pid": pid,
+                events.append({"ph": "X", "name": _label(ev_name, piece), "pid": pid,
                                "tid": r["threads"][name].get(ev_name, "compute"),
                                "ts": (start - t0) * 1e6, "dur": (end - start) * 1e6})
     with open(path, "w") as f:
@@ -257,7 +266,8 @@ def main(argv=None) -> str:
     text = report(res, o)
     print(text, flush=True)
     if o.trace:
-        print(f"trace of the last timed step: {write_trace(res, o.trace, variants_of(o)[:2])}")
+        shown = SCHEDULE_TRACE if o.schedules else VARIANTS[:2]
+        print(f"trace of the last timed step: {write_trace(res, o.trace, shown)}")
     return text
 
 

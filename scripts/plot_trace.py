@@ -1,6 +1,6 @@
 """Render a runtime Chrome-trace JSON file as a PNG timeline (matplotlib, the ``plots`` extra).
 
-    python scripts/plot_trace.py trace.json [-o out.png] [--width 1600]
+    python scripts/plot_trace.py trace.json [-o out.png] [--width 1600] [--tracks compute]
 
 The input is what the actor runtime writes: ``{"traceEvents": [...]}`` or a bare
 list of events. Complete events (``"ph": "X"``, ``ts``/``dur`` in microseconds,
@@ -9,6 +9,8 @@ track per (rank, thread), sorted by rank then thread name. ``thread_name`` and
 ``process_name`` metadata events (``"ph": "M"``) name the tracks. A rectangle's
 colour depends only on the event name's prefix (text before the first ':' or
 ' '), so every ``fwd ...`` action shares a colour. The time axis is in ms.
+``--tracks`` keeps the tracks whose label contains a text (``compute``: the
+actions that use the device, without the transfers' waits).
 """
 import argparse
 import colorsys
@@ -91,12 +93,13 @@ def _label(name: str, fit: int) -> str:
     return name[:fit] if fit >= 3 else ""
 
 
-def render(events_or_path, png_path, width=1600):
+def render(events_or_path, png_path, width=1600, only: str | None = None):
     """Draw a trace (a path, a trace object or a list of events) to ``png_path`` with matplotlib.
 
     One horizontal band per track, events as filled bars in their prefix's
     colour (``color_of``; no antialiasing, so a bar's pixels are that colour),
     their names where they fit; time in ms from the first event.
+    ``only``: keep the tracks whose label contains it.
     Returns ``{"path": png_path, "tracks": [track labels], "events": number of X events}``.
     """
     try:
@@ -111,7 +114,7 @@ def render(events_or_path, png_path, width=1600):
     else:
         validate(events_or_path)
         events = events_or_path["traceEvents"] if isinstance(events_or_path, dict) else events_or_path
-    tracks = tracks_of(events)
+    tracks = [(label, evs) for label, evs in tracks_of(events) if only is None or only in label]
     xs = [ev for _, evs in tracks for ev in evs]
     t0 = min((ev["ts"] for ev in xs), default=0.0)
     span_ms = (max((ev["ts"] + ev["dur"] - t0 for ev in xs), default=0.0) or 1.0) / 1000.0
@@ -145,10 +148,11 @@ def main(argv=None):
     ap.add_argument("trace", help="Chrome-trace JSON file written by the runtime")
     ap.add_argument("-o", "--output", help="PNG to write (default: the trace path with .png)")
     ap.add_argument("--width", type=int, default=1600, help="image width in pixels")
+    ap.add_argument("--tracks", default=None, help="draw only the tracks whose label contains this (e.g. compute)")
     args = ap.parse_args(argv)
     out = args.output or str(Path(args.trace).with_suffix(".png"))
     try:
-        info = render(args.trace, out, width=args.width)
+        info = render(args.trace, out, width=args.width, only=args.tracks)
     except ValueError as e:
         sys.exit(f"plot_trace: invalid trace {args.trace}: {e}")
     print(f"wrote {info['path']}: {len(info['tracks'])} tracks, {info['events']} events")

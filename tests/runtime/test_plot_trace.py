@@ -61,6 +61,11 @@ def test_render_tracks_and_colours(tmp_path):
         assert event_colours <= set(rows[y]) - background
 
 
+def test_only_the_tracks_asked_for(tmp_path):
+    info = plot_trace.render(_trace(), tmp_path / "c.png", width=400, only="compute")
+    assert info["tracks"] == ["rank 0 / compute", "rank 1 / compute"] and info["events"] == 4
+
+
 def test_cli_and_bare_list(tmp_path):
     path = tmp_path / "trace.json"
     path.write_text(json.dumps(_trace()["traceEvents"]))
