@@ -164,7 +164,8 @@ class PipelineConfig:
         seen = set()
         for s, p in enumerate(self.placements):
             if seen & set(p.ranks):
-                raise ValueError(f"stage {s}'s placement {p} shares ranks with an earlier stage; stages must be disjoint")
+                raise ValueError(f"pipeline rank {s}'s placement {p} shares ranks with an earlier one; they must be "
+                                 "disjoint")
             seen |= set(p.ranks)
 
     def compute_actors(self, stage: int) -> dict:
@@ -489,6 +490,7 @@ class PipelineStep:
     def _plan(self, batches, m: int, train: bool) -> Plan:
         """The actors of one training step (``train``) or one forward-only evaluation of ``m`` micro-batches."""
         cfg, n, v = self.cfg, self.pp, self.cfg.virtual
+        where = chunk_ranks(cfg.schedule, len(cfg.placements), v)
         device = cfg.placements[0].device()
         actors, fwd_in, bwd_in = self._boundaries(train, device)
         pools, lockstep = {}, []
@@ -514,10 +516,9 @@ class PipelineStep:
                         actors.append(ActorSpec(f"s{s}.loss@{r}", self._eval_loss, inputs=(f"s{s}.F@{r}",), quota=1,
                                                 priority=2, rank=r, every=m, role="loss"))
                     continue
-                pool = f"stash@{r}" if v > 1 else ""
+                pool = f"stash@{r}" if v > 1 else ""  # the rank's stages share its activation budget
                 if pool:
-                    pools[pool] = stash_budget(cfg.schedule, len(cfg.placements), v, chunk_ranks(
-                        cfg.schedule, len(cfg.placements), v)[s], m)
+                    pools[pool] = stash_budget(cfg.schedule, len(cfg.placements), v, where[s], m)
                 b_in = (f"s{s}.F@{r}",) + (() if last else bwd_in.get((s, r), ()))
                 (fq, fp, _), (bq, bp, _) = table["F"], table["B"]
                 actors += [ActorSpec(f"s{s}.F@{r}", forward, inputs=f_in, quota=fq, priority=fp, rank=r,

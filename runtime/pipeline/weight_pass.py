@@ -1,13 +1,16 @@
 """A stage's backward in two passes: its input's gradient first, its weights' gradients after.
 
-Zero-bubble pipelines' B/W split, applied where it shortens a step without
-changing the schedule: the last micro-batch's backward on every stage but
-the first. There the stage before waits, idle, for that input gradient
-(its own last backward), so sending it before computing the weights'
-gradients takes the weight pass off the step's critical path: it runs on
-this stage while the stage before runs its last backward. Earlier
-micro-batches keep the one-pass backward, which does less work (the
-weight pass walks the graph again from the saved gradients).
+Zero-bubble pipelines' B/W split. Under ``zb``/``zbv`` every micro-batch's
+backward on every stage but the first is split, the weight pass an actor
+of its own that fills bubbles (``runtime.pipeline.schedule``). Under the
+other schedules it is applied where it shortens a step without changing the
+schedule: the last micro-batch's backward on every plain stage but the
+first. There the stage before waits, idle, for that input gradient (its
+own last backward), so sending it before computing the weights' gradients
+takes the weight pass off the step's critical path: it runs on this stage
+while the stage before runs its last backward. Other micro-batches keep
+the one-pass backward, which does less work (the weight pass walks the
+graph again from the saved gradients).
 
 The passes are ``torch.distributed.pipelining``'s own
 (``stage_backward_input`` keeps each parameter group's incoming gradients
@@ -15,9 +18,10 @@ at the nodes where its path leaves the input's; ``stage_backward_weight``
 finishes from there): the same kernels on the same values as one
 ``backward``. They write ``.grad`` directly instead of through the
 leaves' accumulate nodes, so no post-accumulate hook sees the weight
-pass: the step uses them only on stages running plain tensors
-(``plain_stage``), whose leaves carry no hooks and whose gradients are
-handed to the parameters and boxed at ``reduce``.
+pass: a stage on global tensors gets its weights' gradients in the layout
+they arrive in (partial sums, no bucketed boxing during backward), which
+``reduce`` boxes once (``sc.box_grads``); a plain stage hands them to the
+parameters there.
 """
 from __future__ import annotations
 

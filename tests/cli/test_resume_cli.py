@@ -58,3 +58,11 @@ def test_fp16_trains_and_resumes_its_loss_scale(sbp_cache, tmp_path):
     # Two clean steps more: the tracker counts on from the checkpoint's 2, not from a fresh 0.
     assert _loss_scale(tmp_path, 4) == {"scale": 2.0**16, "growth_tracker": 4}
     assert losses[:2] == first and len(losses) == 4 and losses[-1] < losses[0]
+
+
+def test_virtual_stages_resume_under_another_schedule(straight, sbp_cache, tmp_path):
+    """Interleaved 1F1B (two stages per rank) saves; ZB-V (the first and last stage on one rank) resumes."""
+    train_pooled([*STEPS, "parallel=pp2", "parallel.pp_virtual=2", "trainer.max_steps=2"], tmp_path, sbp_cache)
+    losses = train_pooled([*STEPS, "parallel=pp2", "parallel.pp_schedule=zbv", "parallel.pp_virtual=2",
+                           "trainer.max_steps=4", "trainer.resume=auto"], tmp_path, sbp_cache)
+    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(losses, straight)), (losses, straight)
