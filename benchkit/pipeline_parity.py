@@ -98,7 +98,7 @@ def run_pipeline(name: str, steps: int = STEPS, schedule: str = "1f1b", micro: i
         leader = step.stage is not None and torch.distributed.get_rank() == step.placement.ranks[0]
         # Per forward actor and per rank's stash pool (several stages per rank): most registers held at once.
         held = {n: s.max_live for n, s in step.last_stats.items() if ".F@" in n or n.startswith("stash@")}
-        held.update({n: s.actions for n, s in step.last_stats.items() if ".W@" in n})
+        held.update({n: s.actions for n, s in step.last_stats.items() if ".W@" in n or ".T@" in n})  # actions
         out.append({"loss": loss, "grads": grads[-1] if leader else None, "stage": step.stage,
                     "events": step.last_trace.wall_events() if step.last_trace else [], "max_live": held})
     if module is not None:

@@ -406,6 +406,10 @@ def _execute(specs, pieces, timeout, trace, rank, user_names, gang=None, pools=N
                 reg = producer.free.pop()
                 reg.value, reg.piece, reg.pending = spec.initial[src], -1, 1
                 actors[spec.name].on_req(reg, edge)
+            for i in range(spec.credits.get(src, 0)):  # n registers of None ahead of the producer's first
+                reg = actors[src].free.pop()
+                reg.value, reg.piece, reg.pending = None, -1 - i, 1
+                actors[spec.name].on_req(reg, edge)
     for a in actors.values():
         a.max_live = a.live
         if not a.consumers and a.spec.name in user_names:

@@ -25,7 +25,11 @@ class ActorSpec:
     ``initial`` maps some of its producers to a value that is readable before
     that producer ran (the producer's piece ``k`` then feeds piece ``k + 1``):
     this is how a cycle (e.g. parameters updated by the optimizer and read by
-    the next step) starts. ``priority``: among ready actors on one thread the
+    the next step) starts. ``credits`` maps some producers on its own rank to
+    a count ``n``: ``n`` registers (of ``None``) are readable before that
+    producer ran, so its piece ``k`` feeds piece ``k + n`` — an edge that
+    lets this actor run at most ``n`` pieces ahead of the producer (a pipeline
+    rank's shallower stage ahead of its deeper one). ``priority``: among ready actors on one thread the
     highest acts first. ``rank``: the process it runs on; an edge between
     ranks becomes a send actor on the producer's rank and a receive actor on
     the consumer's, each on a network queue of its own.
@@ -58,6 +62,7 @@ class ActorSpec:
     out: tuple | None = None
     pool: str = ""
     reserve: int = 0
+    credits: dict = field(default_factory=dict)
 
     @property
     def key(self) -> str:
@@ -112,6 +117,10 @@ class Plan:
             for src in a.initial:
                 if src not in a.inputs:
                     raise PlanError(f"actor {a.name!r}: initial value for {src!r}, which is not one of its inputs {list(a.inputs)}")
+            for src, n in a.credits.items():
+                if src not in a.inputs or src in a.initial or not isinstance(n, int) or n < 1:
+                    raise PlanError(f"actor {a.name!r}: credits {src!r}: {n!r} must name one of its inputs "
+                                    f"{list(a.inputs)} (without an initial value) with an int >= 1")
             if not isinstance(a.every, int) or a.every < 1:
                 raise PlanError(f"actor {a.name!r}: every={a.every!r} must be an int >= 1")
             if a.out is not None and not (isinstance(a.out, tuple) and len(a.out) == 2
@@ -125,8 +134,11 @@ class Plan:
                 if a.every % by[src].every:
                     raise PlanError(f"actor {a.name!r} (every {a.every}) reads {src!r} (every {by[src].every}): "
                                     "a consumer's every must be a multiple of its producers'")
-                if src in a.initial and a.every != by[src].every:
+                if (src in a.initial or src in a.credits) and a.every != by[src].every:
                     raise PlanError(f"actor {a.name!r}: an initial register needs the same every as {src!r}")
+                if src in a.credits and (by[src].rank != a.rank or by[src].quota < a.credits[src]):
+                    raise PlanError(f"actor {a.name!r}: credits from {src!r} need it on the same rank with a quota "
+                                    f"of at least {a.credits[src]}")
         self._check_gangs(world_size)
         self._check_cycles()
 
@@ -166,7 +178,7 @@ class Plan:
 
     def _check_cycles(self) -> None:
         """Every cycle of edges must pass an edge with an initial register."""
-        blocking = {a.name: [s for s in a.inputs if s not in a.initial] for a in self.actors}
+        blocking = {a.name: [s for s in a.inputs if s not in a.initial and s not in a.credits] for a in self.actors}
         state: dict = {}
 
         def visit(n, path):

@@ -28,6 +28,10 @@ on each of its ranks ``r``:
   micro-batch's backward computes that input gradient alone and leaves the
   weights' gradients to ``reduce`` (``weight_pass``): the stage before,
   waiting for it, starts its last backward one weight pass earlier;
+- ``s{s}.T@r`` (interleaved 1F1B, every stage but a rank's deepest): a
+  credit for this stage's forward each time the rank's next deeper stage
+  runs a forward; ``F`` holds ``pp`` credits at the start, so it runs at
+  most ``pp`` micro-batches ahead of that stage (``forward_credits``);
 - ``s{s}.W@r`` (zero-bubble schedules ``zb``/``zbv``, every stage but the
   first, lowest priority): the stage's backward is split for every
   micro-batch: ``B`` computes the input gradient alone and sends it, ``W``
@@ -92,8 +96,8 @@ from ..executor import run
 from ..plan import ActorSpec, Plan
 from . import plain_stage
 from .boundary import as_tuple, boundary_actors
-from .schedule import (check_schedule, chunk_ranks, compute_actors, split_backward, stash_budget, stash_reserve,
-                       too_few_micro_batches)
+from .schedule import (check_schedule, chunk_ranks, compute_actors, forward_credits, split_backward, stash_budget,
+                       stash_reserve, too_few_micro_batches)
 from .tied import TiedGrads
 from .weight_pass import input_first
 
@@ -179,6 +183,16 @@ class PipelineConfig:
     def grad_slots(self, boundary: int) -> list:
         """The indices of boundary ``boundary``'s tensors that carry a gradient back (floating point)."""
         return [i for i, (_, dtype) in enumerate(self.acts[boundary]) if dtype.is_floating_point]
+
+
+def _credit(k, stash) -> None:
+    """A ``T`` actor's action: the deeper stage's forward of micro-batch ``k`` ran; its stash is not kept."""
+    return None
+
+
+def _without_credit(forward, k, *ins):
+    """``forward`` of a stage whose last input is a credit (``forward_credits``), called without it."""
+    return forward(k, *ins[:-1])
 
 
 def stage_of(placements: list, rank: int) -> int | None:
@@ -519,11 +533,19 @@ class PipelineStep:
                 pool = f"stash@{r}" if v > 1 else ""  # the rank's stages share its activation budget
                 if pool:
                     pools[pool] = stash_budget(cfg.schedule, len(cfg.placements), v, where[s], m)
+                credits = {}
+                if "T" in table:  # at most pp micro-batches ahead of the rank's next deeper stage's forward
+                    tq, tp, _ = table["T"]
+                    turn, deeper = f"s{s}.T@{r}", f"s{s + len(cfg.placements)}.F@{r}"
+                    actors.append(ActorSpec(turn, _credit, inputs=(deeper,), quota=tq, priority=tp, rank=r,
+                                            role=f"T{tag}"))
+                    f_in, credits = f_in + (turn,), {turn: forward_credits(cfg.schedule, len(cfg.placements), v, s)}
+                    forward = partial(_without_credit, forward)
                 b_in = (f"s{s}.F@{r}",) + (() if last else bwd_in.get((s, r), ()))
                 (fq, fp, _), (bq, bp, _) = table["F"], table["B"]
                 actors += [ActorSpec(f"s{s}.F@{r}", forward, inputs=f_in, quota=fq, priority=fp, rank=r,
                                      role=f"F{tag}", pool=pool, reserve=stash_reserve(len(cfg.placements), v, s)
-                                     if pool else 0),
+                                     if pool else 0, credits=credits),
                            ActorSpec(f"s{s}.B@{r}", partial(self._backward, s), inputs=b_in, quota=bq, priority=bp,
                                      rank=r, role=f"B{tag}")]
                 if split:

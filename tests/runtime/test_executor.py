@@ -127,6 +127,15 @@ def test_a_pool_bounds_the_registers_its_actors_hold_together():
     assert all(n <= 1 for name, n in order if name == "a")  # a never takes the slot it leaves to b
 
 
+def test_credits_let_a_consumer_run_n_pieces_ahead_of_its_producer():
+    """``b`` reads ``a`` with 2 credits: its piece k needs a's piece k - 2; b outranks a, so it runs ahead by 2."""
+    order = []
+    plan = Plan([ActorSpec("a", lambda k: order.append(f"a{k}"), quota=2),
+                 ActorSpec("b", lambda k, tok: order.append(f"b{k}"), inputs=("a",), credits={"a": 2}, priority=1)])
+    run(plan, 4)
+    assert order == ["b0", "b1", "a0", "b2", "a1", "b3", "a2", "a3"]
+
+
 def test_an_exception_stops_everything_and_names_the_actor():
     def boom(k, x):
         if k == 3:
@@ -146,6 +155,8 @@ def test_an_exception_stops_everything_and_names_the_actor():
     ([ActorSpec("a", lambda k: k, queue="gpu")], "queue 'gpu' is not one of"),
     ([ActorSpec("a", lambda k: k, out=((2, 3), "float32"))], r"out=\(\(2, 3\), 'float32'\) must be \(shape"),
     ([ActorSpec("a", lambda k: k, pool="p")], r"pool 'p' is not one of the plan's pools \[\]"),
+    ([ActorSpec("a", lambda k: k, quota=1), ActorSpec("b", lambda k, x: x, inputs=("a",), credits={"a": 2})],
+     "credits from 'a' need it on the same rank with a quota of at least 2"),
 ])
 def test_bad_plans_are_refused_before_running(actors, words):
     with pytest.raises(PlanError, match=words):

@@ -37,6 +37,8 @@ def _check(res, name: str, schedule: str, virtual: int, n_layer: int, dtype: str
     assert all(h <= max(budgets.values()) for h in pools)
     weight_passes = sum(n for key, n in stats.items() if ".W@" in key)
     assert (weight_passes > 0) == (schedule in ("zb", "zbv"))
+    credits = sum(n for key, n in stats.items() if ".T@" in key)  # interleaved 1F1B's forward credits
+    assert (credits > 0) == (schedule == "1f1b" and virtual > 1)
 
 
 @pytest.mark.parametrize("name,schedule,virtual,n_layer", CASES)

@@ -61,9 +61,9 @@ def test_interleaving_shrinks_the_bubble(pp, m):
     ideal = 4 * m
     assert one == ideal + 4 * (pp - 1)  # 1F1B: (pp - 1) forward+backward pairs idle
     assert two < one
-    # Megatron's (pp - 1) / (v m) above the ideal at m = pp; at most half as much again otherwise (measured:
-    # pp2 m4 19 against Megatron's order's 18, pp4 m8 40 against 38).
-    assert (two - ideal) / ideal <= (pp - 1) / (2 * m) * (1.0 if m == pp else 1.5) + 1e-9, two
+    # Megatron's (pp - 1) / (v m) above the ideal at m = pp and pp2 m4; at most a third more otherwise
+    # (measured: pp4 m8 39 against Megatron's 38).
+    assert (two - ideal) / ideal <= (pp - 1) / (2 * m) * (1.0 if m == pp or pp == 2 else 4 / 3) + 1e-9, two
     assert peak[0] <= min(pp + 2 * (pp - 1) + 1, 2 * m)  # at most Megatron's warm-up forwards + 1
 
 

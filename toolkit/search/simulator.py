@@ -10,7 +10,8 @@ do). One actor runs at a time per queue; among ready actors the highest
 ``priority`` goes first, ties to the one listed first; an actor in a
 ``pool`` (``TaskGraph.pools``) also needs more free slots of it than its
 ``reserve``, and each of its registers holds one until freed
-(``runtime.actor.Pool``) — so 1F1B (or GPipe)
+(``runtime.actor.Pool``); ``credits`` pre-fill ``n`` registers of a
+producer for a consumer, as the runtime's (``ActorSpec.credits``) — so 1F1B (or GPipe)
 comes out of the stash quota exactly as in training, not from a schedule.
 
 Time: each piece of an actor needs ``work`` seconds at full speed. On a
@@ -48,6 +49,7 @@ class SimActor:
     weight: float = 0.0
     pool: str = ""
     reserve: int = 0
+    credits: dict = field(default_factory=dict)  # producer -> registers readable before it ran
 
     def work_of(self, k: int) -> float:
         w = self.work
@@ -136,6 +138,12 @@ class _Sim:
         # readable[(consumer, edge)]: producer register ids (piece numbers) waiting to be read
         s.readable = {(a.name, e): [] for a in self.actors for e in range(len(a.inputs))}
         s.pending = {}  # (producer, piece) -> consumers still to finish reading it
+        for a in self.actors:  # credits: registers of the producer, readable before it ran
+            for e, src in enumerate(a.inputs):
+                for i in range(a.credits.get(src, 0)):
+                    s.readable[(a.name, e)].append(-1 - i)
+                    s.pending[(src, -1 - i)] = 1
+                    s.free[src] -= 1
         s.running = {}  # queue -> [actor, piece, remaining work, start, read registers]
         s.tasks = []
         s.done = 0

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from runtime.pipeline.schedule import (ASSEMBLE_QUOTA, CUT_QUOTA, SEND_QUOTA, chunk_ranks, compute_actors, stash_budget,
-                                       stash_reserve,                                        too_few_micro_batches)
+from runtime.pipeline.schedule import (ASSEMBLE_QUOTA, CUT_QUOTA, SEND_QUOTA, chunk_ranks, compute_actors,
+                                       forward_credits, stash_budget, stash_reserve, too_few_micro_batches)
 
 from .simulator import SimActor, TaskGraph
 
@@ -105,13 +105,19 @@ def pipeline_graph(stages: list, micro_batches: int, schedule: str = "1f1b", tie
         backward = [w.backward_first] + [w.backward] * (m - 1)
         work = {"F": w.forward, "B": backward}
         inputs = {"F": f_in, "B": b_in}
+        credits = {}
+        if "T" in table:  # the forward runs at most pp micro-batches ahead of the rank's next deeper stage's
+            work["T"], inputs["T"] = 0.0, (f"s{c + pp}.F",)
+            inputs["F"] += (f"s{c}.T",)
+            credits = {f"s{c}.T": forward_credits(schedule, pp, v, c)}
         if "W" in table:
             work.update(B=[b / 2 for b in backward], W=[b / 2 for b in backward])
             inputs["W"] = (f"s{c}.F", f"s{c}.B")
         actors += [SimActor(f"s{c}.{role}", comp, work[role], inputs[role], quota=table[role][0],
-                            priority=table[role][1], every=table[role][2], weight=w.weight,
+                            priority=table[role][1], every=table[role][2], weight=w.weight if role != "T" else 0.0,
                             pool=f"r{r}.stash" if role == "F" and pools else "",
-                            reserve=stash_reserve(pp, v, c) if role == "F" and pools else 0) for role in work]
+                            reserve=stash_reserve(pp, v, c) if role == "F" and pools else 0,
+                            credits=credits if role == "F" else {}) for role in work]
         if c < n - 1:  # activations to the next chunk, gradients back to the one before
             actors += _transfer(f"s{c}.act", f"s{c}.F", r, where[c + 1], w, stages[c + 1])
         if c > 0:
