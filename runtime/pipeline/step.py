@@ -27,7 +27,9 @@ on each of its ranks ``r``:
   stage after the first that runs plain tensors (below), the last
   micro-batch's backward computes that input gradient alone and leaves the
   weights' gradients to ``reduce`` (``weight_pass``): the stage before,
-  waiting for it, starts its last backward one weight pass earlier;
+  waiting for it, starts its last backward one weight pass earlier (with
+  several stages per rank, on the rank's shallowest stage only: its last
+  backward is the rank's last);
 - ``s{s}.T@r`` (interleaved 1F1B, every stage but a rank's deepest): a
   credit for this stage's forward each time the rank's next deeper stage
   runs a forward; ``F`` holds ``pp`` credits at the start, so it runs at
@@ -397,8 +399,10 @@ class PipelineStep:
             # (Not under ZeRO: its compute copies come from a cast of the masters, which the weight pass, asked
             # for the stage's parameters, cannot reach; there B computes both and W only frees the stash.)
             self._weight_passes[(s, k)] = input_first(outputs, grads, inputs, weights)
-        elif self._local and inputs and k == m - 1 and self.cfg.split_last_backward:
+        elif self._local and inputs and k == m - 1 and self.cfg.split_last_backward and s == self.stage:
             # The stage before waits for these input gradients: the weights' gradients come in reduce (weight_pass).
+            # Only on the rank's shallowest stage, whose last backward is the rank's last: a deeper stage's
+            # deferred weight pass would wait behind the rest of the rank's backwards.
             self._weight_passes[(s, k)] = input_first(outputs, grads, inputs, weights)
         elif outputs:
             # All but the last micro-batch accumulate partial sums locally; the last one's backward
