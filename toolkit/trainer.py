@@ -8,8 +8,10 @@
 2. prepares the data (``recipe.prepare``: built once and cached) and this
    rank's micro-batches (``recipe.data``: a deterministic, resumable sampler
    sharded over the data shards);
-3. builds the full model from the seed, keeps this rank's stage
-   (``toolkit.stages``, when the recipe has a pipeline split), gives it the
+3. builds the full model from the seed, keeps this rank's stage, or
+   stages under ``parallel.pp_virtual`` (``toolkit.stages``, when the recipe
+   has a pipeline split; each stage's forward then runs on a view of the
+   rank's module), gives it the
    recipe's plan (``distribute_module``, or ZeRO's rewrite of it),
    optionally activation checkpointing; the recipe's optimizer with warmup
    + cosine;

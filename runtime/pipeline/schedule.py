@@ -17,19 +17,19 @@ no list of operations:
 
 From those, with the executor taking the highest-priority ready actor:
 
-==============  =========================================  ==================================
-``1f1b``        budget ``pp - r`` (``v = 1``);                 1F1B; interleaved 1F1B (Megatron's
-                ``(v-1) pp + 2 (pp-1-r) + 1`` (``v > 1``),      warm-up counts, bubble
-                the forwards that fit before the first        ``(pp-1)/(v m)``)
-                gradient can come back                        
-``gpipe``,      every micro-batch of every chunk (``v m``);   GPipe; looped BFS (all forwards of
-``looped_bfs``  shallower chunks' forwards first              a chunk before the next chunk's)
-``zb``          ``v pp``, held until the weight pass;         ZB-H1 (v = 1): weight passes fill
-                backward split into ``B`` (input gradient)    the bubbles, peak memory 1F1B's
-                and ``W`` (weights), ``W`` last               first stage's
-``zbv``         V placement, ``v = 2``, ``2 pp`` held until   ZB-V
-                ``W``; ``W`` last
-==============  =========================================  ==================================
+- ``1f1b``: budget ``pp - r`` with one chunk per rank (1F1B); with ``v``,
+  ``(v-1) pp + 2 (pp-1-r) + 1``, the forwards that fit before the first
+  gradient can come back, Megatron's warm-up count plus one (interleaved
+  1F1B, bubble ``(pp-1)/(v m)`` of the ideal step);
+- ``gpipe``, ``looped_bfs``: every micro-batch of every chunk (``v m``),
+  the shallowest chunk's forwards first (GPipe; looped BFS: all forwards of
+  a chunk before the next chunk's);
+- ``zb``: ``v pp``, each micro-batch held until its weight pass; the
+  backward split into ``B`` (input gradient) and ``W`` (weights), ``W``
+  last (ZB-H1 with ``v = 1``: weight passes fill the bubbles, the most
+  micro-batches held 1F1B's, its first stage's ``pp``);
+- ``zbv``: the V placement, ``v = 2``, ``2 pp`` held until ``W`` (ZB-V: 1F1B's
+  first-stage memory on every rank, as each chunk is half a stage).
 
 Within a rank, a deeper chunk's actions outrank a shallower chunk's (its
 micro-batches are closer to finishing, and hold memory longer), and a
@@ -92,11 +92,6 @@ def stash_budget(schedule: str, pp: int, v: int, rank: int, micro_batches: int) 
     else:  # zbv: a V of 2 pp chunks, each half a 1F1B stage: 1F1B's first-stage memory on every rank
         budget = 2 * pp
     return max(1, min(budget, v * m))
-
-
-def stash_quota(schedule: str, pp: int, stage: int, micro_batches: int) -> int:
-    """Micro-batches stage ``stage`` of a one-chunk-per-rank pipeline may hold (its rank's budget)."""
-    return stash_budget(schedule, pp, 1, stage, micro_batches)
 
 
 def too_few_micro_batches(micro_batches: int, pp: int) -> bool:

@@ -562,9 +562,8 @@ class PipelineStep:
         last_leader = cfg.stage_placement(n - 1).ranks[0]
         if 0 not in cfg.stage_placement(n - 1):
             # The loss is known after reduce: rank 0 need not wait for the last stage's optimizer step.
-            final = f"s{n - 1}.{'reduce' if train else 'loss'}@{last_leader}"
-            if train:
-                final = f"s{self._rank_first_stage(n - 1)}.reduce@{last_leader}"
+            final = f"s{self._rank_first_stage(n - 1)}.reduce@{last_leader}" if train else \
+                f"s{n - 1}.loss@{last_leader}"
             actors.append(ActorSpec("loss@0", lambda k, loss: loss, inputs=(final,), queue="data", rank=0, every=m))
         return Plan(actors, lockstep, pools)
 

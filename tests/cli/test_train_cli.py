@@ -78,9 +78,11 @@ def test_virtual_and_zero_bubble_schedules_equal_single(options, single, sbp_cac
     assert len(losses) == 3 and all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(losses, single)), (losses, single)
 
 
-def test_compiled_stage_forwards_agree_with_eager(single, sbp_cache, tmp_path):
-    # pp2: two one-device stages, each forward compiled; the second's input is the boundary's leaf.
-    losses = train_pooled([*TINY, "parallel=pp2", "trainer.compile=true"], tmp_path, sbp_cache)
+# pp2: two one-device stages, each forward compiled; the second's input is the boundary's leaf. With
+# pp_virtual=2 each rank compiles the views of its two stages.
+@pytest.mark.parametrize("layout", ["parallel=pp2", "parallel=pp2 parallel.pp_virtual=2"])
+def test_compiled_stage_forwards_agree_with_eager(layout, single, sbp_cache, tmp_path):
+    losses = train_pooled([*TINY, *layout.split(), "trainer.compile=true"], tmp_path, sbp_cache)
     assert len(losses) == 3 and all(abs(a - b) <= 1e-3 * abs(b) for a, b in zip(losses, single)), (losses, single)
 
 
