@@ -3,7 +3,8 @@
 An iResNet's blocks change shape from stage to stage (channels double and the
 feature map halves at each of its four stages), so each stage boundary
 carries the shape its producing stage returns (``toolkit.stages.boundary_specs``).
-pp2, dp2_pp2 and pp4 (every boundary a different shape), and dp2 (whose
+pp2, dp2_pp2 and pp4 (every boundary a different shape), pp2 with two
+stages per rank under interleaved 1F1B and ZB-V, and dp2 (whose
 data-parallel stage audits its first micro-batch on plain tensors, which
 must leave batch norm's running statistics alone), 3 SGD steps of 4
 micro-batches, fp32, dropout off: every step's loss and, after the last
@@ -36,6 +37,10 @@ LAYOUTS = {"pp2": ["parallel.pp=2", "trainer.micro_batch_size=8"],
            "dp2_pp2": ["parallel.dp=2", "parallel.pp=2", "trainer.micro_batch_size=4"],
            "pp4": ["parallel.pp=4", "trainer.micro_batch_size=8"],
            "dp2": ["parallel.dp=2", "trainer.micro_batch_size=4"],
+           # two stages per rank: interleaved 1F1B, and ZB-V (split backwards, the first and last stage on rank 0)
+           "pp2_v2": ["parallel.pp=2", "parallel.pp_virtual=2", "trainer.micro_batch_size=8"],
+           "pp2_zbv": ["parallel.pp=2", "parallel.pp_virtual=2", "parallel.pp_schedule=zbv",
+                       "trainer.micro_batch_size=8"],
            "single": ["trainer.micro_batch_size=8"]}
 
 
@@ -75,7 +80,7 @@ def reference(tmp_path_factory, sbp_cache):
     return _reference(sbp_cache, str(tmp_path_factory.mktemp("single")))
 
 
-@pytest.mark.parametrize("layout", ["pp2", "dp2_pp2", "pp4", "dp2"])
+@pytest.mark.parametrize("layout", ["pp2", "dp2_pp2", "pp4", "dp2", "pp2_v2", "pp2_zbv"])
 def test_pipelined_insightface_matches_one_device(layout, reference, tmp_path, sbp_cache):
     from recipes.registry import get
 
