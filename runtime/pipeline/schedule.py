@@ -24,9 +24,9 @@ From those, with the executor taking the highest-priority ready actor:
 - ``gpipe``, ``looped_bfs``: every micro-batch of every chunk (``v m``),
   the shallowest chunk's forwards first (GPipe; looped BFS: all forwards of
   a chunk before the next chunk's);
-- ``zb``: ``v pp``, each micro-batch held until its weight pass; the
-  backward split into ``B`` (input gradient) and ``W`` (weights), ``W``
-  last (ZB-H1 with ``v = 1``: weight passes fill the bubbles, the most
+- ``zb`` (one chunk per rank): ``pp``, each micro-batch held until its
+  weight pass; the backward split into ``B`` (input gradient) and ``W``
+  (weights), ``W`` last (ZB-H1: weight passes fill the bubbles, the most
   micro-batches held 1F1B's, its first stage's ``pp``);
 - ``zbv``: the V placement, ``v = 2``, ``2 pp`` held until ``W`` (ZB-V: 1F1B's
   first-stage memory on every rank, as each chunk is half a stage).
@@ -69,6 +69,11 @@ def check_schedule(schedule: str, pp: int, v: int) -> None:
         raise ValueError(f"pp_virtual={v!r} must be an int >= 1 (model chunks per pipeline rank)")
     if schedule == "zbv" and v != 2:
         raise ValueError(f"pp_schedule=zbv places two chunks per rank in a V: it needs pp_virtual=2, got {v}")
+    if schedule == "zb" and v != 1:
+        # Interleaved zero bubble deadlocked with data-parallel stages: a lockstep gang's follower waited for a
+        # stash slot that its peer's pending boundary transfer held (dp2_pp2, two chunks per rank).
+        raise ValueError(f"pp_schedule=zb is ZB-H1, one chunk per rank: it needs pp_virtual=1, got {v} "
+                         "(two chunks per rank: zbv)")
 
 
 def chunk_ranks(schedule: str, pp: int, v: int) -> list:
@@ -88,7 +93,7 @@ def stash_budget(schedule: str, pp: int, v: int, rank: int, micro_batches: int) 
     elif schedule == "1f1b":
         budget = pp - rank if v == 1 else (v - 1) * pp + 2 * (pp - 1 - rank) + 1
     elif schedule == "zb":
-        budget = v * pp
+        budget = pp
     else:  # zbv: a V of 2 pp chunks, each half a 1F1B stage: 1F1B's first-stage memory on every rank
         budget = 2 * pp
     return max(1, min(budget, v * m))

@@ -113,6 +113,8 @@ def test_virtual_stages_split_the_layers_into_pp_times_pp_virtual():
      "in a V; needs parallel.pp_virtual=2, got 1"),
     (("parallel=single", "parallel.pp_virtual=2"), "parallel.pp_virtual=2: virtual stages interleave a pipeline; "
      "needs parallel.pp > 1"),
+    (("parallel=pp2", "parallel.pp_schedule=zb", "parallel.pp_virtual=2"), "parallel.pp_schedule=zb: ZB-H1 runs one "
+     "stage per pipeline rank; needs parallel.pp_virtual=1, got 2"),
     (("parallel=pp2", "parallel.pp_schedule=zb", "trainer.compile=true"), "trainer.compile=true: "
      "parallel.pp_schedule=zb splits every backward into input and weight gradients"),
 ])
