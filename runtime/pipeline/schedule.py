@@ -70,8 +70,8 @@ def check_schedule(schedule: str, pp: int, v: int) -> None:
     if schedule == "zbv" and v != 2:
         raise ValueError(f"pp_schedule=zbv places two chunks per rank in a V: it needs pp_virtual=2, got {v}")
     if schedule == "zb" and v != 1:
-        # Interleaved zero bubble deadlocked with data-parallel stages: a lockstep gang's follower waited for a
-        # stash slot that its peer's pending boundary transfer held (dp2_pp2, two chunks per rank).
+        # Interleaved zero bubble stopped with data-parallel stages (dp2_pp2, two chunks per rank, every run):
+        # a lockstep gang's follower waited for a stash slot its leader had had free.
         raise ValueError(f"pp_schedule=zb is ZB-H1, one chunk per rank: it needs pp_virtual=1, got {v} "
                          "(two chunks per rank: zbv)")
 
