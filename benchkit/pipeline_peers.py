@@ -197,8 +197,8 @@ class Theirs:
         cls = getattr(pipelining, f"Schedule{variant}")
         # The loss is timed as part of the forward it follows (ours computes it inside the forward).
         loss = self._timed_loss(self.acts.wrap(next_token_loss))
-        self.schedule = cls(self.pstages if virtual > 1 or variant.startswith("Interleaved") else self.pstages[0],
-                            o.micro, loss_fn=loss)
+        multi = issubclass(cls, pipelining.schedules.PipelineScheduleMulti)  # takes a list of the rank's stages
+        self.schedule = cls(self.pstages if multi else self.pstages[0], o.micro, loss_fn=loss)
 
     def _time(self, obj, stage, method, kind):
         fn = getattr(obj, method)

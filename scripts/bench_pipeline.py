@@ -155,51 +155,51 @@ def report(res, o) -> str:
     """The benchmark's text: per variant its step, memory and held micro-batches, the trace's actions, the
     bubble against theory, and the last line. One function: every line reads the same per-variant tables."""
     lines = []
-    VARIANTS, PAIRS = variants_of(o), pairs_of(o)  # noqa: N806  (the module's names, for the options' mode)
+    variants, pairs = variants_of(o), pairs_of(o)
     tokens = o.batch * o.seq
-    step_time = {n: statistics.median(max(r["times"][n][k] for r in res) for k in range(o.steps)) for n in VARIANTS}
-    cpu_time = {n: statistics.median(max(r["cpu"][n][k] for r in res) for k in range(o.steps)) for n in VARIANTS}
-    mem = {n: max(r["mem"][n]["step"] for r in res) for n in VARIANTS}
-    losses = {n: {i: x for r in res for i, x in r["losses"][n].items() if x is not None} for n in VARIANTS}
-    ref = losses[VARIANTS[1]]
-    worst = max(abs(losses[n][i] - ref[i]) / abs(ref[i]) for n in VARIANTS for i in ref)
+    step_time = {n: statistics.median(max(r["times"][n][k] for r in res) for k in range(o.steps)) for n in variants}
+    cpu_time = {n: statistics.median(max(r["cpu"][n][k] for r in res) for k in range(o.steps)) for n in variants}
+    mem = {n: max(r["mem"][n]["step"] for r in res) for n in variants}
+    losses = {n: {i: x for r in res for i, x in r["losses"][n].items() if x is not None} for n in variants}
+    ref = losses[variants[1]]
+    worst = max(abs(losses[n][i] - ref[i]) / abs(ref[i]) for n in variants for i in ref)
     lines.append(f"GPT-2 {o.layers} layers x {o.embd} (vocab {o.vocab}), pp={o.pp}, m={o.micro}, "
                  f"batch {o.batch} x seq {o.seq} = {tokens} tokens/step, {o.steps} timed steps after {o.warmup}+1")
-    lines.append(f"loss per step agrees across the {len(VARIANTS)} variants: max rel diff {worst:.1e} "
+    lines.append(f"loss per step agrees across the {len(variants)} variants: max rel diff {worst:.1e} "
                  f"(step 0 loss {ref[0]:.4f}, last {ref[max(ref)]:.4f})")
     lines.append("")
-    w = max(12, max(len(n) for n in VARIANTS))
+    w = max(12, max(len(n) for n in variants))
     head = f"{'variant':{w}s} {'step ms':>9s} {'tokens/s':>9s} {'cpu ms':>7s}"
     for r in res:
         head += f" {'heap MB s' + str(r['stage']):>11s} {'saved MB s' + str(r['stage']):>12s}"
     lines.append(head)
-    for n in VARIANTS:
+    for n in variants:
         row = f"{n:{w}s} {step_time[n] * 1e3:9.0f} {tokens / step_time[n]:9.0f} {cpu_time[n] * 1e3:7.0f}"
         for r in res:
             row += f" {r['mem'][n]['step'] / MB:11.1f} {r['mem'][n]['saved'] / MB:12.1f}"
         lines.append(row)
     lines.append("")
-    pw = max(14, max(len(f"{a[5:]} vs {b[6:]}") for a, b in PAIRS))
+    pw = max(14, max(len(f"{a[5:]} vs {b[6:]}") for a, b in pairs))
     lines.append(f"{'ours / torch':{pw}s} {'throughput':>10s} {'by CPU time':>11s} {'peak heap':>10s}")
     ratios = {}
-    for ours, theirs in PAIRS:
+    for ours, theirs in pairs:
         ratios[ours] = (step_time[theirs] / step_time[ours], mem[ours] / mem[theirs])
         lines.append(f"{ours[5:] + ' vs ' + theirs[6:]:{pw}s} {ratios[ours][0]:9.2f}x "
                      f"{cpu_time[theirs] / cpu_time[ours]:10.2f}x {ratios[ours][1]:9.2f}x")
-    pairs = []
-    for ours, theirs in PAIRS:
+    paired = []
+    for ours, theirs in pairs:
         per_round = {n: [max(r["times"][n][k] for r in res) for k in range(o.steps)] for n in (ours, theirs)}
         mid, lo, hi = paired_ratio(per_round[theirs], per_round[ours])
-        pairs.append(f"{ours[5:]} vs {theirs[6:]} {mid:.2f}x (90% interval {lo:.2f}-{hi:.2f})")
+        paired.append(f"{ours[5:]} vs {theirs[6:]} {mid:.2f}x (90% interval {lo:.2f}-{hi:.2f})")
     lines.append("paired, the median over rounds of each round's own ratio (drift between rounds cancels): "
-                 + "; ".join(pairs))
+                 + "; ".join(paired))
     lines.append("")
-    virtuals = sorted({SCHEDULES[n.split()[1]][1] for n in VARIANTS})
+    virtuals = sorted({SCHEDULES[n.split()[1]][1] for n in variants})
     lines.append("per pipeline rank: bubble (median over the timed steps; 1F1B's theory (p-1)/(v m+p-1) = "
                  + ", ".join(f"{theory(o.pp, o.micro, v):.2f} for v={v}" for v in virtuals)
                  + ") and the most micro-batches (of any stage) held between forward and backward (or weight pass)")
     bubbles = {}
-    for n in VARIANTS:
+    for n in variants:
         per_step = [bubble({r["stage"]: r["events"][n][k] for r in res}) for k in range(o.steps)]
         med = {s: statistics.median(b[s] for b in per_step) for s in sorted(per_step[0])}
         bubbles[n] = statistics.mean(med.values())
@@ -212,7 +212,7 @@ def report(res, o) -> str:
     order = ("F", "B", "W", "data", "act.cut", "act.assemble", "grad.cut", "grad.assemble", "send act", "recv act",
              "send grad", "recv grad", "reduce", "update", "send loss", "recv loss", "other")
     per_step = {}
-    for n in VARIANTS:
+    for n in variants:
         mean_step = statistics.mean(max(r["times"][n][k] for r in res) for k in range(o.steps))
         for r in sorted(res, key=lambda r: r["stage"]):
             acts, fb = _actions(r["events"][n])
@@ -223,13 +223,13 @@ def report(res, o) -> str:
     lines.append("ours - torch, ms per step: " + "; ".join(
         f"{ours[5:]} s{st}: " + " ".join(f"{k} {per_step[ours, st].get(k, 0) - per_step[theirs, st].get(k, 0):+.0f}"
                                          for k in ("F", "B", "W", "reduce", "update"))
-        for ours, theirs in PAIRS for st in range(o.pp)))
+        for ours, theirs in pairs for st in range(o.pp)))
     lines.append("heap peak during (per stage, the compute action running when the sampled step's heap peaked):")
-    for n in VARIANTS:
+    for n in variants:
         lines.append(f"  {n:{w}s} " + "; ".join(f"s{r['stage']} {_running(r['mem'][n])}"
                                                 for r in sorted(res, key=lambda r: r["stage"])))
     if o.schedules:
-        (ti, mi), (tz, mz), (tv, mv) = (ratios[ours] for ours, _ in PAIRS)
+        (ti, mi), (tz, mz), (tv, mv) = (ratios[ours] for ours, _ in pairs)
         lines.append(f"schedules: interleaved {ti:.2f}x thr {mi:.2f}x mem; zb {tz:.2f}x thr {mz:.2f}x mem; "
                      f"zbv {tv:.2f}x thr {mv:.2f}x mem (vs torch)")
     else:

@@ -245,8 +245,9 @@ class PipelineStep:
         self.trace_factory = trace_factory
         me = world_rank()
         self.pp = cfg.n_stages  # stages (model chunks) in all
+        self.where = chunk_ranks(cfg.schedule, len(cfg.placements), cfg.virtual)  # stage -> its pipeline rank
         self.rank_index = stage_of(cfg.placements, me)  # this rank's pipeline rank, or None
-        self.stages = [c for c in range(self.pp) if me in cfg.stage_placement(c)]
+        self.stages = [c for c in range(self.pp) if self.where[c] == self.rank_index]
         self.stage = self.stages[0] if self.stages else None  # this rank's first stage
         if self.stages and module is None:
             raise ValueError(f"rank {me} holds stages {self.stages} but got no module")
@@ -265,7 +266,7 @@ class PipelineStep:
             else self.stage
         self.tied = TiedGrads([] if one_rank else cfg.tied, module, stage_placements, tied_stage)
         # ZeRO's cast module keeps masters and compute copies apart: it stays on the dispatched path.
-        one = self.stages and self.placement.size == 1 and zero is None
+        one = bool(self.stages) and self.placement.size == 1 and zero is None
         self._replicas = plain_stage.replicas(cfg, self.rank_index, module, zero) if self.stages and not one else 0
         self._shards = sc.LocalParameters(module) if one else \
             sc.LocalParameters(module, partial=True) if self._replicas else None
@@ -507,8 +508,7 @@ class PipelineStep:
 
     def _plan(self, batches, m: int, train: bool) -> Plan:
         """The actors of one training step (``train``) or one forward-only evaluation of ``m`` micro-batches."""
-        cfg, n, v = self.cfg, self.pp, self.cfg.virtual
-        where = chunk_ranks(cfg.schedule, len(cfg.placements), v)
+        cfg, n, v, where = self.cfg, self.pp, self.cfg.virtual, self.where
         device = cfg.placements[0].device()
         actors, fwd_in, bwd_in = self._boundaries(train, device)
         pools, lockstep = {}, []
@@ -569,15 +569,13 @@ class PipelineStep:
 
     def _rank_first_stage(self, stage: int) -> int:
         """The first stage on ``stage``'s pipeline rank (its reduce and update actors carry that stage's name)."""
-        where = chunk_ranks(self.cfg.schedule, len(self.cfg.placements), self.cfg.virtual)
-        return where.index(where[stage])
+        return self.where.index(self.where[stage])
 
     def _step_actors(self, m: int) -> list:
         """Each rank's ``reduce`` (after every backward, or weight pass, of its stages) and ``update``."""
         cfg, actors = self.cfg, []
-        where = chunk_ranks(cfg.schedule, len(cfg.placements), cfg.virtual)
         for p, placement in enumerate(cfg.placements):
-            stages = [c for c in range(self.pp) if where[c] == p]
+            stages = [c for c in range(self.pp) if self.where[c] == p]
             s = stages[0]
             table = cfg.compute_actors(s)
             for r in placement.ranks:

@@ -26,15 +26,15 @@ def _check(res, name: str, schedule: str, virtual: int, n_layer: int, dtype: str
            steps: int = 3) -> None:
     errs = compare(res, steps, max_grad_norm=max_grad_norm, dtype=dtype, n_layer=n_layer)
     assert all(e <= bar for e, bar in zip(errs, TOLERANCE[dtype])), (errs, TOLERANCE[dtype])
-    pp = LAYOUTS[name][2]
+    dp, tp, pp = LAYOUTS[name]
     stats = {}
     for r in res:
         stats.update(r[-1]["max_live"])
-    # A rank's stages together hold at most its budget (the largest of the ranks' bounds each pool).
-    budgets = {p: stash_budget(schedule, pp, virtual, p, MICRO) for p in range(pp)}
-    pools = [held for key, held in stats.items() if key.startswith("stash@")]
+    # A rank's stages together hold at most its pipeline rank's budget (pool "stash@<rank>").
+    pools = {int(key.split("@")[1]): held for key, held in stats.items() if key.startswith("stash@")}
     assert (len(pools) > 0) == (virtual > 1)
-    assert all(h <= max(budgets.values()) for h in pools)
+    for rank, held in pools.items():
+        assert held <= stash_budget(schedule, pp, virtual, rank // (dp * tp), MICRO), (rank, held)
     weight_passes = sum(n for key, n in stats.items() if ".W@" in key)
     assert (weight_passes > 0) == (schedule in ("zb", "zbv"))
     credits = sum(n for key, n in stats.items() if ".T@" in key)  # interleaved 1F1B's forward credits
