@@ -9,7 +9,8 @@ the first gradient's placement. Dense gradients without partial axes take a
 shortcut with the same communication: their local squared sums come from one
 ``torch._foreach_norm`` per layout and they are scaled by one
 ``torch._foreach_mul_`` (a step of dispatched ``pow``/``sum``/``add``/``mul_``
-per gradient cost ~3x torch's clip on a GPT-2 ZeRO step). In a pipeline each rank holds only its
+per gradient cost ~3x torch's clip on a GPT-2 ZeRO step). On one device (every gradient and stage on
+one one-device placement) the scalar steps run on the locals too. In a pipeline each rank holds only its
 stage's parameters: ``stages`` (every stage's placement) makes each stage's
 scalar cross to every rank, so all stages clip by the same global norm.
 """
@@ -105,6 +106,9 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, stages=
     total = None
     me = world_rank()
     dense = [_dense_here(g, me) for g in grads]
+    if home.size == 1 and all(dense) and all(g.placement == home for g in grads) \
+            and (stages is None or all(p == home for p in stages)):
+        return _on_one_device(grads, home, max_norm, norm_type)
     terms = _local_terms([g for g, d in zip(grads, dense) if d], norm_type)
     for g, d in zip(grads, dense):
         if d:
@@ -138,3 +142,21 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, stages=
     for dtype, locals_ in by_dtype.items():
         torch._foreach_mul_(locals_, coef._local.to(dtype))
     return total
+
+
+def _on_one_device(grads, home, max_norm: float, norm_type) -> GlobalTensor:
+    """``clip_grad_norm_`` when every gradient is dense on the one-device placement ``home`` and every stage
+    is ``home``: the same arithmetic on the locals (one device communicates nothing, and every SBP's local is
+    the whole tensor), without a dispatched op per scalar step. Returns the norm, ``B`` on ``home``."""
+    total = None
+    for term in _local_terms(grads, norm_type):
+        t = term._local
+        total = t if total is None else total + t if norm_type == 2 else torch.maximum(total, t)
+    total = total.sqrt() if norm_type == 2 else total
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    by_dtype: dict = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g._local)
+    for dtype, locals_ in by_dtype.items():
+        torch._foreach_mul_(locals_, coef.to(dtype))
+    return GlobalTensor(total, Layout(home, _broadcast(home), torch.Size(), total.dtype))

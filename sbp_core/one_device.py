@@ -78,8 +78,10 @@ class LocalParameters:
     def __init__(self, module: nn.Module, partial: bool = False):
         self.module = module
         self.partial = partial
-        self._swapped = None  # [(module's _parameters or _buffers dict, name, global tensor)] while swapped
+        self._swapped = None  # ``_table()``'s entries while swapped
         self._leaves = []  # [(global parameter, its leaf)] while swapped
+        self._entries = None  # the last swap's entries: its tables, names, global tensors (see _table)
+        self._made = {}  # id(global parameter) -> (the parameter, the local its leaf was made from, the leaf)
 
     @property
     def swapped(self) -> bool:
@@ -89,32 +91,62 @@ class LocalParameters:
         """Plain tensors in place of the global parameters and buffers (no-op if already swapped)."""
         if self._swapped is not None:
             return
-        swapped, leaves = [], {}
+        entries = self._table()
+        leaves, made = {}, {}
+        for table, name, g, is_param in entries:
+            if not is_param:
+                table[name] = g._local
+                continue
+            key = id(g)
+            if key not in leaves:
+                leaves[key] = (g, self._leaf(g, made))
+            table[name] = leaves[key][1]
+        self._made = made
+        self._swapped, self._leaves = entries, list(leaves.values())
+
+    def _table(self) -> list:
+        """``[(module's _parameters or _buffers dict, name, global tensor, is a parameter)]`` of every global entry.
+
+        Found by walking the module; a later swap reuses the list while every
+        entry still holds its global tensor (the walk, a generator per
+        submodule, costs more than the swap itself). So a submodule added
+        after the first swap is not seen: the module's structure is fixed
+        once it is stepped, as a pipeline's stages are."""
+        entries = self._entries
+        if entries is not None and all(table.get(name) is g for table, name, g, _ in entries):
+            return entries
+        entries = []
         for mod in self.module.modules():
             for table, is_param in ((mod._parameters, True), (mod._buffers, False)):
-                for name, g in table.items():
-                    if not isinstance(g, GlobalTensor):
-                        continue
-                    if not is_param:
-                        table[name] = g._local
-                    else:
-                        if id(g) not in leaves:
-                            leaves[id(g)] = (g, g._local.detach().requires_grad_(g.requires_grad))
-                        table[name] = leaves[id(g)][1]
-                    swapped.append((table, name, g))
-        self._swapped, self._leaves = swapped, list(leaves.values())
+                entries += [(table, name, g, is_param) for name, g in table.items() if isinstance(g, GlobalTensor)]
+        self._entries = entries
+        return entries
+
+    def _leaf(self, g, made: dict):
+        """The leaf for parameter ``g``: last swap's when it was made from ``g``'s current local, else a new one.
+
+        A leaf shares its storage with ``g._local``; it carries no gradient
+        between steps (``restore`` hands it over and clears it)."""
+        old = self._made.get(id(g))
+        if old is not None and old[0] is g and old[1] is g._local and old[2].requires_grad == g.requires_grad:
+            leaf = old[2]
+        else:
+            leaf = g._local.detach().requires_grad_(g.requires_grad)
+        made[id(g)] = (g, g._local, leaf)
+        return leaf
 
     @torch.no_grad()
     def restore(self) -> None:
         """The global parameters and buffers back, each leaf's gradient added to its parameter's (no-op if not swapped)."""
         if self._swapped is None:
             return
-        for table, name, g in self._swapped:
+        for table, name, g, _ in self._swapped:
             table[name] = g
         for p, leaf in self._leaves:
             grad = leaf.grad
             if grad is None:
                 continue
+            leaf.grad = None
             if grad.is_sparse:
                 if self.partial:
                     raise NotImplementedError("a sparse gradient has no partial layout here: "

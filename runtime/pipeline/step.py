@@ -276,6 +276,7 @@ class PipelineStep:
         self._verdicts: dict = {}  # stage -> its audit passed
         self._local = False  # this step runs the stages on plain tensors (decided per run, see _run)
         self._weight_passes: dict = {}  # (stage, micro-batch) -> its deferred weight gradients
+        self._clipped = None  # the parameters whose gradients clipping measures (all but tied copies), once found
         self.step_index = 0
         self._losses = []
         self.last_trace, self.last_loss, self.grad_norm = None, None, None
@@ -433,7 +434,7 @@ class PipelineStep:
             self._shards.restore()
         if self.zero is not None:  # ZeRO keeps gradients in its masters' layout
             self.zero.sync_grads()
-        else:
+        elif not (self._local and not self._replicas):  # one device: restore gave each its parameter's layout
             sc.box_grads(self.module)
         self.tied.sum_grads()
         if self.pp - 1 not in self.stages:
@@ -463,12 +464,15 @@ class PipelineStep:
         if not self.skipped and self.cfg.max_grad_norm is not None:
             # The last stage's tied copies hold the same summed gradient as the first stage's:
             # counted once in the norm, scaled like the rest.
-            copies = {id(p) for p in self.tied.copies()}
-            params = [p for p in self.module.parameters() if p.requires_grad and id(p) not in copies]
-            norm = sc.clip_grad_norm_(params, self.cfg.max_grad_norm, stages=self.cfg.placements)
-            coef = (self.cfg.max_grad_norm / (norm.to_local() + 1e-6)).clamp(max=1.0)  # clip's own, no host read
-            for p in self.tied.copies():
-                p.grad.mul_(coef)
+            if self._clipped is None:
+                copies = {id(p) for p in self.tied.copies()}
+                self._clipped = [p for p in self.module.parameters() if id(p) not in copies]
+            norm = sc.clip_grad_norm_(self._clipped, self.cfg.max_grad_norm, stages=self.cfg.placements)
+            copies = self.tied.copies()
+            if copies:
+                coef = (self.cfg.max_grad_norm / (norm.to_local() + 1e-6)).clamp(max=1.0)  # clip's own, no host read
+                for p in copies:
+                    p.grad.mul_(coef)
         # An element-wise optimizer steps the parameters' locals (no op dispatch); the state stays global.
         if not self.skipped:
             sc.step_on_locals(self.optimizer)

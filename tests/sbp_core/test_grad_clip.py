@@ -39,3 +39,27 @@ def test_clip_grad_norm_mixed_layouts(norm_type):
     for res in get_pool(WORLD).run(_clip, norm_type)[:4]:
         norm_err, grad_err = res
         assert norm_err < 1e-6 and grad_err < 1e-6
+
+
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
+def test_clip_grad_norm_on_one_device_equals_torch(norm_type):
+    """One device, any SBP, mixed dtypes, the pipeline's ``stages``: torch's norm and clipped gradients
+    (torch's in float32 on the same values: a half gradient's squared sum accumulates in float32)."""
+    p = sc.placement("cpu", [0])
+    torch.manual_seed(0)
+    grads = [torch.randn(6, 5) * 3, torch.randn(7).to(torch.bfloat16), torch.randn(4, 4) * 2]
+    ref = [torch.nn.Parameter(torch.zeros_like(g, dtype=torch.float32)) for g in grads]
+    for r, g in zip(ref, grads):
+        r.grad = g.float().clone()  # torch scales it in place
+    want = torch.nn.utils.clip_grad_norm_(ref, max_norm=1.0, norm_type=norm_type)
+    params = []
+    for g, s in zip(grads, [(sbp.split(0),), (sbp.broadcast,), (sbp.split(1),)]):
+        q = torch.nn.Parameter(sc.distribute(torch.zeros_like(g), p, s))
+        q.grad = sc.distribute(g.clone(), p, s)
+        params.append(q)
+    norm = sc.clip_grad_norm_(params, max_norm=1.0, norm_type=norm_type, stages=[p])
+    assert norm.placement == p and norm.sbp == (sbp.broadcast,)
+    torch.testing.assert_close(norm.full_tensor(), want, rtol=1e-6, atol=0)
+    for q, r in zip(params, ref):
+        half = q.dtype == torch.bfloat16
+        torch.testing.assert_close(q.grad.full_tensor().float(), r.grad, rtol=1e-2 if half else 1e-6, atol=0)

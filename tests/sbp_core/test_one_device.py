@@ -115,3 +115,34 @@ def test_a_module_under_two_names_is_distributed_once():
     want.backward()
     assert float(loss.detach().full_tensor()) == float(want.detach())
     torch.testing.assert_close(model.block.lin.weight.grad.full_tensor(), plain.block.lin.weight.grad)
+
+
+def test_a_swap_sees_a_parameter_replaced_since_the_last_one():
+    """The swap reuses its table and leaves while they hold; a parameter replaced under its name gets its own."""
+    p = sc.placement("cpu", [0])
+    torch.manual_seed(0)
+    model = sc.distribute_module(Net(), p)
+    shards = sc.LocalParameters(model)
+    shards.swap()
+    first = model.head.weight
+    model(torch.tensor([[1, 2, 3]])).backward()
+    shards.restore()
+    assert first.grad is None  # the leaf's gradient went to the parameter
+    shards.swap()
+    assert model.head.weight is first  # the same leaf again
+    shards.restore()
+
+    new = torch.nn.Parameter(sc.distribute(torch.full((10, 4), 0.5), p, (sbp.broadcast,)))
+    model.head.weight = new
+    shards.swap()
+    assert not isinstance(model.head.weight, sc.GlobalTensor) and model.head.weight is not first
+    assert torch.equal(model.head.weight, torch.full((10, 4), 0.5))
+    model(torch.tensor([[1, 2, 3]])).backward()
+    shards.restore()
+    assert model.head.weight is new and isinstance(new.grad, sc.GlobalTensor)
+
+    with torch.no_grad():  # a parameter whose local was replaced (not written in place) gets a new leaf too
+        model.lin.weight._local = torch.zeros(4, 4)
+    shards.swap()
+    assert torch.equal(model.lin.weight, torch.zeros(4, 4)) and model.lin2.weight is model.lin.weight
+    shards.restore()
