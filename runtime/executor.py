@@ -236,16 +236,43 @@ def run(plan: Plan, pieces: int, timeout: float = 60.0, trace=None) -> RunResult
     holds the producer's register until the transfer is done (back pressure).
     """
     me, world = world_rank(), world_size()
-    plan.validate(world)
+    prep = _prepared(plan, me, world)
     if pieces < 0:
         raise PlanError(f"pieces must be >= 0, got {pieces}")
-    uneven = [a.name for a in plan.actors if pieces % a.every]
+    uneven = [name for name, every in prep.every if pieces % every]
     if uneven:
         raise PlanError(f"{pieces} pieces are not a multiple of every= of actors {uneven}")
+    return _execute(prep.specs, pieces, timeout, trace, me, prep.names, prep.gang, plan.pools, prep.home)
+
+
+@dataclass
+class _Prepared:
+    """What ``run`` derives from a plan alone on one rank: the same for every run of that plan."""
+
+    key: tuple  # the plan's actors, gangs and pools, and the rank and world it was prepared for
+    specs: list  # this rank's actors (``_local_specs``)
+    names: set  # every actor's name
+    every: list  # (name, every) of every actor
+    gang: tuple | None  # (group, leader) of this rank's lockstep gang
+    home: dict  # ``thread_homes(specs)``
+
+
+def _prepared(plan: Plan, me: int, world: int) -> _Prepared:
+    """``plan`` validated and prepared for rank ``me``, once per plan: a step's plan runs every step, and
+    validating it, finding this rank's actors and their threads cost more than the executor's loop.
+    Kept on the plan while its actors (``ActorSpec`` is frozen), gangs and pools are the same objects."""
+    key = (tuple(map(id, plan.actors)), tuple(map(tuple, plan.lockstep)), tuple(plan.pools.items()), me, world)
+    prep = plan.__dict__.get("_prepared")
+    if prep is not None and prep.key == key:
+        return prep
+    plan.validate(world)
     specs = _local_specs(plan, me)
     gangs = [(channel_group(f"gang:{tuple(g)}", g), min(g)) for g in plan.lockstep]
     gang = next(((grp, lead) for (grp, lead), g in zip(gangs, plan.lockstep) if me in g), None)
-    return _execute(specs, pieces, timeout, trace, me, {s.name for s in plan.actors}, gang, plan.pools)
+    prep = _Prepared(key, specs, {s.name for s in plan.actors}, [(a.name, a.every) for a in plan.actors], gang,
+                     thread_homes(specs, gang is not None))
+    plan.__dict__["_prepared"] = prep
+    return prep
 
 
 def _local_specs(plan: Plan, me: int) -> list:
@@ -372,9 +399,9 @@ def thread_homes(specs, ganged: bool) -> dict:
     return home
 
 
-def _execute(specs, pieces, timeout, trace, rank, user_names, gang=None, pools=None) -> RunResult:
+def _execute(specs, pieces, timeout, trace, rank, user_names, gang=None, pools=None, home=None) -> RunResult:
     st = _Run(trace)
-    home = thread_homes(specs, gang is not None)
+    home = thread_homes(specs, gang is not None) if home is None else home
     used = sorted(set(home.values()), key=_queue_order)
     for i, q in enumerate(used):
         st.threads[i] = QueueThread(i, q, st)

@@ -15,7 +15,7 @@ import torch
 QUEUES = ("compute", "copy", "network", "data")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ActorSpec:
     """One actor.
 

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from .dispatch import explaining
-from .global_tensor import GlobalTensor
+from .global_tensor import GlobalTensor, wrap
 from .sbp import Partial
 from .sparse import SparseGlobalTensor, sparse_sbp_for
 
@@ -153,6 +153,8 @@ class LocalParameters:
                                               "a stage with sparse embeddings stays on the dispatched path")
                 grad = SparseGlobalTensor(grad, p.layout.with_sbp(sparse_sbp_for(p.sbp)))
             else:
-                grad = GlobalTensor(grad, _partial_layout(p.layout) if self.partial else p.layout)
+                layout = _partial_layout(p.layout) if self.partial else p.layout
+                # the dispatcher's positional constructor: a gradient per parameter per step
+                grad = wrap(grad, layout, layout.strides) if grad.is_contiguous() else GlobalTensor(grad, layout)
             p.grad = grad if p.grad is None else p.grad + grad
         self._swapped, self._leaves = None, []
