@@ -46,7 +46,7 @@ class Pool:
 
 class Actor:
     __slots__ = ("aid", "spec", "remaining", "inputs", "need", "free", "consumers", "max_live", "actions", "next_piece",
-                 "_single", "pool")
+                 "_single", "pool", "log")
 
     # An edge read ``need > 1`` registers per action is an accumulating edge
     # (OneFlow's acc actor): each register's value is taken and acked as it
@@ -65,6 +65,7 @@ class Actor:
         self.consumers: list = []  # (consumer actor, input edge index)
         self.max_live = 0
         self.actions = 0
+        self.log = None  # a list to record each action in (``runtime.replay``), or None
 
     @property
     def live(self) -> int:
@@ -89,10 +90,15 @@ class Actor:
         if self._single:
             read = [q.popleft() for q in self.inputs]
             values = [r.value for r in read]
+            if self.log is not None:
+                self.log.append((self.aid, piece, tuple((r.owner.aid, r.piece) for r in read)))
         else:
             taken = [[q.popleft() for _ in range(n)] for q, n in zip(self.inputs, self.need)]
             read = [rs[0] for rs, n in zip(taken, self.need) if n == 1]  # accumulating edges were acked on arrival
-            values = [rs[0].value if n == 1 else rs for rs, n in zip(taken, self.need)]
+            values = [rs[0].value if n == 1 else [v for v, _ in rs] for rs, n in zip(taken, self.need)]
+            if self.log is not None:
+                self.log.append((self.aid, piece, tuple((rs[0].owner.aid, rs[0].piece) if n == 1
+                                                        else [key for _, key in rs] for rs, n in zip(taken, self.need))))
         free = self.free
         reg = free.pop()
         pool = self.pool
@@ -120,8 +126,8 @@ class Actor:
 
     def on_req(self, reg, edge: int) -> bool:
         """Queue a readable register; ``True`` when it was taken at once and must be acked now."""
-        if self.need[edge] > 1:
-            self.inputs[edge].append(reg.value)
+        if self.need[edge] > 1:  # the value now (the register is acked at once) and where it came from
+            self.inputs[edge].append((reg.value, (reg.owner.aid, reg.piece)))
             return True
         self.inputs[edge].append(reg)
         return False

@@ -35,7 +35,7 @@ from __future__ import annotations
 import queue
 import time
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -46,6 +46,7 @@ from . import workers
 from .actor import Actor, Pool
 from .ids import actor_id, thread_of
 from .plan import QUEUES, ActorSpec, Plan, PlanError
+from .replay import Schedule
 
 # A cross-rank edge's receiver holds two registers: the next piece travels while the consumer uses this one.
 RECEIVE_QUOTA = 2
@@ -242,7 +243,7 @@ def run(plan: Plan, pieces: int, timeout: float = 60.0, trace=None) -> RunResult
     uneven = [name for name, every in prep.every if pieces % every]
     if uneven:
         raise PlanError(f"{pieces} pieces are not a multiple of every= of actors {uneven}")
-    return _execute(prep.specs, pieces, timeout, trace, me, prep.names, prep.gang, plan.pools, prep.home)
+    return _execute(prep.specs, pieces, timeout, trace, me, prep.names, prep.gang, plan.pools, prep)
 
 
 @dataclass
@@ -255,6 +256,7 @@ class _Prepared:
     every: list  # (name, every) of every actor
     gang: tuple | None  # (group, leader) of this rank's lockstep gang
     home: dict  # ``thread_homes(specs)``
+    schedules: dict = field(default_factory=dict)  # pieces -> the recorded order of a single-thread run
 
 
 def _prepared(plan: Plan, me: int, world: int) -> _Prepared:
@@ -399,10 +401,15 @@ def thread_homes(specs, ganged: bool) -> dict:
     return home
 
 
-def _execute(specs, pieces, timeout, trace, rank, user_names, gang=None, pools=None, home=None) -> RunResult:
-    st = _Run(trace)
-    home = thread_homes(specs, gang is not None) if home is None else home
+def _execute(specs, pieces, timeout, trace, rank, user_names, gang=None, pools=None, prep=None) -> RunResult:
+    home = thread_homes(specs, gang is not None) if prep is None else prep.home
     used = sorted(set(home.values()), key=_queue_order)
+    # One thread, no gang, no network: the order is the plan's alone, recorded once (``runtime.replay``).
+    alone = len(used) == 1 and gang is None and not used[0].startswith("network")
+    record = alone and trace is None and prep is not None
+    if record and pieces in prep.schedules:
+        return _replay(prep.schedules[pieces], rank)
+    st = _Run(trace)
     for i, q in enumerate(used):
         st.threads[i] = QueueThread(i, q, st)
         if trace is not None:  # a thread named by the queues whose actors it runs
@@ -424,24 +431,30 @@ def _execute(specs, pieces, timeout, trace, rank, user_names, gang=None, pools=N
     for spec in specs:
         for edge, src in enumerate(spec.inputs):
             actors[src].consumers.append((actors[spec.name], edge))
+    prefill, filled = [], {}  # (key, consumer spec or None, producer) per pre-filled register; producer -> count
     for spec in specs:
         for edge, src in enumerate(spec.inputs):
-            if src in spec.initial:
-                producer = actors[src]
-                if not producer.free:
-                    raise PlanError(f"actor {src!r} has quota {producer.spec.quota}, too few for its initial registers")
+            producer = actors[src]
+            if src in spec.initial:  # (Plan.validate: the producer's quota covers every pre-filled register)
+                n = filled[src] = filled.get(src, 0) + 1
                 reg = producer.free.pop()
-                reg.value, reg.piece, reg.pending = spec.initial[src], -1, 1
+                reg.value, reg.piece, reg.pending = spec.initial[src], -n, 1  # each its own piece before the first
+                prefill.append(((producer.aid, -n), spec, src))
                 actors[spec.name].on_req(reg, edge)
-            for i in range(spec.credits.get(src, 0)):  # n registers of None ahead of the producer's first
-                reg = actors[src].free.pop()
-                reg.value, reg.piece, reg.pending = None, -1 - i, 1
+            for _ in range(spec.credits.get(src, 0)):  # n registers of None ahead of the producer's first
+                n = filled[src] = filled.get(src, 0) + 1
+                reg = producer.free.pop()
+                reg.value, reg.piece, reg.pending = None, -n, 1
+                prefill.append(((producer.aid, -n), None, None))
                 actors[spec.name].on_req(reg, edge)
     for a in actors.values():
         a.max_live = a.live
         if not a.consumers and a.spec.name in user_names:
             st.outputs[a.spec.name] = []
-    if len(used) == 1 and gang is None and not used[0].startswith("network"):
+    log = [] if record else None
+    for a in actors.values():
+        a.log = log
+    if alone:
         _run_on_caller(st.threads[0])
     else:
         _run_on_workers(st, actors, timeout)
@@ -456,7 +469,24 @@ def _execute(specs, pieces, timeout, trace, rank, user_names, gang=None, pools=N
         raise RuntimeFailure(f"rank {rank}: {where}: {type(exc).__name__}: {exc}") from exc
     stats = {n: ActorStats(a.actions, a.max_live, a.spec.quota) for n, a in actors.items()}
     stats.update({n: ActorStats(0, p.max_live, p.size) for n, p in pool.items()})
+    if record:
+        sinks = {a.aid: name for name, a in actors.items() if name in st.outputs}
+        prep.schedules[pieces] = Schedule.record(log, {a.aid: a for a in actors.values()}, prefill, sinks, stats)
     return RunResult(stats, st.outputs)
+
+
+def _replay(schedule: Schedule, rank: int) -> RunResult:
+    """A single-thread run in its recorded order (``runtime.replay``), on the caller's thread with autograd on."""
+    outputs = {name: [] for name in schedule.sinks.values()}
+    failed = []
+    with torch.enable_grad():
+        if schedule.replay(outputs, lambda spec, piece, exc: failed.append((spec, piece, exc))):
+            return RunResult(dict(schedule.stats), outputs)
+    spec, piece, exc = failed[0]
+    if isinstance(exc, KeyboardInterrupt):
+        raise exc
+    raise RuntimeFailure(f"rank {rank}: actor {spec.name!r} failed on piece {piece}: {type(exc).__name__}: {exc}") \
+        from exc
 
 
 def _run_on_caller(thread: QueueThread) -> None:

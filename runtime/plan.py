@@ -139,6 +139,14 @@ class Plan:
                 if src in a.credits and (by[src].rank != a.rank or by[src].quota < a.credits[src]):
                     raise PlanError(f"actor {a.name!r}: credits from {src!r} need it on the same rank with a quota "
                                     f"of at least {a.credits[src]}")
+        prefilled: dict = {}  # producer -> its registers filled before a run, over all its consumers
+        for a in self.actors:
+            for src in a.inputs:
+                prefilled[src] = prefilled.get(src, 0) + (src in a.initial) + a.credits.get(src, 0)
+        for src, n in prefilled.items():
+            if n > by[src].quota:
+                raise PlanError(f"actor {src!r} has quota {by[src].quota}, too few for the {n} registers its "
+                                "consumers' initial values and credits fill before a run")
         self._check_gangs(world_size)
         self._check_cycles()
 

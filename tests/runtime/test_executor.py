@@ -157,6 +157,9 @@ def test_an_exception_stops_everything_and_names_the_actor():
     ([ActorSpec("a", lambda k: k, pool="p")], r"pool 'p' is not one of the plan's pools \[\]"),
     ([ActorSpec("a", lambda k: k, quota=1), ActorSpec("b", lambda k, x: x, inputs=("a",), credits={"a": 2})],
      "credits from 'a' need it on the same rank with a quota of at least 2"),
+    ([ActorSpec("a", lambda k: k, quota=1), ActorSpec("b", lambda k, x: x, inputs=("a",), credits={"a": 1}),
+      ActorSpec("c", lambda k, x: x, inputs=("a",), credits={"a": 1})],
+     "actor 'a' has quota 1, too few for the 2 registers its consumers' initial values and credits fill"),
 ])
 def test_bad_plans_are_refused_before_running(actors, words):
     with pytest.raises(PlanError, match=words):
