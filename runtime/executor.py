@@ -13,7 +13,8 @@ allocator and BLAS state every step). A run whose actors all land on one
 thread (one device and its data pipeline on a host without an accelerator)
 runs that loop on the caller's thread instead: there is nothing for a second
 thread to overlap, and the step then runs where a plain training loop would
-(see ``_execute``).
+(see ``_execute``). Such a run is recorded the first time and replayed after
+(``runtime.replay``), unless traced.
 
 Each queue thread owns the actors placed on it and touches only them. It
 drains its messages (``req``: a register became readable; ``ack``: a
