@@ -15,15 +15,17 @@ replica's (identical) copy. ``step_on_locals(optimizer)`` runs
 - for the step, each group's global parameters are swapped for their
   ``_local`` tensors (same storage, so the in-place update is the global
   parameter's), each local gets ``grad._local`` as its ``.grad``, and the
-  optimizer's state is re-keyed by the locals with every global state
-  tensor replaced by its local (same storage again);
+  optimizer's state is its view keyed by the locals, every global state
+  tensor replaced by its local (same storage again). The view
+  (``_LocalView``) is kept from one step to the next while it still
+  describes the optimizer, so a step in the steady state re-keys nothing;
 - afterwards the groups get their global parameters back, the locals drop
-  their ``.grad``, and the state is keyed by the global parameters again:
-  tensors the step created (``exp_avg`` and ``exp_avg_sq`` on the first step,
-  ``momentum_buffer``) are wrapped in their parameter's layout, so
-  ``state_dict``, checkpoints (``toolkit.checkpoint.optimizer``: global
-  state by name, reloadable in any layout) and later dispatched steps see what
-  the dispatched step would have left.
+  their ``.grad``, and what the step added to the state (``exp_avg`` and
+  ``exp_avg_sq`` on the first step, ``momentum_buffer``) is written to the
+  global state wrapped in its parameter's layout, so ``state_dict``,
+  checkpoints (``toolkit.checkpoint.optimizer``: global state by name,
+  reloadable in any layout) and later dispatched steps see what the
+  dispatched step would have left.
 
 Only optimizers whose update is element-wise per parameter qualify
 (``ELEMENTWISE``: SGD, Adam, AdamW, not their subclasses, which may add a
@@ -35,6 +37,7 @@ see the locals) runs the ordinary dispatched ``optimizer.step()``. With locals o
 """
 from __future__ import annotations
 
+import weakref
 from collections import defaultdict
 
 import torch
@@ -78,46 +81,125 @@ def step_on_locals(optimizer: torch.optim.Optimizer) -> None:
     is false, a parameter is laid out partial or a gradient is not in its
     parameter's layout. No communication.
     """
-    groups = optimizer.param_groups
-    params = [p for g in groups for p in g["params"] if isinstance(p, GlobalTensor)]
-    if not steps_on_locals(optimizer) or not all(updates_locally(p) for p in params):
+    if not steps_on_locals(optimizer):
         _dispatched_step(optimizer)
         return
-    state = optimizer.state
-    local_state, swapped, plain = defaultdict(dict), [], []
-    members = [g["params"] for g in groups]
-    for g in groups:
-        locals_ = []
-        for p in g["params"]:
-            if not isinstance(p, GlobalTensor):  # a plain parameter steps as it is
-                locals_.append(p)
-                plain.append(p)
-                if p in state:
-                    local_state[p] = state[p]
-                continue
-            t = p._local
-            t.grad = None if p.grad is None else p.grad._local
-            s = state.get(p)
-            if s:
-                local_state[t] = {k: v._local if isinstance(v, GlobalTensor) else v for k, v in s.items()}
-            swapped.append((p, t, s))
-            locals_.append(t)
+    view = _VIEWS.get(optimizer)
+    if view is None or not view.holds(optimizer):
+        view = _VIEWS[optimizer] = _LocalView(optimizer)
+    if view.partial or not view.take_grads():
+        _dispatched_step(optimizer)
+        return
+    groups, state = optimizer.param_groups, optimizer.state
+    for g, locals_ in zip(groups, view.locals):
         g["params"] = locals_
-    optimizer.state = local_state
+    optimizer.state = view.local_state
     try:
         optimizer.step()
     finally:
-        for g, ps in zip(groups, members):
+        for g, ps in zip(groups, view.members):
             g["params"] = ps
-        for p, t, old in swapped:
-            t.grad = None
-            new = local_state.get(t)
-            if new:
-                state[p] = {k: _global_state(k, v, p, old) for k, v in new.items()}
-        for p in plain:
-            if p in local_state:
-                state[p] = local_state[p]
         optimizer.state = state
+        for _, t in view.pairs:
+            t.grad = None
+        view.write_back()
+
+
+class _LocalView:
+    """An optimizer's groups and state on its global parameters' locals, kept from one step to the next.
+
+    ``locals``: each group's parameter list with every global parameter
+    replaced by its local (same storage); ``local_state``: the optimizer's
+    state keyed by those locals, each global state tensor replaced by its
+    local (same storage again; a plain parameter's entry is its own dict).
+    So a step's in-place updates are the global state's, and only what a
+    step adds (the first step's ``exp_avg``, ``momentum_buffer``) is written
+    back (``write_back``), wrapped in its parameter's layout. ``holds`` says
+    whether the view still describes the optimizer: the same state object
+    and groups, every global parameter's local the one it holds, and every
+    global state entry the wrapper of its local entry; anything else (a
+    loaded state dict, a replaced entry, a new group) rebuilds it.
+    """
+
+    def __init__(self, optimizer):
+        self.state = state = optimizer.state
+        self.groups = list(optimizer.param_groups)
+        self.members = [g["params"] for g in self.groups]
+        self.locals = [[p._local if isinstance(p, GlobalTensor) else p for p in ps] for ps in self.members]
+        self.pairs = [(p, p._local) for ps in self.members for p in ps if isinstance(p, GlobalTensor)]
+        self.partial = any(s.is_partial for p, _ in self.pairs for s in p._layout.sbp)  # (updates_locally)
+        self.local_state = local_state = defaultdict(dict)  # as torch keeps it: a step creates entries by lookup
+        for ps in self.members:
+            for p in ps:
+                s = state.get(p)
+                if s is None:
+                    continue
+                if isinstance(p, GlobalTensor):
+                    local_state[p._local] = {k: v._local if isinstance(v, GlobalTensor) else v for k, v in s.items()}
+                else:
+                    local_state[p] = s
+
+    def holds(self, optimizer) -> bool:
+        groups = optimizer.param_groups
+        if optimizer.state is not self.state or len(groups) != len(self.groups):
+            return False
+        if any(g is not mine or g["params"] is not ps for g, mine, ps in zip(groups, self.groups, self.members)):
+            return False
+        state, local_state = self.state, self.local_state
+        for p, t in self.pairs:
+            if p._local is not t:
+                return False
+            s, ls = state.get(p), local_state.get(t)
+            if s is None or ls is None:
+                if s is not None or ls:
+                    return False
+                continue
+            if len(s) != len(ls):
+                return False
+            for k, v in s.items():
+                if (v._local if type(v) is GlobalTensor else v) is not ls.get(k, _MISSING):
+                    return False
+        return True
+
+    def take_grads(self) -> bool:
+        """Each local gets its parameter's gradient's local; ``False`` (and none does) when some gradient
+        is not a dense global tensor in its parameter's layout (``updates_locally``)."""
+        for p, t in self.pairs:
+            g = p.grad
+            if g is None:
+                t.grad = None
+            elif type(g) is GlobalTensor and (g._layout is p._layout or g._layout == p._layout):
+                t.grad = g._local
+            else:
+                for _, u in self.pairs:
+                    u.grad = None
+                return False
+        return True
+
+    def write_back(self) -> None:
+        """Give the global state what the step added or replaced: per-element tensors wrapped in their
+        parameter's layout, anything else as it is (a plain parameter's state is its own dict)."""
+        state, local_state = self.state, self.local_state
+        for p, t in self.pairs:
+            ls = local_state.get(t)
+            if not ls:
+                continue
+            s = state.get(p)
+            if s is None:
+                s = state[p] = {}
+            for k, v in ls.items():
+                old = s.get(k, _MISSING)
+                if old is v or (type(old) is GlobalTensor and old._local is v):
+                    continue
+                s[k] = GlobalTensor(v, p._layout) if k in _PER_ELEMENT else v
+        for ps in self.members:
+            for p in ps:
+                if not isinstance(p, GlobalTensor) and p in local_state and state.get(p) is not local_state[p]:
+                    state[p] = local_state[p]
+
+
+_MISSING = object()
+_VIEWS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -> its _LocalView
 
 
 def _dispatched_step(optimizer) -> None:
@@ -134,14 +216,3 @@ def _dispatched_step(optimizer) -> None:
     finally:
         for g in fused:
             g["fused"] = True
-
-
-def _global_state(key: str, value, p: GlobalTensor, old: dict | None):
-    """The state entry ``key`` of ``p`` as the dispatched step keeps it: per-element tensors in ``p``'s layout."""
-    if old is not None:
-        prev = old.get(key)
-        if isinstance(prev, GlobalTensor) and prev._local is value:  # updated in place: the same wrapper
-            return prev
-    if key in _PER_ELEMENT:
-        return GlobalTensor(value, p._layout)
-    return value

@@ -112,3 +112,37 @@ def test_unboxed_gradients_partial_parameters_and_step_hooks_take_the_dispatched
         assert "cannot run with inputs" in partial, partial
         assert torch.equal(after_partial, torch.zeros(4, 2))  # 1 - (0.5 + 0.5)
         assert torch.equal(after, -torch.ones(4, 2))
+
+
+def test_a_state_changed_between_local_steps_is_what_the_next_one_reads():
+    """The locals' view of the optimizer is kept between steps; a replaced state entry, a loaded state dict and a
+    new parameter group are seen by the next step (the same values as dispatched steps through the same events)."""
+    p = sc.placement("cpu", [0])
+    s0 = (sbp.split(0),)
+
+    def run(local: bool):
+        torch.manual_seed(0)
+        q = torch.nn.Parameter(sc.distribute(torch.randn(4, 3), p, s0))
+        r = torch.nn.Parameter(sc.distribute(torch.randn(5), p, (sbp.broadcast,)))
+        opt = torch.optim.AdamW([q], lr=0.1)
+
+        def step(i):
+            for t in opt.param_groups[-1]["params"] + [q]:
+                t.grad = sc.distribute(torch.full(t.shape, float(i + 1)), p, t.sbp)
+            sc.step_on_locals(opt) if local else opt.step()
+
+        step(0)
+        step(1)
+        sd = opt.state_dict()
+        saved = {**sd, "state": {i: {k: v.clone() for k, v in st.items()} for i, st in sd["state"].items()}}
+        opt.state[q]["exp_avg"] = sc.distribute(torch.ones(4, 3), p, s0)  # a replaced entry
+        step(2)
+        opt.load_state_dict(saved)  # a new state object, of other tensors: back to after step 1
+        step(3)
+        opt.add_param_group({"params": [r]})
+        step(4)
+        return [t.full_tensor() for t in (q, r)] + [v.full_tensor() if isinstance(v, sc.GlobalTensor) else v
+                                                    for t in (q, r) for v in opt.state[t].values()]
+
+    want, got = run(False), run(True)
+    assert len(want) == len(got) and all(torch.equal(a, b) for a, b in zip(want, got))
