@@ -470,7 +470,7 @@ class PipelineStep:
             norm = sc.clip_grad_norm_(self._clipped, self.cfg.max_grad_norm, stages=self.cfg.placements)
             copies = self.tied.copies()
             if copies:
-                coef = (self.cfg.max_grad_norm / (norm.to_local() + 1e-6)).clamp(max=1.0)  # clip's own, no host read
+                coef = (self.cfg.max_grad_norm / (norm._local + 1e-6)).clamp(max=1.0)  # clip's own, no host read
                 for p in copies:
                     p.grad.mul_(coef)
         # An element-wise optimizer steps the parameters' locals (no op dispatch); the state stays global.
@@ -480,7 +480,7 @@ class PipelineStep:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.tied.flush()
-        self.grad_norm = None if norm is None else norm.to_local()
+        self.grad_norm = None if norm is None else norm._local  # B: the value (to_local's autograd not needed)
         self.last_loss = loss
         return loss
 

@@ -61,6 +61,8 @@ class TiedGrads:
 
     def copies(self) -> list:
         """This rank's last-stage copies (their gradients duplicate the first stage's after ``sum_grads``)."""
+        if not self.pairs:
+            return []
         return [p for p, first, _ in self.pairs if p is not None and world_rank() not in first.placement]
 
     def _here(self) -> list:
@@ -84,6 +86,8 @@ class TiedGrads:
         last stage sends its gradients and, once they are sent, adds the
         first stage's.
         """
+        if not self.pairs:
+            return
         here = self._here()
         if any(here_first for _, here_first, _, _ in here):
             self.expect()
