@@ -22,7 +22,11 @@ GPU its batches are copied to the device before any timing (ours' data
 actors run on their own thread beside the GPU's work); with
 ``--host-only`` it reads each step's batches as ours does (on a CPU host
 nothing overlaps the step, so data work is on every loop's critical path
-and the ratio is the runtime's own host work per step). Each way first runs
+and the ratio is the runtime's own host work per step); there torch runs
+on one thread and each way's time is the process's CPU time
+(``time.process_time``), not the wall clock: on a shared VM the wall clock
+also counts the time the hypervisor gives the cores to others, which
+moved the ratio of one tree by 0.1 between runs. Each way first runs
 ``--warmup`` steps; then ``--rounds`` rounds, each running ``--steps`` steps
 of every way of a case in a carryover-balanced order
 (``benchkit.paired.balanced_orders``), timed from a synchronised start to a
@@ -94,6 +98,11 @@ class Plain:
         return self.loop.step(i)
 
 
+def _clock(device):
+    """Wall time on a GPU (the device works beside the host); the process's CPU time on a CPU host."""
+    return time.perf_counter if device == "cuda" else time.process_time
+
+
 def _sync(device, value):
     if value is not None:
         float(value)  # the loss on the host: every step before it is done
@@ -121,16 +130,17 @@ def _case(name, overrides, o, root):
             _sync(device, way.step(i))
     times = {w: [] for w in ways}
     orders = balanced_orders(list(ways))
+    clock = _clock(device)
     for r in range(o.rounds):
         for w in orders[r % len(orders)]:
             first = o.warmup + r * o.steps
             _sync(device, None)
-            start = time.perf_counter()
+            start = clock()
             value = None
             for i in range(first, first + o.steps):
                 value = ways[w].step(i)
             _sync(device, value)
-            times[w].append((time.perf_counter() - start) / o.steps)
+            times[w].append((clock() - start) / o.steps)
     return times
 
 
@@ -158,6 +168,8 @@ def bench(o) -> list:
 
 
 def _main_in_group(o):
+    if o.host_only:
+        torch.set_num_threads(1)  # every op's CPU time on the stepping thread (see _clock)
     return bench(o)
 
 
@@ -186,7 +198,8 @@ def main(argv=None) -> int:
         return 2
     from toolkit.launcher import launch
 
-    where = "CPU (host-only proxy)" if o.host_only else torch.cuda.get_device_name()
+    where = "CPU (host-only proxy, process CPU time, torch on 1 thread)" if o.host_only \
+        else torch.cuda.get_device_name()
     print(f"{where}, torch {torch.__version__}; {o.rounds} rounds x {o.steps} steps after {o.warmup}", flush=True)
     rows = launch(_main_in_group, o, 1, device="cpu" if o.host_only else "cuda")
     print(summary(rows))
