@@ -23,7 +23,7 @@ from .boxing import methods as _boxing_methods  # noqa: F401  (sets GlobalTensor
 from .dispatch import explain, format_explain  # (and sets GlobalTensor.__torch_dispatch__)
 from .global_tensor import GlobalTensor, NoSbpRule
 from .sparse import SparseGlobalTensor
-from .grad_clip import clip_grad_norm_
+from .grad_clip import clip_grad_norm_, clip_local_
 from .loss_scale import LossScaler
 from .module import box_grads, defer_grad_boxing, describe_plan, distribute_module
 from .one_device import LocalParameters, replicated, runs_local
@@ -37,6 +37,6 @@ __all__ = [
     "sbp", "placement", "cast", "SparseGlobalTensor", "cast_group", "cast_many", "remat_saved", "Placement", "GlobalTensor", "Layout", "NoSbpRule",
     "to_global", "distribute", "randn", "rand", "zeros", "ones",
     "comm_ledger", "CommLedger", "explain", "format_explain", "set_timeout", "get_timeout",
-    "boxing_plan", "clip_grad_norm_", "LossScaler", "distribute_module", "describe_plan", "defer_grad_boxing", "box_grads", "same_placement_cost", "disjoint_cost",
+    "boxing_plan", "clip_grad_norm_", "clip_local_", "LossScaler", "distribute_module", "describe_plan", "defer_grad_boxing", "box_grads", "same_placement_cost", "disjoint_cost",
     "LocalParameters", "replicated", "runs_local", "step_on_locals", "steps_on_locals",
 ]

@@ -146,17 +146,32 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, stages=
 
 def _on_one_device(grads, home, max_norm: float, norm_type) -> GlobalTensor:
     """``clip_grad_norm_`` when every gradient is dense on the one-device placement ``home`` and every stage
-    is ``home``: the same arithmetic on the locals (one device communicates nothing, and every SBP's local is
-    the whole tensor), without a dispatched op per scalar step. Returns the norm, ``B`` on ``home``."""
-    total = None
-    for term in _local_terms(grads, norm_type):
-        t = term._local
-        total = t if total is None else total + t if norm_type == 2 else torch.maximum(total, t)
-    total = total.sqrt() if norm_type == 2 else total
-    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    is ``home``: ``clip_local_`` on the locals (one device communicates nothing, and every SBP's local is the
+    whole tensor), without a dispatched op per scalar step. Returns the norm, ``B`` on ``home``."""
+    total = clip_local_([g._local for g in grads], max_norm, norm_type)
+    return GlobalTensor(total, Layout(home, _broadcast(home), torch.Size(), total.dtype))
+
+
+@torch.no_grad()
+def clip_local_(grads: list, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Global-norm clipping of plain gradients that are whole on one device (``LocalParameters``' leaves):
+    the arithmetic of ``clip_grad_norm_`` (squared sums per dtype in float32 or wider, from one
+    ``torch._foreach_norm`` each; one ``torch._foreach_mul_`` per dtype). Returns the norm, a 0-d tensor."""
+    if norm_type not in (2, 2.0, float("inf")):
+        raise ValueError(f"norm_type {norm_type!r} is not one of (2, inf)")
+    if not grads:
+        raise ValueError("clip_local_ got no gradient")
     by_dtype: dict = {}
     for g in grads:
-        by_dtype.setdefault(g.dtype, []).append(g._local)
-    for dtype, locals_ in by_dtype.items():
-        torch._foreach_mul_(locals_, coef.to(dtype))
-    return GlobalTensor(total, Layout(home, _broadcast(home), torch.Size(), total.dtype))
+        by_dtype.setdefault(g.dtype, []).append(g)
+    total = None
+    for dtype, same in by_dtype.items():
+        acc = _accumulation(dtype)
+        norms = torch.stack(torch._foreach_norm([t.to(acc) for t in same] if dtype != acc else same, norm_type))
+        term = norms.pow(2).sum() if norm_type == 2 else norms.amax()
+        total = term if total is None else total + term if norm_type == 2 else torch.maximum(total, term)
+    total = total.sqrt() if norm_type == 2 else total
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for dtype, same in by_dtype.items():
+        torch._foreach_mul_(same, coef.to(dtype))
+    return total

@@ -74,20 +74,33 @@ def updates_locally(p) -> bool:
     return g is None or (type(g) is GlobalTensor and (g._layout is p._layout or g._layout == p._layout))
 
 
-def step_on_locals(optimizer: torch.optim.Optimizer) -> None:
+def step_on_locals(optimizer: torch.optim.Optimizer, grads: dict | None = None) -> None:
     """``optimizer.step()`` on the global parameters' local tensors (module docstring); same values.
 
     Falls back to the dispatched ``optimizer.step()`` when ``steps_on_locals``
     is false, a parameter is laid out partial or a gradient is not in its
     parameter's layout. No communication.
+
+    ``grads``: ``{id(parameter): its local gradient or None}``, the gradients
+    of a one-device step that never became global (``LocalParameters.restore(
+    hand_grads=False)``), taken instead of the parameters' ``.grad``; then the
+    step must run on the locals (``ValueError`` where it cannot).
     """
     if not steps_on_locals(optimizer):
+        if grads is not None:
+            raise ValueError(f"{type(optimizer).__name__} cannot step its parameters' locals (not element-wise, "
+                             "or it has step hooks): its gradients must be handed to the parameters")
         _dispatched_step(optimizer)
         return
     view = _VIEWS.get(optimizer)
     if view is None or not view.holds(optimizer):
         view = _VIEWS[optimizer] = _LocalView(optimizer)
-    if view.partial or not view.take_grads():
+    if grads is not None:
+        if view.partial:
+            raise ValueError("a parameter laid out partial cannot step its local: its gradients must be handed over")
+        for p, t in view.pairs:
+            t.grad = grads.get(id(p))
+    elif view.partial or not view.take_grads():
         _dispatched_step(optimizer)
         return
     groups, state = optimizer.param_groups, optimizer.state

@@ -20,6 +20,10 @@ backward. ``runs_local(placement)`` says when a caller may skip it;
   layout — which on one device is every layout the dispatched path could
   have produced (``B``: one device has no partial to reduce) — or, for a
   sparse COO gradient, a ``SparseGlobalTensor`` laid out ``sparse_sbp_for``.
+  ``restore(hand_grads=False)`` leaves the gradients on the leaves instead,
+  for an update that needs nothing global of them (one device, one stage,
+  an element-wise optimizer: ``runtime.pipeline.step``), which then clips
+  and steps the locals with them and drops them (``grads``, ``drop_grads``).
 
 Values are the dispatched path's bit for bit: the same aten ops run on the
 same locals. Not ``torch.func.functional_call``: it swaps per call, so an
@@ -82,6 +86,7 @@ class LocalParameters:
         self._leaves = []  # [(global parameter, its leaf)] while swapped
         self._entries = None  # the last swap's entries: its tables, names, global tensors (see _table)
         self._made = {}  # id(global parameter) -> (the parameter, the local its leaf was made from, the leaf)
+        self.held = []  # [(global parameter, its leaf)] whose gradients restore(hand_grads=False) left on the leaves
 
     @property
     def swapped(self) -> bool:
@@ -130,18 +135,27 @@ class LocalParameters:
         old = self._made.get(id(g))
         if old is not None and old[0] is g and old[1] is g._local and old[2].requires_grad == g.requires_grad:
             leaf = old[2]
+            if leaf.grad is not None:  # held by a step that failed before its update: not this step's
+                leaf.grad = None
         else:
             leaf = g._local.detach().requires_grad_(g.requires_grad)
         made[id(g)] = (g, g._local, leaf)
         return leaf
 
     @torch.no_grad()
-    def restore(self) -> None:
-        """The global parameters and buffers back, each leaf's gradient added to its parameter's (no-op if not swapped)."""
+    def restore(self, hand_grads: bool = True) -> bool:
+        """The global parameters and buffers back, each leaf's gradient added to its parameter's (no-op if not
+        swapped). ``hand_grads=False``: the gradients stay on the leaves (``held``), for an update that steps
+        the locals with them (``sc.step_on_locals(optimizer, grads=...)``), until ``drop_grads`` — unless one
+        is sparse (an embedding's row gradient: a dense-only update cannot take it), when all are handed over.
+        Returns whether the gradients stayed on the leaves."""
         if self._swapped is None:
-            return
+            return False
         for table, name, g, _ in self._swapped:
             table[name] = g
+        if not hand_grads and not any(leaf.grad is not None and leaf.grad.is_sparse for _, leaf in self._leaves):
+            self.held, self._swapped, self._leaves = self._leaves, None, []
+            return True
         for p, leaf in self._leaves:
             grad = leaf.grad
             if grad is None:
@@ -158,3 +172,14 @@ class LocalParameters:
                 grad = wrap(grad, layout, layout.strides) if grad.is_contiguous() else GlobalTensor(grad, layout)
             p.grad = grad if p.grad is None else p.grad + grad
         self._swapped, self._leaves = None, []
+        return False
+
+    def grads(self) -> dict:
+        """``{id(parameter): its leaf's gradient or None}`` of the gradients ``restore(hand_grads=False)`` held."""
+        return {id(p): leaf.grad for p, leaf in self.held}
+
+    def drop_grads(self) -> None:
+        """The held gradients are done with (the update ran): the leaves let them go."""
+        for _, leaf in self.held:
+            leaf.grad = None
+        self.held = []

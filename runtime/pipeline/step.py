@@ -78,7 +78,12 @@ layouts on one device; as ``P`` partial sums under data parallel, which
 ``box_grads`` then all-reduces), so gradient reduction, tied gradients,
 clipping and the optimizer see global tensors as on any other stage. The
 last stage of a data-parallel one divides its loss by its replicas and
-gets the step's loss back by one scalar all-reduce.
+gets the step's loss back by one scalar all-reduce. On one device with one
+stage and no loss scale, where nothing of the update needs a global
+gradient, an element-wise optimizer's gradients stay on the leaves:
+``update`` clips them there and steps the locals with them
+(``_update_on_leaves``), the per-parameter wrapping and unwrapping of a
+gradient being, with a plain loop's work so small, a few percent of a step.
 """
 from __future__ import annotations
 
@@ -277,6 +282,10 @@ class PipelineStep:
         self._local = False  # this step runs the stages on plain tensors (decided per run, see _run)
         self._weight_passes: dict = {}  # (stage, micro-batch) -> its deferred weight gradients
         self._clipped = None  # the parameters whose gradients clipping measures (all but tied copies), once found
+        # One device, one stage, no loss scale: the update needs nothing global of the gradients, so with an
+        # element-wise optimizer they stay on the stage's leaves (restore(hand_grads=False), _update_on_leaves).
+        self._leaf_update = one and self.pp == 1 and loss_scale is None
+        self._on_leaves = False  # this step's gradients stayed on the leaves
         self.step_index = 0
         self._losses = []
         self.last_trace, self.last_loss, self.grad_norm = None, None, None
@@ -431,7 +440,8 @@ class PipelineStep:
         for weight_pass in passes.values():  # the last backward's deferred weight gradients
             weight_pass()
         if self._local:
-            self._shards.restore()
+            keep = self._leaf_update and sc.steps_on_locals(self.optimizer)
+            self._on_leaves = self._shards.restore(hand_grads=not keep)
         if self.zero is not None:  # ZeRO keeps gradients in its masters' layout
             self.zero.sync_grads()
         elif not (self._local and not self._replicas):  # one device: restore gave each its parameter's layout
@@ -454,6 +464,8 @@ class PipelineStep:
         return loss
 
     def _update(self, k, loss):
+        if self._on_leaves:
+            return self._update_on_leaves(loss)
         norm = None
         self.skipped = False
         if self.loss_scale is not None:
@@ -482,6 +494,23 @@ class PipelineStep:
         self.tied.flush()
         self.grad_norm = None if norm is None else norm._local  # B: the value (to_local's autograd not needed)
         self.last_loss = loss
+        return loss
+
+    def _update_on_leaves(self, loss):
+        """``_update`` on one device and one stage with the gradients left on the leaves: the same clip
+        (``sc.clip_local_``: ``clip_grad_norm_``'s arithmetic) and optimizer step on the locals, without
+        wrapping each gradient in a global tensor and taking it back out."""
+        self._on_leaves, self.skipped, norm = False, False, None
+        grads = self._shards.grads()
+        try:
+            if self.cfg.max_grad_norm is not None:
+                norm = sc.clip_local_([g for g in grads.values() if g is not None], self.cfg.max_grad_norm)
+            sc.step_on_locals(self.optimizer, grads=grads)
+        finally:
+            self._shards.drop_grads()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.grad_norm, self.last_loss = norm, loss
         return loss
 
     # -- plan ------------------------------------------------------------------------------

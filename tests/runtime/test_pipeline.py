@@ -58,6 +58,52 @@ def test_one_device_stages_run_on_plain_tensors_unless_explained():
     assert res[0][1] is not None and res[1][1] is not None
 
 
+def _one_device_one_stage():
+    """pp1 on rank 0 (the other ranks hold no stage): three clipped steps with the global clip forbidden."""
+    from unittest import mock
+
+    import sbp_core as sc
+    from benchkit.pipeline_parity import build
+
+    step, module = build(1, 1, 1, max_grad_norm=0.05, dtype=torch.float64)
+    losses, norms, no_grads = [], [], True
+    with mock.patch.object(sc, "clip_grad_norm_", side_effect=AssertionError("the global-tensor clip ran")):
+        for i in range(3):
+            loss = step.step(i)
+            if module is not None:
+                losses.append(float(loss))
+                norms.append(float(step.grad_norm))
+                no_grads = no_grads and all(p.grad is None for p in module.parameters())
+    params = {n: q.full_tensor() for n, q in module.named_parameters()} if module is not None else None
+    return losses, norms, no_grads, params
+
+
+def test_one_device_one_stage_updates_from_the_leaves_as_one_device_training():
+    """One device, one stage: the gradients stay on the stage's leaves and are clipped and stepped there (the
+    global clip never runs, no parameter gets a global gradient); the losses, the clip's norm and the
+    parameters after three clipped AdamW steps are those of a model that trains on its own (float64, the
+    pipelines' float64 bars)."""
+    from benchkit.pipeline_parity import ADAMW, CFG, global_batch
+    from recipes.gpt2.model import GPT2LMHeadModel
+
+    losses, norms, no_grads, params = get_pool(8).run(_one_device_one_stage)[0]
+    assert no_grads and len(losses) == 3
+    bar = TOLERANCE["float64"][0]
+    torch.manual_seed(0)
+    ref = GPT2LMHeadModel(CFG).to(torch.float64)
+    opt = torch.optim.AdamW(ref.parameters(), **ADAMW)
+    for i, (loss, norm) in enumerate(zip(losses, norms)):
+        ids = global_batch(i)
+        want = ref(ids, ids)[1]
+        want.backward()
+        want_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        opt.step()
+        opt.zero_grad()
+        assert abs(loss - want.item()) <= bar * abs(want.item()) and abs(norm - want_norm.item()) <= bar * norm
+    for n, q in ref.named_parameters():
+        assert (params[n] - q.detach()).abs().max() <= bar * q.detach().abs().max(), n
+
+
 def _data_parallel_plain(dropout: float, rows_weigh_equally: bool):
     """dp2_pp2 for two steps: per rank ``(stage, replicas, audited, ran the second step plain, losses)``."""
     from dataclasses import replace

@@ -146,3 +146,35 @@ def test_a_swap_sees_a_parameter_replaced_since_the_last_one():
     shards.swap()
     assert torch.equal(model.lin.weight, torch.zeros(4, 4)) and model.lin2.weight is model.lin.weight
     shards.restore()
+
+
+def test_gradients_held_on_the_leaves_are_the_handed_over_ones():
+    """``restore(hand_grads=False)`` keeps dense gradients on the leaves (``grads``: the same values, no global
+    gradient); a sparse one makes it hand every gradient over, as ``restore()`` does."""
+    p = sc.placement("cpu", [0])
+    torch.manual_seed(0)
+    model = sc.distribute_module(Net(), p)
+    params = dict(model.named_parameters())
+    shards = sc.LocalParameters(model)
+    batch = torch.tensor([[1, 2, 3], [3, 4, 5]])
+
+    model.emb.sparse = False
+    shards.swap()
+    model(batch).backward()
+    shards.restore()
+    want = {n: q.grad.full_tensor() for n, q in params.items()}
+    model.zero_grad(set_to_none=True)
+    shards.swap()
+    model(batch).backward()
+    assert shards.restore(hand_grads=False)
+    held = shards.grads()
+    assert all(q.grad is None for q in params.values())
+    assert all(torch.equal(held[id(q)], want[n]) for n, q in params.items())
+    shards.drop_grads()
+    assert shards.grads() == {}
+
+    model.emb.sparse = True
+    shards.swap()
+    model(batch).backward()
+    assert not shards.restore(hand_grads=False)
+    assert isinstance(params["emb.weight"].grad, sc.SparseGlobalTensor) and shards.grads() == {}
