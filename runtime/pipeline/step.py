@@ -284,7 +284,8 @@ class PipelineStep:
         self._clipped = None  # the parameters whose gradients clipping measures (all but tied copies), once found
         # One device, one stage, no loss scale: the update needs nothing global of the gradients, so with an
         # element-wise optimizer they stay on the stage's leaves (restore(hand_grads=False), _update_on_leaves).
-        self._leaf_update = one and self.pp == 1 and loss_scale is None
+        self._leaf_update = one and self.pp == 1 and loss_scale is None and not any(
+            s.is_partial for p in module.parameters() if isinstance(p, GlobalTensor) for s in p.sbp)
         self._on_leaves = False  # this step's gradients stayed on the leaves
         self.step_index = 0
         self._losses = []
