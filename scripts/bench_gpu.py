@@ -24,9 +24,11 @@ actors run on their own thread beside the GPU's work); with
 nothing overlaps the step, so data work is on every loop's critical path
 and the ratio is the runtime's own host work per step); there torch runs
 on one thread and each way's time is the process's CPU time
-(``time.process_time``), not the wall clock: on a shared VM the wall clock
-also counts the time the hypervisor gives the cores to others, which
-moved the ratio of one tree by 0.1 between runs. Each way first runs
+(``time.process_time``), not the wall clock, which on a shared VM also
+counts the time the process waits for a core (the same code's GPT-2 step
+read 9.8 ms and 13.7 ms of wall time in two runs minutes apart). CPU time
+still moves with what the neighbours do to caches and memory: runs of one
+tree differ by about 0.03 in the ratio either way. Each way first runs
 ``--warmup`` steps; then ``--rounds`` rounds, each running ``--steps`` steps
 of every way of a case in a carryover-balanced order
 (``benchkit.paired.balanced_orders``), timed from a synchronised start to a
