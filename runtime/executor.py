@@ -244,7 +244,7 @@ def run(plan: Plan, pieces: int, timeout: float = 60.0, trace=None) -> RunResult
     uneven = [name for name, every in prep.every if pieces % every]
     if uneven:
         raise PlanError(f"{pieces} pieces are not a multiple of every= of actors {uneven}")
-    return _execute(prep.specs, pieces, timeout, trace, me, prep.names, prep.gang, plan.pools, prep)
+    return _execute(prep, pieces, timeout, trace, me, plan.pools)
 
 
 @dataclass
@@ -402,12 +402,12 @@ def thread_homes(specs, ganged: bool) -> dict:
     return home
 
 
-def _execute(specs, pieces, timeout, trace, rank, user_names, gang=None, pools=None, prep=None) -> RunResult:
-    home = thread_homes(specs, gang is not None) if prep is None else prep.home
+def _execute(prep: _Prepared, pieces, timeout, trace, rank, pools) -> RunResult:
+    specs, user_names, gang, home = prep.specs, prep.names, prep.gang, prep.home
     used = sorted(set(home.values()), key=_queue_order)
     # One thread, no gang, no network: the order is the plan's alone, recorded once (``runtime.replay``).
     alone = len(used) == 1 and gang is None and not used[0].startswith("network")
-    record = alone and trace is None and prep is not None
+    record = alone and trace is None
     if record and pieces in prep.schedules:
         return _replay(prep.schedules[pieces], rank)
     st = _Run(trace)

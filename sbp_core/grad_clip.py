@@ -76,14 +76,18 @@ def _local_terms(grads, norm_type) -> list:
     op = "sum" if norm_type == 2 else "max"
     terms = []
     for (placement, sbp, dtype), locals_ in groups.items():
-        acc = _accumulation(dtype)
-        if dtype != acc:
-            locals_ = [t.to(acc) for t in locals_]
-        norms = torch.stack(torch._foreach_norm(locals_, norm_type))
-        local = norms.pow(2).sum() if norm_type == 2 else norms.amax()
+        local = _group_term(locals_, dtype, norm_type)
         term_sbp = tuple(Partial(op) if s.is_split else Broadcast() for s in sbp)
-        terms.append(GlobalTensor(local, Layout(placement, term_sbp, torch.Size(), acc)))
+        terms.append(GlobalTensor(local, Layout(placement, term_sbp, torch.Size(), local.dtype)))
     return terms
+
+
+def _group_term(tensors: list, dtype, norm_type) -> torch.Tensor:
+    """``sum(t.pow(2))`` (or ``max(t.abs())``) over plain ``tensors`` of one ``dtype``, in its accumulation
+    precision, from one ``torch._foreach_norm``."""
+    acc = _accumulation(dtype)
+    norms = torch.stack(torch._foreach_norm([t.to(acc) for t in tensors] if dtype != acc else tensors, norm_type))
+    return norms.pow(2).sum() if norm_type == 2 else norms.amax()
 
 
 @torch.no_grad()
@@ -166,9 +170,7 @@ def clip_local_(grads: list, max_norm: float, norm_type: float = 2.0) -> torch.T
         by_dtype.setdefault(g.dtype, []).append(g)
     total = None
     for dtype, same in by_dtype.items():
-        acc = _accumulation(dtype)
-        norms = torch.stack(torch._foreach_norm([t.to(acc) for t in same] if dtype != acc else same, norm_type))
-        term = norms.pow(2).sum() if norm_type == 2 else norms.amax()
+        term = _group_term(same, dtype, norm_type)
         total = term if total is None else total + term if norm_type == 2 else torch.maximum(total, term)
     total = total.sqrt() if norm_type == 2 else total
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0)

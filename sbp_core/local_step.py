@@ -71,7 +71,12 @@ def updates_locally(p) -> bool:
     if any(s.is_partial for s in p._layout.sbp):
         return False
     g = p.grad
-    return g is None or (type(g) is GlobalTensor and (g._layout is p._layout or g._layout == p._layout))
+    return g is None or _in_layout_of(g, p)
+
+
+def _in_layout_of(g, p) -> bool:
+    """Is gradient ``g`` a dense global tensor in global parameter ``p``'s layout?"""
+    return type(g) is GlobalTensor and (g._layout is p._layout or g._layout == p._layout)
 
 
 def step_on_locals(optimizer: torch.optim.Optimizer, grads: dict | None = None) -> None:
@@ -140,6 +145,7 @@ class _LocalView:
         self.members = [g["params"] for g in self.groups]
         self.locals = [[p._local if isinstance(p, GlobalTensor) else p for p in ps] for ps in self.members]
         self.pairs = [(p, p._local) for ps in self.members for p in ps if isinstance(p, GlobalTensor)]
+        self.plain = [p for ps in self.members for p in ps if not isinstance(p, GlobalTensor)]
         self.partial = any(s.is_partial for p, _ in self.pairs for s in p._layout.sbp)  # (updates_locally)
         self.local_state = local_state = defaultdict(dict)  # as torch keeps it: a step creates entries by lookup
         for ps in self.members:
@@ -181,7 +187,7 @@ class _LocalView:
             g = p.grad
             if g is None:
                 t.grad = None
-            elif type(g) is GlobalTensor and (g._layout is p._layout or g._layout == p._layout):
+            elif _in_layout_of(g, p):
                 t.grad = g._local
             else:
                 for _, u in self.pairs:
@@ -205,10 +211,9 @@ class _LocalView:
                 if old is v or (type(old) is GlobalTensor and old._local is v):
                     continue
                 s[k] = GlobalTensor(v, p._layout) if k in _PER_ELEMENT else v
-        for ps in self.members:
-            for p in ps:
-                if not isinstance(p, GlobalTensor) and p in local_state and state.get(p) is not local_state[p]:
-                    state[p] = local_state[p]
+        for p in self.plain:
+            if p in local_state and state.get(p) is not local_state[p]:
+                state[p] = local_state[p]
 
 
 _MISSING = object()
