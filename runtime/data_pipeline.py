@@ -19,12 +19,15 @@
 Each stage owns ``quota`` out registers, so at most ``quota`` raw reads,
 decoded sample lists, batches and device batches are alive per stage, and a
 slow step stops the reader (back pressure) instead of prefetching without
-bound. There is no separate prefetch thread: the data and copy queue threads
-of the executor run these actors alongside the compute thread, and on a host
-without an accelerator the compute thread runs them itself between its own
-actions (``runtime.executor.thread_homes``: there a data thread would only
-take the GIL from the step). An exception in a stage stops the run and names
-the stage's actor and the piece (batch index).
+bound. The data and copy queue threads of the executor run these actors
+alongside the compute thread, and on a host without an accelerator the
+compute thread runs them itself between its own actions
+(``runtime.executor.thread_homes``: there a data thread would only take the
+GIL from the step). These actors live within one run (one training step);
+loading the next step's batches while the device still works on this one is
+``toolkit.data.ReadAhead``'s, whose ``read`` actor hands on whole batches
+(``data_stages`` without ``decode`` and ``collate``). An exception in a
+stage stops the run and names the stage's actor and the piece (batch index).
 """
 from __future__ import annotations
 
@@ -74,20 +77,14 @@ def to_device(batch, device):
     copied = []
 
     def move(x):
-        if isinstance(x, torch.Tensor):
-            if x.device == device:  # decoded on the device already (e.g. by DALI)
-                return x
-            out = x.pin_memory().to(device, non_blocking=True)
-            copied.append(out)
-            return out
-        if isinstance(x, dict):
-            return {k: move(v) for k, v in x.items()}
-        if isinstance(x, (list, tuple)):
-            return type(x)(move(v) for v in x)
-        return x
+        if x.device == device:  # decoded on the device already (e.g. by DALI)
+            return x
+        out = x.pin_memory().to(device, non_blocking=True)
+        copied.append(out)
+        return out
 
     with torch.cuda.stream(stream):
-        out = move(batch)
+        out = _tensors_mapped(batch, move)
     for t in copied:
         t.record_stream(compute)
     if copied:
@@ -95,7 +92,24 @@ def to_device(batch, device):
     return out
 
 
-def data_stages(read, decode, collate, device=None, quota: int = 2, prefix: str = "data") -> list:
+def _tensors_mapped(batch, fn):
+    """``batch`` (nested dicts, lists, tuples) with ``fn`` applied to each tensor."""
+    if isinstance(batch, torch.Tensor):
+        return fn(batch)
+    if isinstance(batch, dict):
+        return {k: _tensors_mapped(v, fn) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_tensors_mapped(v, fn) for v in batch)
+    return batch
+
+
+def pinned(batch):
+    """``batch`` with every CPU tensor in page-locked memory (``pin_memory``), ready for ``to_device``'s
+    copy, which then copies without pinning again (a pinned tensor's ``pin_memory()`` is itself)."""
+    return _tensors_mapped(batch, lambda x: x.pin_memory() if x.device.type == "cpu" else x)
+
+
+def data_stages(read, decode=None, collate=None, device=None, quota: int = 2, prefix: str = "data") -> list:
     """The pipeline actors, in order; consume ``stages[-1].name``.
 
     ``read(piece) -> raw``, ``decode(piece, raw) -> samples`` and
@@ -104,17 +118,23 @@ def data_stages(read, decode, collate, device=None, quota: int = 2, prefix: str 
     the last actor is then ``f"{prefix}.to_device"``, else
     ``f"{prefix}.collate"``); every stage has ``quota`` out registers.
     Piece ``k`` of every stage is batch ``k``: the consumer sees batches in
-    order, exactly ``collate(k, decode(k, read(k)))`` on ``device``.
+    order, exactly ``collate(k, decode(k, read(k)))`` on ``device``. A
+    ``read`` that returns whole batches (``toolkit.data.ReadAhead``) comes
+    with neither ``decode`` nor ``collate``: those stages are left out.
     """
+    if (decode is None) != (collate is None):
+        raise ValueError("data_stages: give both decode and collate, or neither (read returns whole batches)")
+
     def n(stage):
         return f"{prefix}.{stage}"
 
-    stages = [
-        ActorSpec(n("read"), read, queue="data", quota=quota),
-        ActorSpec(n("decode"), decode, inputs=(n("read"),), queue="data", quota=quota),
-        ActorSpec(n("collate"), collate, inputs=(n("decode"),), queue="data", quota=quota),
-    ]
+    stages = [ActorSpec(n("read"), read, queue="data", quota=quota)]
+    if decode is not None:
+        stages += [
+            ActorSpec(n("decode"), decode, inputs=(n("read"),), queue="data", quota=quota),
+            ActorSpec(n("collate"), collate, inputs=(n("decode"),), queue="data", quota=quota),
+        ]
     if copies_to(device):
         stages.append(ActorSpec(n("to_device"), lambda piece, batch: to_device(batch, device),
-                                inputs=(n("collate"),), queue="copy", quota=quota))
+                                inputs=(stages[-1].name,), queue="copy", quota=quota))
     return stages

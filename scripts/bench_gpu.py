@@ -18,8 +18,9 @@ device). ``ours``: ``toolkit.trainer.Job`` stepping ``job.pipe.step(i)``,
 its data read by the runtime's pipeline (and copied on its side stream).
 ``plain``: ``toolkit.plain_loop.PlainLoop``, the same model class, seed,
 optimizer family (fused on CUDA), schedule, precision and clipping; on a
-GPU its batches are copied to the device before any timing (ours' data
-actors run on their own thread beside the GPU's work); with
+GPU its batches are copied to the device before any timing (ours reads
+its batches ahead on worker threads, ``toolkit.data.ReadAhead``, and copies
+them from its copy thread, beside the GPU's work); with
 ``--host-only`` it reads each step's batches as ours does (on a CPU host
 nothing overlaps the step, so data work is on every loop's critical path
 and the ratio is the runtime's own host work per step); there torch runs
@@ -123,8 +124,8 @@ def _case(name, overrides, o, root):
     if compiled:
         args.append("trainer.compile=true")
     cfg = compose(args, run_dir=os.path.join(root, name))
-    # On a GPU the plain loop's batches wait on the device (ours' data actors overlap the GPU from
-    # their own thread). On a CPU host nothing can overlap the step, so there both loops read
+    # On a GPU the plain loop's batches wait on the device (ours reads ahead on worker threads while
+    # the GPU works). On a CPU host nothing can overlap the step, so there both loops read
     # their batches each step and the ratio is the runtime's own host work.
     ways = {"ours": Ours(cfg), "plain": Plain(cfg, device, 0 if o.host_only else total, compiled)}
     for way in ways.values():

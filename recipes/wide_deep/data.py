@@ -57,7 +57,9 @@ class Rows:
 
 
 class Synthetic:
-    """``PlantedCriteo`` with the ``read``/``decode`` of the file readers."""
+    """``PlantedCriteo`` with the ``read``/``decode`` of the file readers: ``read`` takes the rows (a generator
+    has no I/O), ``decode`` generates them, so that a read-ahead's threads generate several batches at once
+    (``toolkit.data.ReadAhead`` reads one piece at a time and decodes in parallel)."""
 
     def __init__(self, planted: PlantedCriteo):
         self.planted = planted
@@ -65,11 +67,12 @@ class Synthetic:
     def __len__(self) -> int:
         return len(self.planted)
 
-    def read(self, rows) -> dict:
-        return self.planted.generate(rows)
+    def read(self, rows) -> torch.Tensor:
+        return torch.as_tensor(rows, dtype=torch.int64)
 
-    def decode(self, raw: dict) -> Columns:
+    def decode(self, rows: torch.Tensor) -> Columns:
         """The generated arrays as they are: the encoder takes columns (no Python tuple per row)."""
+        raw = self.planted.generate(rows)
         return Columns(raw["label"].numpy(), raw["dense"].numpy(), raw["cats"].numpy())
 
 

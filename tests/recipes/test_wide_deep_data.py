@@ -139,9 +139,11 @@ def test_columns_encode_as_the_same_samples_listed_row_by_row():
     from recipes.wide_deep.data import Synthetic
     from recipes.wide_deep.features import Columns
 
-    raw = Synthetic(PlantedCriteo(5000, seed=3)).read(torch.tensor([4, 4999, 0, 17]))
+    rows = torch.tensor([4, 4999, 0, 17])
+    raw = PlantedCriteo(5000, seed=3).generate(rows)
     listed = list(zip(raw["label"].tolist(), raw["dense"].tolist(), raw["cats"].tolist()))
-    columns = Synthetic(PlantedCriteo(5000, seed=3)).decode(raw)
+    source = Synthetic(PlantedCriteo(5000, seed=3))
+    columns = source.decode(source.read(rows))  # read takes the rows, decode generates them
     assert isinstance(columns, Columns) and len(columns) == 4
     enc = Encoder(FeatureHasher(26, vocab_size=1000))
     a, b = enc.collate(listed), enc.collate(columns)

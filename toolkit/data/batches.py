@@ -21,17 +21,35 @@ from ``step`` both read the right rows. ``read``, ``decode`` and ``collate``
 run on the data queue, one actor each; ``stages()`` returns the four actors
 (with the host-to-device copy).
 
+Reading ahead (``read_ahead``, see ``toolkit.data.read_ahead``): where the
+batches are copied to an accelerator (``stages(device=...)`` with a CUDA
+device) and ``read_ahead`` is left ``None``, ``stages()`` returns a ``read``
+actor that takes whole batches from a ``ReadAhead`` of ``read_ahead_threads()``
+threads keeping twice as many micro-batches loading (then the copy actor;
+no ``decode``/``collate`` actors). ``read_ahead=n`` reads ``n`` pieces ahead on
+any device, ``0`` never: on a CPU host the step itself needs the cores.
+
 Plain use (evaluation, tests): ``load(step, micro)`` is the same batch.
 """
 from __future__ import annotations
 
 import copy
+import os
 
 import torch
 
-from runtime.data_pipeline import data_stages
+from runtime.data_pipeline import copies_to, data_stages
 
+from .read_ahead import ReadAhead
 from .sampler import GlobalBatchSampler, micro_batch_rows
+
+
+def read_ahead_threads() -> int:
+    """Worker threads a rank reads ahead with: its share of this host's cores (``LOCAL_WORLD_SIZE`` ranks),
+    less one for its step's own thread, at most 4 and at least 1."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return max(1, min(4, cores // ranks - 1))
 
 
 class MicroBatches:
@@ -43,13 +61,18 @@ class MicroBatches:
     """
 
     def __init__(self, source, sampler: GlobalBatchSampler, accum: int = 1, n_shards: int = 1, shard: int = 0,
-                 step: int = 0):
+                 step: int = 0, read_ahead: int | None = None):
         if sampler.n_sequences > len(source):
             raise ValueError(f"sampler draws from {sampler.n_sequences} samples but {source!r} holds {len(source)}")
         micro_batch_rows(torch.empty(0, dtype=torch.int64), accum, 0, n_shards, shard)  # validates the sizes
         self.source, self.sampler = source, sampler
+        if read_ahead is not None and (isinstance(read_ahead, bool) or not isinstance(read_ahead, int)
+                                       or read_ahead < 0):
+            raise ValueError(f"read_ahead must be None (on for a CUDA device) or an int >= 0, got {read_ahead!r}")
         self.accum, self.n_shards, self.shard = accum, n_shards, shard
         self.step = step
+        self.read_ahead = read_ahead
+        self._ahead = None  # the ReadAhead that stages() built, shared by for_step copies made after
 
     @classmethod
     def from_prepared(cls, prepared, split: str, global_batch: int, seed: int = 0, accum: int = 1,
@@ -88,8 +111,24 @@ class MicroBatches:
         return batch.collate(micro, batch.decode(micro, batch.read(micro)))
 
     def stages(self, device=None, quota: int = 2, prefix: str = "data") -> list:
-        """``data_stages`` over ``read``, ``decode`` and ``collate`` (consume ``stages[-1].name``)."""
-        return data_stages(self.read, self.decode, self.collate, device, quota, prefix)
+        """The data-pipeline actors (consume ``stages[-1].name``): ``data_stages`` over ``read``, ``decode`` and
+        ``collate``, or, reading ahead (see the module docstring), one ``read`` of whole batches."""
+        pieces = self.read_ahead
+        if pieces is None:
+            pieces = 2 * read_ahead_threads() if copies_to(device) else 0
+        if not pieces:
+            return data_stages(self.read, self.decode, self.collate, device, quota, prefix)
+        if self._ahead is None or self._ahead.pieces != pieces:
+            self._ahead = ReadAhead(self, pieces, min(pieces, read_ahead_threads()), pin=copies_to(device))
+        ahead = self._ahead
+
+        def read(piece: int):
+            return ahead.get(self.step * self.accum + piece)
+
+        return data_stages(read, device=device, quota=quota, prefix=prefix)
+
+    def __getstate__(self):
+        return {**self.__dict__, "_ahead": None}  # its threads stay with this process
 
     def __repr__(self) -> str:
         return (f"MicroBatches({self.source!r}, {self.sampler!r}, accum={self.accum}, "

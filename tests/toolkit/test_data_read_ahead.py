@@ -1,0 +1,141 @@
+"""ReadAhead: the batches a step reads, loaded ahead on worker threads, are ``MicroBatches.load``'s."""
+from __future__ import annotations
+
+import pickle
+import threading
+
+import pytest
+import torch
+
+from runtime.executor import run
+from runtime.plan import ActorSpec, Plan
+from toolkit.data import GlobalBatchSampler, MicroBatches, ReadAhead
+
+N = 64
+
+
+class Rows:
+    """Sample ``i`` is ``[i, -i]``; counts the reads running at once, and can fail or wait in ``decode``."""
+
+    def __init__(self, fail_at=None, barrier=None):
+        self.fail_at, self.barrier = fail_at, barrier
+        self.reading = self.most_reading = self.reads = 0
+        self.lock = threading.Lock()
+
+    def __len__(self):
+        return N
+
+    def __getstate__(self):
+        return {**self.__dict__, "lock": None}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state, lock=threading.Lock())
+
+    def read(self, rows):
+        with self.lock:
+            self.reading += 1
+            self.reads += 1
+            self.most_reading = max(self.most_reading, self.reading)
+        threading.Event().wait(0.002)  # a read long enough for a second one to overlap it, if one could
+        with self.lock:
+            self.reading -= 1
+        return torch.as_tensor(rows, dtype=torch.int64).clone()
+
+    def decode(self, rows):
+        if self.fail_at is not None and self.fail_at in rows.tolist():
+            raise RuntimeError(f"row {self.fail_at} is corrupt")
+        if self.barrier is not None:
+            self.barrier.wait()  # passes only when two decodes run at once
+        return torch.stack([rows, -rows], 1)
+
+    def collate(self, samples):
+        return {"x": samples}
+
+
+def _batches(source, accum=2, read_ahead=None):
+    return MicroBatches(source, GlobalBatchSampler(N, 8, seed=3), accum=accum, n_shards=2, shard=1,
+                        read_ahead=read_ahead)
+
+
+def _want(batches, q):
+    return batches.load(q // batches.accum, q % batches.accum)["x"]
+
+
+@pytest.mark.parametrize("order", [list(range(12)), [5, 6, 7, 0, 1, 2, 30, 3, 4, 4, 11]])
+def test_any_order_of_pieces_gets_the_loaded_batches(order):
+    batches = _batches(Rows())
+    ahead = ReadAhead(batches, pieces=3, workers=2)
+    try:
+        for q in order:
+            assert torch.equal(ahead.get(q)["x"], _want(batches, q))
+            assert len(ahead._loading) <= 3  # the window: q + 1 .. q + 3 still loading or loaded
+    finally:
+        ahead.close()
+
+
+def test_reads_one_at_a_time_and_decodes_at_once():
+    source = Rows(barrier=threading.Barrier(2, timeout=20))
+    ahead = ReadAhead(_batches(source), pieces=3, workers=3)
+    try:
+        ahead.get(0)  # pieces 0 and 1 pass the barrier together, then 2 and 3: only if decoded at once
+        ahead.get(2)
+    finally:
+        ahead.close()
+    assert source.most_reading == 1 and source.reads >= 4
+
+
+def test_a_load_fails_at_the_get_of_its_piece():
+    batches = _batches(Rows())
+    bad = int(batches.rows(3)[0])  # piece 3's first row
+    ahead = ReadAhead(_batches(Rows(fail_at=bad)), pieces=2, workers=2)
+    try:
+        for q in range(3):  # piece 3 is loading (and failing) meanwhile
+            assert torch.equal(ahead.get(q)["x"], _want(batches, q))
+        with pytest.raises(RuntimeError, match=f"row {bad} is corrupt"):
+            ahead.get(3)
+    finally:
+        ahead.close()
+
+
+def test_the_actor_pipeline_reads_ahead_what_load_reads():
+    accum, steps = 2, 3
+    source = Rows()
+    batches = _batches(source, accum, read_ahead=3)
+    batches.step = 4
+    stages = batches.stages(quota=2)
+    assert [s.name for s in stages] == ["data.read"]  # whole batches: no decode or collate actors
+    plan = Plan(stages + [ActorSpec("step", lambda k, b: b["x"], inputs=(stages[-1].name,))])
+    seen = run(plan, accum * steps, timeout=30).outputs["step"]
+    plain = _batches(Rows(), accum)
+    want = [plain.load(4 + k // accum, k % accum)["x"] for k in range(accum * steps)]
+    assert all(torch.equal(a, b) for a, b in zip(seen, want)) and len(seen) == len(want)
+    batches.step = 7  # the next run reads on from where this one's window is
+    seen = run(plan, accum, timeout=30).outputs["step"]
+    assert all(torch.equal(seen[k], plain.load(7, k)["x"]) for k in range(accum))
+    assert source.reads <= accum * (steps + 1) + 3 + 3  # each piece once, plus one window at most per run
+    batches._ahead.close()
+
+
+def test_read_ahead_is_on_only_for_an_accelerator_unless_asked():
+    assert [s.name for s in _batches(Rows()).stages()] == ["data.read", "data.decode", "data.collate"]
+    assert [s.name for s in _batches(Rows(), read_ahead=0).stages()] == ["data.read", "data.decode", "data.collate"]
+    batches = _batches(Rows(), read_ahead=2)
+    assert [s.name for s in batches.stages()] == ["data.read"] and batches._ahead is not None
+    copy = pickle.loads(pickle.dumps(batches))  # for a worker process: without the threads
+    assert copy._ahead is None and copy.read_ahead == 2 and torch.equal(copy.load(1, 1)["x"], _want(batches, 3))
+    with pytest.raises(ValueError, match="read_ahead must be None .* got -1"):
+        _batches(Rows(), read_ahead=-1)
+    with pytest.raises(ValueError, match="pieces must be a positive int, got 0"):
+        ReadAhead(_batches(Rows()), pieces=0, workers=1)
+
+
+@pytest.mark.cuda
+def test_on_cuda_it_reads_ahead_pinned_and_the_copy_actor_takes_the_batches_to_the_device():
+    batches = _batches(Rows())
+    stages = batches.stages(device=torch.device("cuda", 0))
+    assert [s.name for s in stages] == ["data.read", "data.to_device"] and batches._ahead.pin
+    assert batches._ahead.get(5)["x"].is_pinned()
+    plan = Plan(stages + [ActorSpec("step", lambda k, b: b["x"], inputs=(stages[-1].name,))])
+    seen = run(plan, 4, timeout=60).outputs["step"]
+    assert all(s.is_cuda and torch.equal(s.cpu(), _want(batches, k)) for k, s in enumerate(seen))
+    batches._ahead.close()
