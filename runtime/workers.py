@@ -15,7 +15,11 @@ a worker that waits for a job and runs it; ``start(name, job)`` hands
 ``job`` to an idle worker of that name (a new one when all are busy, e.g.
 one still stuck in an action of a run that timed out, or two runs at once)
 and the worker is idle again when ``job`` returns. Each job starts with
-autograd enabled, as a new thread would (grad mode is per thread).
+autograd enabled, as a new thread would (grad mode is per thread), and,
+once CUDA is in use, on the CUDA device current where ``start`` was called:
+the current device is per thread too, and a new thread's is GPU 0, so rank
+3's step would otherwise allocate ``"cuda"`` tensors, streams and
+``Placement.device()`` on GPU 0.
 """
 from __future__ import annotations
 
@@ -36,8 +40,10 @@ class _Worker(threading.Thread):
 
     def run(self) -> None:
         while True:
-            job, done = self.jobs.get()
+            job, done, device = self.jobs.get()
             torch.set_grad_enabled(True)
+            if device is not None:
+                torch.cuda.set_device(device)
             try:
                 job()
             except BaseException:
@@ -57,5 +63,6 @@ def start(name: str, job) -> threading.Event:
         worker = _Worker(name)
         worker.start()
     done = threading.Event()
-    worker.jobs.put((job, done))
+    device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+    worker.jobs.put((job, done, device))
     return done

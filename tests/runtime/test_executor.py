@@ -242,6 +242,27 @@ def test_queue_threads_outlive_a_run_and_start_each_run_with_autograd_on():
     assert seen == [(threading.current_thread(), True)] * 2
 
 
+def test_queue_threads_take_the_callers_cuda_device():
+    """The CUDA device is per thread and a new thread's is GPU 0: once CUDA is in use, each job of a queue
+    thread runs on the device current where the run was started (rank 3's step on GPU 3)."""
+    import torch
+
+    set_to = []
+    plan = Plan([ActorSpec("load", lambda k: k, queue="data", quota=1),
+                 ActorSpec("a", lambda k, x: x, inputs=("load",), quota=1)])
+    with mock.patch("runtime.executor.host_only", return_value=False), \
+            mock.patch.object(torch.cuda, "is_initialized", return_value=True), \
+            mock.patch.object(torch.cuda, "current_device", return_value=3), \
+            mock.patch.object(torch.cuda, "set_device", side_effect=set_to.append):
+        run(plan, 1)
+    assert set_to == [3, 3]  # the data thread's job and the compute thread's
+    set_to.clear()
+    with mock.patch("runtime.executor.host_only", return_value=False), \
+            mock.patch.object(torch.cuda, "set_device", side_effect=set_to.append):
+        run(plan, 1)
+    assert set_to == []  # CUDA not in use (or absent): no device is set
+
+
 def test_a_run_on_one_thread_that_cannot_go_on_fails_at_once_naming_what_waits():
     """The caller's thread is the run's only one: with no actor ready and no message, nothing else ever
     could make one ready, so the run fails then rather than after its timeout. (A valid plan on one thread

@@ -133,8 +133,8 @@ def test_read_ahead_is_on_only_for_an_accelerator_unless_asked():
 def test_on_cuda_it_reads_ahead_pinned_and_the_copy_actor_takes_the_batches_to_the_device():
     batches = _batches(Rows())
     stages = batches.stages(device=torch.device("cuda", 0))
-    assert [s.name for s in stages] == ["data.read", "data.to_device"] and batches._ahead.pin
-    assert batches._ahead.get(5)["x"].is_pinned()
+    assert [s.name for s in stages] == ["data.read", "data.to_device"]
+    assert batches._ahead.device == torch.device("cuda", 0) and batches._ahead.get(5)["x"].is_pinned()
     plan = Plan(stages + [ActorSpec("step", lambda k, b: b["x"], inputs=(stages[-1].name,))])
     seen = run(plan, 4, timeout=60).outputs["step"]
     assert all(s.is_cuda and torch.equal(s.cpu(), _want(batches, k)) for k, s in enumerate(seen))

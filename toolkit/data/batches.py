@@ -119,7 +119,7 @@ class MicroBatches:
         if not pieces:
             return data_stages(self.read, self.decode, self.collate, device, quota, prefix)
         if self._ahead is None or self._ahead.pieces != pieces:
-            self._ahead = ReadAhead(self, pieces, min(pieces, read_ahead_threads()), pin=copies_to(device))
+            self._ahead = ReadAhead(self, pieces, min(pieces, read_ahead_threads()), device)
         ahead = self._ahead
 
         def read(piece: int):

@@ -16,8 +16,11 @@ it is still loading) and starts the next. A ``get`` outside the window (a
 resumed run, an evaluation that starts again at step 0) drops what was
 loading and starts from there, so any order of ``get`` returns exactly
 ``batches.load``'s batches. A load's exception is raised by the ``get`` of
-its piece, not before. ``pin=True`` (a CUDA job): each batch's tensors are
-pinned on the worker (``runtime.data_pipeline.pinned``), off the copy's path.
+its piece, not before. ``device`` (a CUDA device, where the batches go):
+each batch's tensors are pinned on the worker (``runtime.data_pipeline.pinned``),
+off the copy's path, and each worker thread is bound to that device first
+(``torch.cuda.set_device``, as DataLoader's pinning thread is), else its
+first pinned allocation would open a context on GPU 0 on every rank.
 
 What runs where, and what a source must allow: ``read`` is called for one
 piece at a time (under a lock: a source may keep file handles, seek and
@@ -39,18 +42,24 @@ from __future__ import annotations
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-from runtime.data_pipeline import pinned
+import torch
+
+from runtime.data_pipeline import copies_to, pinned
 
 
 class ReadAhead:
     """Batches ``q .. q + pieces`` of ``batches`` (a ``MicroBatches``) loading while piece ``q`` is read."""
 
-    def __init__(self, batches, pieces: int, workers: int, pin: bool = False):
+    def __init__(self, batches, pieces: int, workers: int, device=None):
         for name, v in (("pieces", pieces), ("workers", workers)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"ReadAhead: {name} must be a positive int, got {v!r}")
         self.batches = batches.for_step(0)  # piece q of this one is the absolute piece q
-        self.pieces, self.workers, self.pin = pieces, workers, pin
+        self.pieces, self.workers = pieces, workers
+        self.device = None  # the CUDA device the batches are pinned for, else None
+        if copies_to(device):
+            device = torch.device(device)
+            self.device = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
         self._pool = None  # the worker threads, started by the first get
         self._loading = {}  # piece -> Future of its batch
         self._lock = threading.Lock()  # the window (get may be called from several data threads)
@@ -61,13 +70,19 @@ class ReadAhead:
         with self._read_lock:
             raw = b.read(q)
         batch = b.collate(q, b.decode(q, raw))
-        return pinned(batch) if self.pin else batch
+        return batch if self.device is None else pinned(batch)
+
+    def _bind(self) -> None:
+        """Each worker thread's first act: CUDA work on it goes to this rank's device."""
+        if self.device is not None:
+            torch.cuda.set_device(self.device)
 
     def get(self, q: int):
         """Batch ``q`` (``batches.load(q // accum, q % accum)``), with ``q + 1 .. q + pieces`` loading."""
         with self._lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="sbp-read-ahead")
+                self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="sbp-read-ahead",
+                                                initializer=self._bind)
             for k in [k for k in self._loading if not q <= k <= q + self.pieces]:
                 self._loading.pop(k).cancel()  # one already running finishes and is dropped
             for k in range(q, q + self.pieces + 1):
