@@ -113,16 +113,20 @@ def test_the_actor_pipeline_reads_ahead_what_load_reads():
     seen = run(plan, accum, timeout=30).outputs["step"]
     assert all(torch.equal(seen[k], plain.load(7, k)["x"]) for k in range(accum))
     assert source.reads <= accum * (steps + 1) + 3 + 3  # each piece once, plus one window at most per run
-    batches._ahead.close()
+    stages[0].action.ahead.close()
 
 
 def test_read_ahead_is_on_only_for_an_accelerator_unless_asked():
     assert [s.name for s in _batches(Rows()).stages()] == ["data.read", "data.decode", "data.collate"]
     assert [s.name for s in _batches(Rows(), read_ahead=0).stages()] == ["data.read", "data.decode", "data.collate"]
     batches = _batches(Rows(), read_ahead=2)
-    assert [s.name for s in batches.stages()] == ["data.read"] and batches._ahead is not None
-    copy = pickle.loads(pickle.dumps(batches))  # for a worker process: without the threads
-    assert copy._ahead is None and copy.read_ahead == 2 and torch.equal(copy.load(1, 1)["x"], _want(batches, 3))
+    first, second = batches.stages(), batches.stages()
+    assert [s.name for s in first] == ["data.read"] and first[0].action.ahead is not second[0].action.ahead
+    assert first[0].action.ahead.pieces == 2 and first[0].action.ahead.workers == 1
+    copy = pickle.loads(pickle.dumps(batches))  # for a worker process: the threads are the actors'
+    assert copy.read_ahead == 2 and torch.equal(copy.load(1, 1)["x"], _want(batches, 3))
+    for stages in (first, second):
+        stages[0].action.ahead.close()
     with pytest.raises(ValueError, match="read_ahead must be None .* got -1"):
         _batches(Rows(), read_ahead=-1)
     with pytest.raises(ValueError, match="pieces must be a positive int, got 0"):
@@ -133,9 +137,29 @@ def test_read_ahead_is_on_only_for_an_accelerator_unless_asked():
 def test_on_cuda_it_reads_ahead_pinned_and_the_copy_actor_takes_the_batches_to_the_device():
     batches = _batches(Rows())
     stages = batches.stages(device=torch.device("cuda", 0))
+    ahead = stages[0].action.ahead
     assert [s.name for s in stages] == ["data.read", "data.to_device"]
-    assert batches._ahead.device == torch.device("cuda", 0) and batches._ahead.get(5)["x"].is_pinned()
+    assert ahead.device == torch.device("cuda", 0) and ahead.get(5)["x"].is_pinned()
     plan = Plan(stages + [ActorSpec("step", lambda k, b: b["x"], inputs=(stages[-1].name,))])
     seen = run(plan, 4, timeout=60).outputs["step"]
     assert all(s.is_cuda and torch.equal(s.cpu(), _want(batches, k)) for k, s in enumerate(seen))
-    batches._ahead.close()
+    ahead.close()
+
+
+def test_a_dropped_read_ahead_ends_its_threads():
+    import gc
+
+    def alive():
+        return [t for t in threading.enumerate() if t.name.startswith("sbp-read-ahead")]
+
+    before = len(alive())
+    stages = _batches(Rows(), read_ahead=2).stages()
+    stages[0].action(0)
+    assert len(alive()) > before
+    del stages
+    gc.collect()
+    for _ in range(100):
+        if len(alive()) == before:
+            break
+        threading.Event().wait(0.05)
+    assert len(alive()) == before

@@ -28,6 +28,10 @@ actor that takes whole batches from a ``ReadAhead`` of ``read_ahead_threads()``
 threads keeping twice as many micro-batches loading (then the copy actor;
 no ``decode``/``collate`` actors). ``read_ahead=n`` reads ``n`` pieces ahead on
 any device, ``0`` never: on a CPU host the step itself needs the cores.
+Each ``stages()`` call, one data actor, has a read-ahead of its own: a rank
+holding a V-shaped pipeline's first and last stage has two data actors
+reading the same pieces at different times, and one window shared by both
+would drop what the one ahead loaded whenever the other read.
 
 Plain use (evaluation, tests): ``load(step, micro)`` is the same batch.
 """
@@ -72,7 +76,6 @@ class MicroBatches:
         self.accum, self.n_shards, self.shard = accum, n_shards, shard
         self.step = step
         self.read_ahead = read_ahead
-        self._ahead = None  # the ReadAhead that stages() built, shared by for_step copies made after
 
     @classmethod
     def from_prepared(cls, prepared, split: str, global_batch: int, seed: int = 0, accum: int = 1,
@@ -118,18 +121,19 @@ class MicroBatches:
             pieces = 2 * read_ahead_threads() if copies_to(device) else 0
         if not pieces:
             return data_stages(self.read, self.decode, self.collate, device, quota, prefix)
-        if self._ahead is None or self._ahead.pieces != pieces:
-            self._ahead = ReadAhead(self, pieces, min(pieces, read_ahead_threads()), device)
-        ahead = self._ahead
-
-        def read(piece: int):
-            return ahead.get(self.step * self.accum + piece)
-
+        read = _ReadAhead(self, ReadAhead(self, pieces, min(pieces, read_ahead_threads()), device))
         return data_stages(read, device=device, quota=quota, prefix=prefix)
-
-    def __getstate__(self):
-        return {**self.__dict__, "_ahead": None}  # its threads stay with this process
 
     def __repr__(self) -> str:
         return (f"MicroBatches({self.source!r}, {self.sampler!r}, accum={self.accum}, "
                 f"n_shards={self.n_shards}, shard={self.shard}, step={self.step})")
+
+
+class _ReadAhead:
+    """A read actor's action: piece ``k`` of the run that ``batches.step`` starts, from its ``ahead``."""
+
+    def __init__(self, batches: MicroBatches, ahead: ReadAhead):
+        self.batches, self.ahead = batches, ahead
+
+    def __call__(self, piece: int):
+        return self.ahead.get(self.batches.step * self.batches.accum + piece)

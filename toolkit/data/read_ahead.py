@@ -47,6 +47,12 @@ import torch
 from runtime.data_pipeline import copies_to, pinned
 
 
+def _bind(device) -> None:
+    """Each worker thread's first act: its CUDA work goes to ``device`` (``None``: no CUDA)."""
+    if device is not None:
+        torch.cuda.set_device(device)
+
+
 class ReadAhead:
     """Batches ``q .. q + pieces`` of ``batches`` (a ``MicroBatches``) loading while piece ``q`` is read."""
 
@@ -72,17 +78,16 @@ class ReadAhead:
         batch = b.collate(q, b.decode(q, raw))
         return batch if self.device is None else pinned(batch)
 
-    def _bind(self) -> None:
-        """Each worker thread's first act: CUDA work on it goes to this rank's device."""
-        if self.device is not None:
-            torch.cuda.set_device(self.device)
+
 
     def get(self, q: int):
         """Batch ``q`` (``batches.load(q // accum, q % accum)``), with ``q + 1 .. q + pieces`` loading."""
         with self._lock:
             if self._pool is None:
+                # The threads hold the initializer for their lifetime: a function of the device, not a
+                # method, so that a dropped ReadAhead (its plan gone) takes its pool and threads with it.
                 self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="sbp-read-ahead",
-                                                initializer=self._bind)
+                                                initializer=_bind, initargs=(self.device,))
             for k in [k for k in self._loading if not q <= k <= q + self.pieces]:
                 self._loading.pop(k).cancel()  # one already running finishes and is dropped
             for k in range(q, q + self.pieces + 1):
