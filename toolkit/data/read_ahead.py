@@ -68,7 +68,7 @@ class ReadAhead:
             self.device = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
         self._pool = None  # the worker threads, started by the first get
         self._loading = {}  # piece -> Future of its batch
-        self._lock = threading.Lock()  # the window (get may be called from several data threads)
+        self._lock = threading.Lock()  # the window
         self._read_lock = threading.Lock()  # one source read at a time
 
     def _load(self, q: int):
@@ -77,8 +77,6 @@ class ReadAhead:
             raw = b.read(q)
         batch = b.collate(q, b.decode(q, raw))
         return batch if self.device is None else pinned(batch)
-
-
 
     def get(self, q: int):
         """Batch ``q`` (``batches.load(q // accum, q % accum)``), with ``q + 1 .. q + pieces`` loading."""
