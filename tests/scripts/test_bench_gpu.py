@@ -1,0 +1,34 @@
+"""scripts/bench_gpu.py: exits 2 without a GPU unless asked for the CPU proxy, which runs every case."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _run(args, tmp_path):
+    env = {**os.environ, "SBP_CACHE_DIR": str(tmp_path), "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_gpu.py"), *args], env=env,
+                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_without_a_gpu_it_says_so_and_exits_2(tmp_path):
+    out = _run([], tmp_path)
+    assert out.returncode == 2 and "no CUDA device" in out.stdout, out.stdout + out.stderr
+
+
+def test_the_host_only_proxy_runs_every_case_and_prints_the_summary(tmp_path):
+    """Every eager case, briefly (``trainer.compile`` runs in ``tests/cli/test_train_cli.py``)."""
+    out = _run(["--host-only", "--rounds", "2", "--steps", "1", "--warmup", "1", "--no-compile"], tmp_path)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    last = out.stdout.strip().splitlines()[-1]
+    x = r"\d+\.\d\dx"
+    assert re.fullmatch(rf"gpu bench: gpt2 {x} eager, - compiled; insightface {x}; "
+                        rf"wide_deep {x} \(512\), {x} \(16384\)", last), last
