@@ -27,7 +27,7 @@ from .grad_clip import clip_grad_norm_, clip_local_
 from .loss_scale import LossScaler
 from .module import box_grads, defer_grad_boxing, describe_plan, distribute_module
 from .one_device import LocalParameters, replicated, runs_local
-from .local_step import step_on_locals, steps_on_locals
+from .local_step import step_on_locals, steps_on_locals, takes_local_grads
 from .layout import Layout
 from .ledger import CommLedger, comm_ledger
 from .placement import Placement, placement
@@ -38,5 +38,5 @@ __all__ = [
     "to_global", "distribute", "randn", "rand", "zeros", "ones",
     "comm_ledger", "CommLedger", "explain", "format_explain", "set_timeout", "get_timeout",
     "boxing_plan", "clip_grad_norm_", "clip_local_", "LossScaler", "distribute_module", "describe_plan", "defer_grad_boxing", "box_grads", "same_placement_cost", "disjoint_cost",
-    "LocalParameters", "replicated", "runs_local", "step_on_locals", "steps_on_locals",
+    "LocalParameters", "replicated", "runs_local", "step_on_locals", "steps_on_locals", "takes_local_grads",
 ]

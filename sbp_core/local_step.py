@@ -62,6 +62,17 @@ def steps_on_locals(optimizer: torch.optim.Optimizer) -> bool:
             and not optimizer._optimizer_step_pre_hooks and not optimizer._optimizer_step_post_hooks)
 
 
+def takes_local_grads(optimizer: torch.optim.Optimizer, sparse: bool = False) -> bool:
+    """Can ``step_on_locals(optimizer, grads)`` step it with a one-device step's plain gradients?
+
+    An element-wise optimizer (``steps_on_locals``) takes dense ones. An optimizer whose class says
+    ``takes_local_grads = True`` takes them in its own ``step(grads=...)``, sparse ones too
+    (``toolkit.lazy_adam.LazyAdamW``: lazy Adam on row gradients). ``sparse``: some gradient is sparse."""
+    if getattr(type(optimizer), "takes_local_grads", False) is True:
+        return not optimizer._optimizer_step_pre_hooks and not optimizer._optimizer_step_post_hooks
+    return not sparse and steps_on_locals(optimizer)
+
+
 def updates_locally(p) -> bool:
     """Is ``p``'s update its locals' update: no partial value (an element-wise update of partial
     terms is not the update of their sum), and its gradient absent or dense in ``p``'s layout?
@@ -89,8 +100,16 @@ def step_on_locals(optimizer: torch.optim.Optimizer, grads: dict | None = None) 
     ``grads``: ``{id(parameter): its local gradient or None}``, the gradients
     of a one-device step that never became global (``LocalParameters.restore(
     hand_grads=False)``), taken instead of the parameters' ``.grad``; then the
-    step must run on the locals (``ValueError`` where it cannot).
+    step must run on the locals (``ValueError`` where it cannot), or be the
+    optimizer's own ``step(grads=grads)`` where it declares
+    ``takes_local_grads`` (``takes_local_grads``).
     """
+    if grads is not None and getattr(type(optimizer), "takes_local_grads", False) is True:
+        if not takes_local_grads(optimizer):
+            raise ValueError(f"{type(optimizer).__name__} has step hooks, which would see local gradients: "
+                             "its gradients must be handed to the parameters")
+        optimizer.step(grads=grads)
+        return
     if not steps_on_locals(optimizer):
         if grads is not None:
             raise ValueError(f"{type(optimizer).__name__} cannot step its parameters' locals (not element-wise, "

@@ -22,8 +22,9 @@ backward. ``runs_local(placement)`` says when a caller may skip it;
   sparse COO gradient, a ``SparseGlobalTensor`` laid out ``sparse_sbp_for``.
   ``restore(hand_grads=False)`` leaves the gradients on the leaves instead,
   for an update that needs nothing global of them (one device, one stage,
-  an element-wise optimizer: ``runtime.pipeline.step``), which then clips
-  and steps the locals with them and drops them (``grads``, ``drop_grads``).
+  an optimizer that takes them: ``runtime.pipeline.step``), which then clips
+  and steps the locals with them and drops them (``grads``, ``drop_grads``);
+  sparse ones too with ``hold_sparse`` (lazy Adam's row gradients).
 
 Values are the dispatched path's bit for bit: the same aten ops run on the
 same locals. Not ``torch.func.functional_call``: it swaps per call, so an
@@ -143,17 +144,18 @@ class LocalParameters:
         return leaf
 
     @torch.no_grad()
-    def restore(self, hand_grads: bool = True) -> bool:
+    def restore(self, hand_grads: bool = True, hold_sparse: bool = False) -> bool:
         """The global parameters and buffers back, each leaf's gradient added to its parameter's (no-op if not
         swapped). ``hand_grads=False``: the gradients stay on the leaves (``held``), for an update that steps
         the locals with them (``sc.step_on_locals(optimizer, grads=...)``), until ``drop_grads`` — unless one
-        is sparse (an embedding's row gradient: a dense-only update cannot take it), when all are handed over.
-        Returns whether the gradients stayed on the leaves."""
+        is sparse (an embedding's row gradient) and not ``hold_sparse`` (the update takes dense ones only),
+        when all are handed over. Returns whether the gradients stayed on the leaves."""
         if self._swapped is None:
             return False
         for table, name, g, _ in self._swapped:
             table[name] = g
-        if not hand_grads and not any(leaf.grad is not None and leaf.grad.is_sparse for _, leaf in self._leaves):
+        if not hand_grads and (hold_sparse or not any(
+                leaf.grad is not None and leaf.grad.is_sparse for _, leaf in self._leaves)):
             self.held, self._swapped, self._leaves = self._leaves, None, []
             return True
         for p, leaf in self._leaves:

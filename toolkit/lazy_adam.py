@@ -18,6 +18,11 @@ object:
   values and moments. Each rank updates the rows of its own shard of the
   table (``sbp_core.sparse.rows_in_box``); nothing is communicated.
 
+On one device with one pipeline stage the trainer's update passes the
+gradients as they left autograd, never wrapped as global tensors
+(``step(grads={id(p): g})``, ``sbp_core.step_on_locals``): the same update,
+each parameter whole on its device.
+
 Lazy state. By default (``dense_state=False``) a table has moments only for
 rows it has looked up: per shard a :class:`RowMoments` (append-only slots
 plus a sorted row index), so memory grows with the rows seen, not with the
@@ -60,7 +65,9 @@ def _rows_of(p, grad) -> tuple:
 
 
 def _shard(t):
-    return t.to_local() if isinstance(t, GlobalTensor) else t
+    """This rank's shard of ``t`` (its ``_local``, the same storage: steps run without autograd, so not
+    through ``to_local``'s autograd function)."""
+    return t._local if isinstance(t, GlobalTensor) else t
 
 
 class RowMoments:
@@ -165,36 +172,51 @@ class LazyAdamW(torch.optim.Optimizer):
                                       dense_state=dense_state))
         self._moments: dict = {}  # id(param) -> RowMoments
 
+    #: ``step(grads=...)`` takes a one-device step's gradients as they left autograd, dense and sparse
+    #: (``sbp_core.step_on_locals(optimizer, grads)``).
+    takes_local_grads = True
+
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, grads: dict | None = None):
+        """One step. ``grads``: ``{id(parameter): its gradient or None}`` used instead of each parameter's
+        ``.grad``: plain tensors (dense, or sparse row gradients) of a one-device step that never became
+        global (``sbp_core.LocalParameters.restore(hand_grads=False)``); every parameter is then whole on
+        its one device, so its local is the whole parameter (``ValueError`` for one laid out partial)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            dense = [p for p in group["params"] if p.grad is not None and not p.grad.is_sparse]
+            if grads is None:
+                got = [(p, p.grad) for p in group["params"]]
+            else:
+                got = [(p, grads.get(id(p))) for p in group["params"]]
+                partial = [p for p, _ in got if isinstance(p, GlobalTensor) and any(s.is_partial for s in p.sbp)]
+                if partial:
+                    raise ValueError("a parameter laid out partial cannot take a local gradient: hand the "
+                                     "gradients to the parameters")
+            dense = [(p, g) for p, g in got if g is not None and not g.is_sparse]
             if dense:
-                self._dense_step(group, dense)
-            for p in group["params"]:
-                if p.grad is not None and p.grad.is_sparse:
-                    self._lazy_step(group, p)
+                self._dense_step(group, [p for p, _ in dense], [g for _, g in dense], local=grads is not None)
+            for p, g in got:
+                if g is not None and g.is_sparse:
+                    self._lazy_step(group, p, g)
         return loss
 
-    def _dense_step(self, group, params) -> None:
-        grads, m, v, steps = [], [], [], []
+    def _dense_step(self, group, params, grads, local: bool = False) -> None:
+        m, v, steps = [], [], []
         for p in params:
             st = self.state[p]
             if not st:
                 st["step"] = torch.tensor(0.0)
                 st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            grads.append(p.grad)
             m.append(st["exp_avg"])
             v.append(st["exp_avg_sq"])
             steps.append(st["step"])
         b1, b2 = group["betas"]
-        tensors = [params, grads, m, v]
-        if all(updates_locally(p) for p in params):
+        tensors = [list(params), list(grads), m, v]
+        if local or all(updates_locally(p) for p in params):
             # An element-wise update of tensors sharing one layout is their locals' update
             # (sbp_core.local_step): no op dispatch per parameter.
             tensors = [[t._local if isinstance(t, GlobalTensor) else t for t in ts] for ts in tensors]
@@ -203,7 +225,7 @@ class LazyAdamW(torch.optim.Optimizer):
              beta1=b1, beta2=b2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
              maximize=False)
 
-    def _lazy_step(self, group, p) -> None:
+    def _lazy_step(self, group, p, grad) -> None:
         if p.dim() != 2:
             raise ValueError(f"lazy Adam updates rows of 2-d tables; a parameter of shape {tuple(p.shape)} "
                              "has a sparse gradient")
@@ -215,7 +237,7 @@ class LazyAdamW(torch.optim.Optimizer):
                 st["exp_avg_sq"] = torch.zeros_like(p)
         st["step"] += 1
         t = float(st["step"])
-        rows, g = _rows_of(p, p.grad)
+        rows, g = _rows_of(p, grad)
         if group["dense_state"]:
             m_all, v_all = _shard(st["exp_avg"]), _shard(st["exp_avg_sq"])
             m, v = m_all[rows], v_all[rows]

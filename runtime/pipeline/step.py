@@ -80,10 +80,12 @@ clipping and the optimizer see global tensors as on any other stage. The
 last stage of a data-parallel one divides its loss by its replicas and
 gets the step's loss back by one scalar all-reduce. On one device with one
 stage and no loss scale, where nothing of the update needs a global
-gradient, an element-wise optimizer's gradients stay on the leaves:
-``update`` clips them there and steps the locals with them
-(``_update_on_leaves``), the per-parameter wrapping and unwrapping of a
-gradient being, with a plain loop's work so small, a few percent of a step.
+gradient, the gradients stay on the leaves for an optimizer that takes
+them (``sc.takes_local_grads``: an element-wise one, or lazy Adam with its
+sparse row gradients where nothing clips): ``update`` clips them there and
+steps the locals with them (``_update_on_leaves``), the per-parameter
+wrapping and unwrapping of a gradient being, with a plain loop's work so
+small, a few percent of a step.
 """
 from __future__ import annotations
 
@@ -283,9 +285,12 @@ class PipelineStep:
         self._weight_passes: dict = {}  # (stage, micro-batch) -> its deferred weight gradients
         self._clipped = None  # the parameters whose gradients clipping measures (all but tied copies), once found
         # One device, one stage, no loss scale: the update needs nothing global of the gradients, so with an
-        # element-wise optimizer they stay on the stage's leaves (restore(hand_grads=False), _update_on_leaves).
+        # optimizer that takes them (sc.takes_local_grads) they stay on the stage's leaves
+        # (restore(hand_grads=False), _update_on_leaves). Sparse row gradients (nn.Embedding(sparse=True)) only
+        # where nothing clips them: clip_local_ measures dense gradients.
         self._leaf_update = one and self.pp == 1 and loss_scale is None and not any(
             s.is_partial for p in module.parameters() if isinstance(p, GlobalTensor) for s in p.sbp)
+        self._sparse_grads = self._leaf_update and any(getattr(m, "sparse", False) is True for m in module.modules())
         self._on_leaves = False  # this step's gradients stayed on the leaves
         self.step_index = 0
         self._losses = []
@@ -441,8 +446,10 @@ class PipelineStep:
         for weight_pass in passes.values():  # the last backward's deferred weight gradients
             weight_pass()
         if self._local:
-            keep = self._leaf_update and sc.steps_on_locals(self.optimizer)
-            self._on_leaves = self._shards.restore(hand_grads=not keep)
+            sparse = self._sparse_grads
+            keep = self._leaf_update and sc.takes_local_grads(self.optimizer, sparse) and not (
+                sparse and self.cfg.max_grad_norm is not None)
+            self._on_leaves = self._shards.restore(hand_grads=not keep, hold_sparse=keep and sparse)
         if self.zero is not None:  # ZeRO keeps gradients in its masters' layout
             self.zero.sync_grads()
         elif not (self._local and not self._replicas):  # one device: restore gave each its parameter's layout

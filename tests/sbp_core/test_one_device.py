@@ -150,7 +150,7 @@ def test_a_swap_sees_a_parameter_replaced_since_the_last_one():
 
 def test_gradients_held_on_the_leaves_are_the_handed_over_ones():
     """``restore(hand_grads=False)`` keeps dense gradients on the leaves (``grads``: the same values, no global
-    gradient); a sparse one makes it hand every gradient over, as ``restore()`` does."""
+    gradient); a sparse one makes it hand every gradient over, as ``restore()`` does, unless ``hold_sparse``."""
     p = sc.placement("cpu", [0])
     torch.manual_seed(0)
     model = sc.distribute_module(Net(), p)
@@ -178,3 +178,12 @@ def test_gradients_held_on_the_leaves_are_the_handed_over_ones():
     model(batch).backward()
     assert not shards.restore(hand_grads=False)
     assert isinstance(params["emb.weight"].grad, sc.SparseGlobalTensor) and shards.grads() == {}
+    sparse_want = params["emb.weight"].grad._local.coalesce()
+    model.zero_grad(set_to_none=True)
+    shards.swap()
+    model(batch).backward()
+    assert shards.restore(hand_grads=False, hold_sparse=True)  # for an update that takes row gradients
+    held = shards.grads()[id(params["emb.weight"])]
+    assert held.is_sparse and torch.equal(held.coalesce().to_dense(), sparse_want.to_dense())
+    assert all(q.grad is None for q in params.values())
+    shards.drop_grads()

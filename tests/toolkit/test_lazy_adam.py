@@ -61,6 +61,36 @@ def test_matches_adamw_and_sparse_adam():
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=name)
 
 
+def test_gradients_given_to_step_are_the_parameters_own():
+    """``step(grads={id(p): g})`` (a one-device step's gradients left on its leaves) is ``step()`` with each
+    ``p.grad = g``: the same parameters after every step, sparse rows included. ``sc.takes_local_grads``
+    says so of it, sparse too, but of torch's AdamW for dense gradients only, and of neither with a step
+    hook."""
+    import sbp_core as sc
+
+    torch.manual_seed(0)
+    model = _Tiny()
+    other = copy.deepcopy(model)
+    opt, given = _lazy(model), _lazy(other)
+    for ids, y in _batches():
+        ((model(ids) - y) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        ((other(ids) - y) ** 2).mean().backward()
+        grads = {id(p): p.grad for p in other.parameters()}
+        other.zero_grad(set_to_none=True)
+        assert grads[id(other.table.weight)].is_sparse
+        given.step(grads=grads)
+    for (name, a), b in zip(model.named_parameters(), other.parameters()):
+        assert torch.equal(a, b), name
+    adamw = torch.optim.AdamW(model.head.parameters())
+    assert sc.takes_local_grads(opt, sparse=True) and sc.takes_local_grads(adamw)
+    assert not sc.takes_local_grads(adamw, sparse=True)
+    for o in (opt, adamw):
+        o.register_step_pre_hook(lambda *a: None)
+        assert not sc.takes_local_grads(o)
+
+
 def test_moments_only_for_looked_up_rows_and_dense_storage_agrees():
     torch.manual_seed(0)
     model = _Tiny()
