@@ -1,21 +1,16 @@
 """scripts/bench_gpu.py: exits 2 without a GPU unless asked for the CPU proxy, which runs every case."""
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from .running import run_script
 
 
 def _run(args, tmp_path):
-    env = {**os.environ, "SBP_CACHE_DIR": str(tmp_path), "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_gpu.py"), *args], env=env,
-                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    return run_script("bench_gpu.py", args, tmp_path, timeout=900)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")

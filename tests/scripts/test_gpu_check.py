@@ -1,20 +1,14 @@
 """scripts/gpu_check.py: exits 2 without a GPU; its check itself (ours against a plain loop) runs on CPU."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from .running import run_script
 
 
 def _run(args, tmp_path):
-    env = {**os.environ, "SBP_CACHE_DIR": str(tmp_path), "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "gpu_check.py"), *args], env=env,
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    return run_script("gpu_check.py", args, tmp_path)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
