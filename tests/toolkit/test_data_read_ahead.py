@@ -1,7 +1,11 @@
 """ReadAhead: the batches a step reads, loaded ahead on worker threads, are ``MicroBatches.load``'s."""
 from __future__ import annotations
 
+import os
+import pathlib
 import pickle
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -163,3 +167,22 @@ def test_a_dropped_read_ahead_ends_its_threads():
             break
         threading.Event().wait(0.05)
     assert len(alive()) == before
+
+
+def test_a_load_stuck_in_io_does_not_keep_the_process_from_ending(tmp_path):
+    """The workers are daemon threads: a process whose load never returns still exits (a failed rank ends)."""
+    script = tmp_path / "stuck.py"
+    script.write_text(
+        "import threading, torch\n"
+        "from toolkit.data import GlobalBatchSampler, MicroBatches, ReadAhead\n"
+        "class Stuck:\n"
+        "    def __len__(self): return 8\n"
+        "    def read(self, rows): threading.Event().wait()\n"
+        "ahead = ReadAhead(MicroBatches(Stuck(), GlobalBatchSampler(8, 2)), pieces=2, workers=2)\n"
+        "threading.Thread(target=ahead.get, args=(0,), daemon=True).start()\n"
+        "threading.Event().wait(0.5)\n"
+        "print('leaving')\n")
+    root = str(pathlib.Path(__file__).resolve().parents[2])
+    out = subprocess.run([sys.executable, str(script)], cwd=root, env={**os.environ, "PYTHONPATH": root},
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "leaving" in out.stdout, out.stdout + out.stderr

@@ -20,7 +20,9 @@ its piece, not before. ``device`` (a CUDA device, where the batches go):
 each batch's tensors are pinned on the worker (``runtime.data_pipeline.pinned``),
 off the copy's path, and each worker thread is bound to that device first
 (``torch.cuda.set_device``, as DataLoader's pinning thread is), else its
-first pinned allocation would open a context on GPU 0 on every rank.
+first pinned allocation would open a context on GPU 0 on every rank. The
+workers are daemon threads: a load stuck in I/O never keeps a process that
+failed from ending.
 
 What runs where, and what a source must allow: ``read`` is called for one
 piece at a time (under a lock: a source may keep file handles, seek and
@@ -39,18 +41,59 @@ a default container, fewer bytes than four InsightFace batches of 128 x 3 x
 """
 from __future__ import annotations
 
+import queue
 import threading
-from concurrent.futures import ThreadPoolExecutor
+import weakref
+from concurrent.futures import Future
 
 import torch
 
 from runtime.data_pipeline import copies_to, pinned
 
 
-def _bind(device) -> None:
-    """Each worker thread's first act: its CUDA work goes to ``device`` (``None``: no CUDA)."""
+class _Workers:
+    """``n`` daemon threads running submitted calls, each bound first to CUDA ``device`` (``None``: none).
+
+    Not ``concurrent.futures.ThreadPoolExecutor``: the interpreter joins its
+    threads at exit, so one load stuck in I/O would keep a failed rank's
+    process from ever ending. A dropped ``_Workers`` ends its threads (they
+    hold its queue, never it)."""
+
+    def __init__(self, n: int, device):
+        self._jobs = queue.SimpleQueue()
+        for i in range(n):
+            threading.Thread(target=_work, args=(self._jobs, device), name=f"sbp-read-ahead-{i}", daemon=True).start()
+        self._stop = weakref.finalize(self, _stop, self._jobs, n)
+
+    def submit(self, fn, *args) -> Future:
+        done = Future()
+        self._jobs.put((done, fn, args))
+        return done
+
+    def shutdown(self) -> None:
+        self._stop()
+
+
+def _stop(jobs, n: int) -> None:
+    for _ in range(n):
+        jobs.put(None)
+
+
+def _work(jobs, device) -> None:
     if device is not None:
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(device)  # the current device is per thread: a new one's is GPU 0
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        done, fn, args = job
+        del job  # hold nothing of a finished load while idle (its ReadAhead may be dropped)
+        if done.set_running_or_notify_cancel():
+            try:
+                done.set_result(fn(*args))
+            except BaseException as e:  # raised by the get of its piece
+                done.set_exception(e)
+        del done, fn, args
 
 
 class ReadAhead:
@@ -82,10 +125,7 @@ class ReadAhead:
         """Batch ``q`` (``batches.load(q // accum, q % accum)``), with ``q + 1 .. q + pieces`` loading."""
         with self._lock:
             if self._pool is None:
-                # The threads hold the initializer for their lifetime: a function of the device, not a
-                # method, so that a dropped ReadAhead (its plan gone) takes its pool and threads with it.
-                self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="sbp-read-ahead",
-                                                initializer=_bind, initargs=(self.device,))
+                self._pool = _Workers(self.workers, self.device)
             for k in [k for k in self._loading if not q <= k <= q + self.pieces]:
                 self._loading.pop(k).cancel()  # one already running finishes and is dropped
             for k in range(q, q + self.pieces + 1):
@@ -95,10 +135,11 @@ class ReadAhead:
         return loading.result()
 
     def close(self) -> None:
-        """Drop what is loading and end the worker threads (a later ``get`` starts them again)."""
+        """Drop what is loading and let the worker threads end once their current load is done (a later
+        ``get`` starts new ones)."""
         with self._lock:
             for f in self._loading.values():
                 f.cancel()
             self._loading, pool, self._pool = {}, self._pool, None
         if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
+            pool.shutdown()
