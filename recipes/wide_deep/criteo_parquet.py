@@ -80,8 +80,9 @@ class CriteoParquet:
             import pyarrow.parquet as pq
 
             table = pq.ParquetFile(self.paths[f]).read_row_group(g, columns=[self.label] + self.dense + self.cats)
-            self._cache = {k: v for k, v in self._cache.items() if k[0] != f}  # one cached group per file
-            self._cache[key] = table
+            cache = {k: v for k, v in self._cache.items() if k[0] != f}  # one cached group per file
+            cache[key] = table
+            self._cache = cache  # a dict is changed only before it is published: threads may read at once
         return table
 
     def read(self, rows) -> list:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from array import array
 
 import numpy as np
@@ -154,10 +155,11 @@ class CriteoTSV:
             raise IndexError(f"rows {rows.min()}..{rows.max()} outside the {len(self)} well-formed lines")
         file_ids, local = self._locate(rows)
         out = [b""] * rows.size
+        here = (os.getpid(), threading.get_ident())  # a handle per process and thread: seek and read are not shared
         for i in np.lexsort((local, file_ids)):  # in file order: sequential-ish reads
-            f = self._files.get(file_ids[i])
+            f = self._files.get((here, file_ids[i]))
             if f is None:
-                f = self._files[file_ids[i]] = open(self.paths[file_ids[i]], "rb")
+                f = self._files[(here, file_ids[i])] = open(self.paths[file_ids[i]], "rb")
             f.seek(int(self._offsets[file_ids[i]][local[i]]))
             out[i] = f.readline()
         return out

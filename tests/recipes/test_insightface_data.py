@@ -48,6 +48,18 @@ def test_recordio_round_trip_including_the_magic_word(tmp_path):
         assert f.read().count(WORD) == 9  # record 2 in 4 parts, record 3 in 2: only part headers hold the word
 
 
+def test_records_read_from_several_threads_at_once_are_each_their_own(tmp_path):
+    """A read-ahead's threads read one reader at once: each thread seeks its own handle."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    payloads = {k: os.urandom(1 + 37 * k) for k in range(64)}
+    reader = RecordReader(*_write(tmp_path, payloads))
+    keys = [k for _ in range(20) for k in payloads]
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(reader.read, keys))
+    assert got == [payloads[k] for k in keys]
+
+
 def test_corrupt_and_truncated_records_name_the_file_and_record(tmp_path):
     rec, idx = _write(tmp_path, {0: b"a" * 40, 1: b"b" * 40, 2: b"c" * 40})
     data = bytearray(open(rec, "rb").read())

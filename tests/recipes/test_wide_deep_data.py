@@ -83,6 +83,20 @@ def test_criteo_tsv_skips_and_counts_malformed_lines(tmp_path):
         data.read([4])
 
 
+def test_criteo_tsv_read_from_several_threads_at_once(tmp_path):
+    """A read-ahead's threads read one file set at once: each thread seeks its own handles."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    lines = [_line(str(i % 2), counts=[str(i)] * 13) for i in range(300)]
+    path = tmp_path / "train.txt"
+    path.write_text("".join(lines))
+    data = CriteoTSV([str(path)], str(tmp_path / "cache"))
+    picks = [np.random.default_rng(k).integers(0, 300, 50) for k in range(40)]
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(data.read, picks))
+    assert all(g == [lines[i].encode() for i in rows] for g, rows in zip(got, picks))
+
+
 def test_criteo_tsv_wrong_column_count_over_the_limit_names_file_and_line(tmp_path):
     path = tmp_path / "day_0"
     path.write_text(_line() + "1,2,3\n" * 3 + _line())

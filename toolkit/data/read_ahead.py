@@ -24,13 +24,17 @@ first pinned allocation would open a context on GPU 0 on every rank. The
 workers are daemon threads: a load stuck in I/O never keeps a process that
 failed from ending.
 
-What runs where, and what a source must allow: ``read`` is called for one
-piece at a time (under a lock: a source may keep file handles, seek and
-cache); ``decode`` and ``collate`` of different pieces run at once on
-different threads, so they must be functions of their input, as every
-source here makes them (the heavy work in them, JPEG decoding, parsing, the
-synthetic rows' hashing, runs in PIL, numpy and torch kernels that release
-the GIL).
+What runs where, and what a source must allow: a read-ahead calls ``read``
+for one piece at a time (under its lock: reads are the file I/O, in order);
+``decode`` and ``collate`` of different pieces run at once on different
+threads, so they must be functions of their input, as every source here
+makes them (the heavy work in them, JPEG decoding, parsing, the synthetic
+rows' hashing, runs in PIL, numpy and torch kernels that release the GIL).
+``read`` itself must allow another thread's ``read`` at the same time: the
+training batches' read-ahead keeps reading while an evaluation reads the
+held-out rows of the same files, and a V-shaped pipeline's two data actors
+each read ahead. The file readers here keep a handle per thread (Criteo TSV,
+RecordIO) or publish their caches whole (Criteo parquet).
 
 Threads, not ``torch.utils.data.DataLoader``'s worker processes: the step
 asks for pieces by number, in any order, which a DataLoader serves only in

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import struct
+import threading
 from dataclasses import dataclass
 
 MAGIC = 0xCED7230A
@@ -119,8 +120,9 @@ def read_index(idx_path: str) -> dict:
 class RecordReader:
     """Random access to the records of an indexed ``.rec`` file by key.
 
-    Opens the file lazily per process (and again after a fork), so a reader
-    can be handed to data-pipeline actors.
+    Opens the file lazily per process and thread (again after a fork, and in
+    each thread that reads: a handle's seek and read are not shared), so a
+    reader can be handed to data-pipeline actors and read-ahead threads.
     """
 
     def __init__(self, rec_path: str, idx_path: str):
@@ -134,18 +136,20 @@ class RecordReader:
         if bad:
             raise RecordIOError(f"{idx_path}: record {bad[0]} points at byte {self.offsets[bad[0]]}, past the end of "
                                 f"{rec_path} ({self.size} bytes)")
-        self._file, self._pid = None, None
+        self._files: dict = {}  # (process id, thread id) -> the file open there
 
     def __getstate__(self):
-        return {**self.__dict__, "_file": None, "_pid": None}
+        return {**self.__dict__, "_files": {}}
 
     def keys(self) -> list:
         return sorted(self.offsets)
 
     def _handle(self):
-        if self._file is None or self._pid != os.getpid():
-            self._file, self._pid = open(self.rec_path, "rb"), os.getpid()
-        return self._file
+        key = (os.getpid(), threading.get_ident())
+        f = self._files.get(key)
+        if f is None:
+            f = self._files[key] = open(self.rec_path, "rb")
+        return f
 
     def read(self, key: int) -> bytes:
         """The payload of record ``key``; ``RecordIOError`` naming the file, key and offset if it is bad."""
