@@ -59,7 +59,17 @@ def steps_on_locals(optimizer: torch.optim.Optimizer) -> bool:
     locals during the step)."""
     kind = type(optimizer)
     return ((kind in ELEMENTWISE or (getattr(kind, "elementwise", False) is True and issubclass(kind, ELEMENTWISE)))
-            and not optimizer._optimizer_step_pre_hooks and not optimizer._optimizer_step_post_hooks)
+            and _no_step_hooks(optimizer))
+
+
+def _no_step_hooks(optimizer) -> bool:
+    """No step hooks, which would see the locals (or the local gradients) instead of the global tensors."""
+    return not optimizer._optimizer_step_pre_hooks and not optimizer._optimizer_step_post_hooks
+
+
+def _steps_with_grads(optimizer) -> bool:
+    """Does the optimizer's class declare its own ``step(grads=...)`` (``takes_local_grads = True``)?"""
+    return getattr(type(optimizer), "takes_local_grads", False) is True
 
 
 def takes_local_grads(optimizer: torch.optim.Optimizer, sparse: bool = False) -> bool:
@@ -68,8 +78,8 @@ def takes_local_grads(optimizer: torch.optim.Optimizer, sparse: bool = False) ->
     An element-wise optimizer (``steps_on_locals``) takes dense ones. An optimizer whose class says
     ``takes_local_grads = True`` takes them in its own ``step(grads=...)``, sparse ones too
     (``toolkit.lazy_adam.LazyAdamW``: lazy Adam on row gradients). ``sparse``: some gradient is sparse."""
-    if getattr(type(optimizer), "takes_local_grads", False) is True:
-        return not optimizer._optimizer_step_pre_hooks and not optimizer._optimizer_step_post_hooks
+    if _steps_with_grads(optimizer):
+        return _no_step_hooks(optimizer)
     return not sparse and steps_on_locals(optimizer)
 
 
@@ -104,8 +114,8 @@ def step_on_locals(optimizer: torch.optim.Optimizer, grads: dict | None = None) 
     optimizer's own ``step(grads=grads)`` where it declares
     ``takes_local_grads`` (``takes_local_grads``).
     """
-    if grads is not None and getattr(type(optimizer), "takes_local_grads", False) is True:
-        if not takes_local_grads(optimizer):
+    if grads is not None and _steps_with_grads(optimizer):
+        if not _no_step_hooks(optimizer):
             raise ValueError(f"{type(optimizer).__name__} has step hooks, which would see local gradients: "
                              "its gradients must be handed to the parameters")
         optimizer.step(grads=grads)
