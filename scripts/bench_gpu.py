@@ -2,6 +2,7 @@
 
     python scripts/bench_gpu.py                 # one GPU, the shapes users train: about 8 minutes on an H100
     python scripts/bench_gpu.py --host-only     # CPU, shapes where kernels are cheap and host work dominates
+    python scripts/bench_gpu.py --profile 2 --trace-dir traces   # and where each way's step time goes
 
 Cases (GPU / ``--host-only``):
 
@@ -38,6 +39,13 @@ kernel a way queued is inside its time. Per case: the median step time of
 each way, and the paired ratio plain/ours (ours' throughput over the plain
 loop's; above 1 favours ours) with its 90% bootstrap interval.
 
+``--profile N`` then runs N more steps of each way under
+``benchkit.device_profile`` and prints, per step, the wall time, how long
+the device was busy (the rest of the step it waited for the host), the
+kernel launches, the copies by direction, the CUDA calls that blocked the
+host, and where each synchronizing op was called; ``--trace-dir`` keeps
+each way's Chrome trace. Those steps are not in the ratios.
+
 Last line: ``gpu bench: gpt2 A.AAx eager, B.BBx compiled; insightface C.CCx;
 wide_deep D.DDx (512), E.EEx (16384)`` (``-`` where a case did not run).
 """
@@ -53,6 +61,7 @@ import time
 import torch
 
 
+from benchkit.device_profile import profile_steps
 from benchkit.paired import balanced_orders, paired_ratio
 
 COMMON = ["logger=none", "trainer.eval_every=0", "trainer.save_every=0", "trainer.warmup_steps=2"]
@@ -114,12 +123,13 @@ def _sync(device, value):
 
 
 def _case(name, overrides, o, root):
-    """``{way: [seconds per step, per round]}`` of one case (ways: ours, plain)."""
+    """``{way: [seconds per step, per round]}`` of one case (ways: ours, plain); with ``o.profile``, it
+    prints each way's ``benchkit.device_profile`` of that many further steps."""
     from toolkit.config import compose
 
     device = "cpu" if o.host_only else "cuda"
     compiled = name.endswith("+compile")
-    total = o.warmup + o.rounds * o.steps
+    total = o.warmup + o.rounds * o.steps + o.profile
     args = [*overrides, *COMMON, f"trainer.max_steps={total}", f"device={device}"]
     if compiled:
         args.append("trainer.compile=true")
@@ -144,6 +154,11 @@ def _case(name, overrides, o, root):
                 value = ways[w].step(i)
             _sync(device, value)
             times[w].append((clock() - start) / o.steps)
+    first = o.warmup + o.rounds * o.steps
+    for w in list(ways) if o.profile else []:
+        trace = os.path.join(o.trace_dir, f"{name}-{w}.json.gz") if o.trace_dir else None
+        prof = profile_steps(ways[w].step, range(first, first + o.profile), device, trace)
+        print("\n".join(prof.lines(w)), flush=True)
     return times
 
 
@@ -194,8 +209,15 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--no-compile", dest="compile", action="store_false", help="skip the compiled GPT-2 pair")
     ap.add_argument("--only", default="gpt2,insightface,wide_deep_512,wide_deep_16384")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="after the timed rounds, profile N more steps of each way (benchkit.device_profile)")
+    ap.add_argument("--trace-dir", help="with --profile: write each way's Chrome trace here (.json.gz)")
     o = ap.parse_args(argv)
     o.only = set(o.only.split(","))
+    if o.trace_dir and not o.profile:
+        ap.error("--trace-dir needs --profile N")
+    if o.trace_dir:
+        os.makedirs(o.trace_dir, exist_ok=True)
     if not o.host_only and not torch.cuda.is_available():
         print("gpu bench: no CUDA device here; run with --host-only for the CPU proxy")
         return 2

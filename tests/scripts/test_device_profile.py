@@ -1,0 +1,88 @@
+"""benchkit.device_profile: the per-step reduction of profiler events, the sync-site probe, a CPU profile."""
+from __future__ import annotations
+
+import gzip
+import json
+import threading
+import warnings
+
+import pytest
+import torch
+
+from benchkit.device_profile import SPAN, Event, profile_steps, reduce, sync_sites
+
+
+def _events():
+    """Two steps in a 10 us span; device work partly after it; events outside the span that must not count."""
+    return [
+        Event(SPAN, False, 1_000, 10_000, annotation=True),
+        Event(SPAN, True, 1_000, 13_000, annotation=True),  # the device-side copy of the span: not work
+        Event("early_kernel", True, 0, 500),  # ended before the span
+        Event("gemm", True, 2_000, 3_000),
+        Event("gelu", True, 4_000, 2_000),  # overlaps gemm (another stream): 2..6 us busy
+        Event("Memcpy HtoD (Pinned -> Device)", True, 8_000, 1_000),
+        Event("Memcpy DtoH (Device -> Pageable)", True, 9_500, 500),
+        Event("adam", True, 10_500, 3_500),  # runs past the span: the window ends at 14 us
+        Event("cudaLaunchKernel", False, 1_500, 10),
+        Event("cuLaunchKernel", False, 3_500, 10),
+        Event("cudaLaunchKernel", False, 9_000, 10),
+        Event("cudaStreamSynchronize", False, 9_400, 700),
+        Event("aten::mm", False, 1_400, 300),
+        Event("cudaDeviceSynchronize", False, 11_500, 2_600),  # the probe's own synchronize, after the span
+    ]
+
+
+def test_reduce_takes_the_union_of_device_intervals_and_counts_per_step():
+    p = reduce(_events(), steps=2)
+    assert p.steps == 2
+    assert p.wall_ms == pytest.approx((14_000 - 1_000) / 2 / 1e6)
+    assert p.busy_ms == pytest.approx((4_000 + 1_000 + 500 + 3_500) / 2 / 1e6)
+    assert p.launches == 1.5 and p.waits == 0.5
+    assert p.copies == {"HtoD": 0.5, "DtoH": 0.5}
+    head = p.lines("ours")[0]
+    assert "device busy" in head and "(69%)" in head and "1.5 launches" in head, head
+    assert "copies 0.5 HtoD 0.5 DtoH 0 DtoD" in head and "host waits 0.5" in head, head
+
+
+def test_reduce_without_device_events_gives_the_span_and_refuses_a_missing_span():
+    host = [e for e in _events() if not e.on_device]
+    p = reduce(host, steps=4)
+    assert p.wall_ms == pytest.approx(10_000 / 4 / 1e6) and p.busy_ms is None and p.launches is None
+    assert "no device activity" in p.lines("plain")[0]
+    with pytest.raises(ValueError, match="one host"):
+        reduce([e for e in host if e.name != SPAN], steps=1)
+
+
+def _synchronizing_op():
+    warnings.warn("called a synchronizing CUDA operation")  # what torch's sync debug mode raises
+
+
+def test_sync_sites_counts_the_calling_line_in_any_thread_and_passes_other_warnings_on():
+    line = _synchronizing_op.__code__.co_firstlineno + 1
+    with warnings.catch_warnings(record=True) as others:
+        warnings.simplefilter("always")
+        with sync_sites() as sites:
+            _synchronizing_op()
+            t = threading.Thread(target=_synchronizing_op)
+            t.start()
+            t.join()
+            warnings.warn("something else")
+        _synchronizing_op()  # after the block: an ordinary warning again
+    assert sites == {f"tests/scripts/test_device_profile.py:{line} (_synchronizing_op)": 2}, sites
+    assert [str(w.message) for w in others] == ["something else", "called a synchronizing CUDA operation"]
+
+
+def test_a_cpu_profile_times_the_steps_and_writes_a_trace(tmp_path):
+    x = torch.randn(64, 64)
+    seen = []
+
+    def step(i):
+        seen.append(i)
+        return (x @ x).sum()
+
+    trace = tmp_path / "t.json.gz"
+    p = profile_steps(step, range(5, 8), "cpu", str(trace))
+    assert seen == [5, 6, 7] and p.steps == 3 and p.wall_ms > 0 and p.busy_ms is None and not p.sites
+    with gzip.open(trace) as f:
+        names = {e.get("name") for e in json.load(f)["traceEvents"]}
+    assert SPAN in names and "aten::mm" in names
