@@ -48,15 +48,19 @@ each way's Chrome trace. Those steps are not in the ratios.
 
 Last line: ``gpu bench: gpt2 A.AAx eager, B.BBx compiled; insightface C.CCx;
 wide_deep D.DDx (512), E.EEx (16384)`` (``-`` where a case did not run).
+A case that raises prints its traceback and the next case runs; the exit
+status is then 1.
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
 import tempfile
 import time
+import traceback
 
 import torch
 
@@ -157,7 +161,11 @@ def _case(name, overrides, o, root):
     first = o.warmup + o.rounds * o.steps
     for w in list(ways) if o.profile else []:
         trace = os.path.join(o.trace_dir, f"{name}-{w}.json.gz") if o.trace_dir else None
-        prof = profile_steps(ways[w].step, range(first, first + o.profile), device, trace)
+        try:
+            prof = profile_steps(ways[w].step, range(first, first + o.profile), device, trace)
+        except Exception as e:  # the case's timings stand without its profile
+            print(f"  {w:6s} profile failed: {type(e).__name__}: {e}", flush=True)
+            continue
         print("\n".join(prof.lines(w)), flush=True)
     return times
 
@@ -174,7 +182,17 @@ def bench(o) -> list:
     with tempfile.TemporaryDirectory(prefix="bench-gpu-") as root:
         for name, overrides in cases:
             start = time.perf_counter()
-            times = _case(name, overrides, o, root)
+            error = None
+            try:
+                times = _case(name, overrides, o, root)
+            except Exception as e:  # the next cases still run: one GPU session gives one try
+                traceback.print_exc()
+                error = f"{type(e).__name__}: {e}"
+            if error is not None:
+                _release(o)  # out of the except block: its traceback no longer holds the case's frames
+                rows.append({"case": name, "error": error})
+                print(f"{name:18s} failed: {error}", flush=True)
+                continue
             med, lo, hi = paired_ratio(times["plain"], times["ours"])
             rows.append({"case": name, "ours_ms": 1e3 * statistics.median(times["ours"]),
                          "plain_ms": 1e3 * statistics.median(times["plain"]), "ratio": med, "low": lo, "high": hi,
@@ -185,6 +203,13 @@ def bench(o) -> list:
     return rows
 
 
+def _release(o) -> None:
+    """Free what a failed case left behind (its ways, its cached GPU blocks) before the next one."""
+    gc.collect()
+    if not o.host_only:
+        torch.cuda.empty_cache()
+
+
 def _main_in_group(o):
     if o.host_only:
         torch.set_num_threads(1)  # every op's CPU time on the stepping thread (see _clock)
@@ -192,7 +217,7 @@ def _main_in_group(o):
 
 
 def summary(rows: list) -> str:
-    got = {r["case"]: f"{r['ratio']:.2f}x" for r in rows}
+    got = {r["case"]: f"{r['ratio']:.2f}x" for r in rows if "error" not in r}
 
     def g(k):
         return got.get(k, "-")
@@ -227,8 +252,11 @@ def main(argv=None) -> int:
         else torch.cuda.get_device_name()
     print(f"{where}, torch {torch.__version__}; {o.rounds} rounds x {o.steps} steps after {o.warmup}", flush=True)
     rows = launch(_main_in_group, o, 1, device="cpu" if o.host_only else "cuda")
+    failed = [r["case"] for r in rows if "error" in r]
+    if failed:
+        print(f"failed: {', '.join(failed)} (tracebacks above)")
     print(summary(rows))
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

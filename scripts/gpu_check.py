@@ -19,7 +19,8 @@ batch 512), in this process:
 It prints a table (losses, the largest relative difference, ours' and the
 plain loop's throughput after the first step, ours' MFU) and a last line
 ``gpu check: gpt2 ok, insightface ok, wide_deep ok; mfu X%`` (GPT-2's MFU).
-Exit status 0 when every recipe agreed, 1 otherwise, 2 without a GPU.
+Exit status 0 when every recipe agreed, 1 otherwise, 2 without a GPU; a
+recipe whose check raises prints its traceback, fails, and the next one runs.
 ``--device cpu --tiny`` runs the same check with tiny models on the CPU
 (what the test suite does).
 """
@@ -31,6 +32,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 
 import torch
 
@@ -114,6 +116,9 @@ def _table(results: list) -> str:
     lines = [f"{'recipe':12s} {'prec':5s} {'ours losses':28s} {'plain losses':28s} {'max rel':>8s} "
              f"{'ours/s':>12s} {'plain/s':>12s} {'ratio':>6s} {'mfu':>6s}"]
     for r in results:
+        if "error" in r:
+            lines.append(f"{r['recipe']:12s} FAIL: {r['error']}")
+            continue
         fmt = " ".join(f"{x:.4f}" for x in r["ours"])
         pfmt = " ".join(f"{x:.4f}" for x in r["plain"])
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
@@ -145,11 +150,15 @@ def main(argv=None) -> int:
             if name not in sets:
                 ap.error(f"--recipes: unknown {name!r}; valid: {', '.join(sets)}")
             start = time.perf_counter()
-            results.append(check(name, sets[name], args.device, args.steps, args.compare, root))
+            try:
+                results.append(check(name, sets[name], args.device, args.steps, args.compare, root))
+            except Exception as e:  # the next recipes still run: one GPU session gives one try
+                traceback.print_exc()
+                results.append({"recipe": name, "ok": False, "error": f"{type(e).__name__}: {e}"})
             print(f"{name}: checked in {time.perf_counter() - start:.0f} s", flush=True)
     print(_table(results))
     gpt2 = next((r for r in results if r["recipe"] == "gpt2"), None)
-    mfu = f"{gpt2['mfu']:.1%}" if gpt2 is not None and gpt2["mfu"] is not None else "-"
+    mfu = f"{gpt2['mfu']:.1%}" if gpt2 is not None and gpt2.get("mfu") is not None else "-"
     print("gpu check: " + ", ".join(f"{r['recipe']} {'ok' if r['ok'] else 'FAIL'}" for r in results)
           + f"; mfu {mfu}")
     return 0 if all(r["ok"] for r in results) else 1

@@ -35,3 +35,26 @@ def test_the_host_only_proxy_runs_every_case_and_prints_the_summary(tmp_path):
     x = r"\d+\.\d\dx"
     assert re.fullmatch(rf"gpu bench: gpt2 {x} eager, - compiled; insightface {x}; "
                         rf"wide_deep {x} \(512\), {x} \(16384\)", last), last
+
+
+def test_a_case_that_raises_is_reported_and_the_next_cases_still_run(monkeypatch, capsys):
+    import scripts.bench_gpu as bench_gpu
+
+    def case(name, overrides, o, root):
+        if name == "insightface":
+            raise RuntimeError("CUDA error: out of memory")
+        return {"ours": [1.0, 1.0], "plain": [1.1, 1.1]}
+
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(bench_gpu, "_case", case)
+    monkeypatch.setattr("toolkit.launcher.launch", lambda fn, o, n, device: fn(o))
+    try:
+        code = bench_gpu.main(["--host-only", "--no-compile"])
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr()
+    assert code == 1
+    assert "RuntimeError: CUDA error: out of memory" in out.err  # the traceback
+    lines = out.out.strip().splitlines()
+    assert lines[-2] == "failed: insightface (tracebacks above)", lines
+    assert lines[-1] == "gpu bench: gpt2 1.10x eager, - compiled; insightface -; wide_deep 1.10x (512), 1.10x (16384)"
