@@ -41,7 +41,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from sbp_core.boxing import collectives
-from sbp_core.process_groups import channel_group, world_rank, world_size
+from sbp_core.process_groups import channel_group, world_device, world_rank, world_size
 
 from . import workers
 from .actor import Actor, Pool
@@ -297,7 +297,7 @@ def _local_specs(plan: Plan, me: int) -> list:
                                    quota=1, every=every))
         if me == b:
             recv = f"recv:{src}"
-            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+            device = None if host_only() else world_device()
             local.append(ActorSpec(recv, _receiver(a, group, device, out), queue=queue_name, quota=RECEIVE_QUOTA,
                                    every=every))
             local = [
@@ -348,8 +348,9 @@ def _queue_order(q: str) -> tuple:
 
 
 def host_only() -> bool:
-    """Whether this process computes on the host CPU alone (no accelerator for the compute queue to drive)."""
-    return not torch.cuda.is_available()
+    """Whether this process computes on the host CPU alone (no accelerator for the compute queue to drive):
+    its job is not NCCL's, whatever devices the machine has."""
+    return world_device().type == "cpu"
 
 
 def thread_homes(specs, ganged: bool) -> dict:

@@ -100,6 +100,14 @@ def tensor_device(group) -> torch.device:
     return torch.device("cpu")
 
 
+def world_device() -> torch.device:
+    """This rank's device for the job: its CUDA device where the world group runs NCCL, else the host (a
+    gloo job computes on CPU on a machine with GPUs too)."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def group_of(ranks) -> "dist.ProcessGroup | None":
     """The process group whose members are ``ranks`` (any order); ``None`` for one rank.
 

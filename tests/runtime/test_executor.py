@@ -276,3 +276,18 @@ def test_a_run_on_one_thread_that_cannot_go_on_fails_at_once_naming_what_waits()
             pytest.raises(RuntimeFailure, match=r"no actor can act.*load \(piece 0\) needs its thread"):
         run(plan, 2, timeout=30)
     assert time.perf_counter() - t < 5
+
+
+def test_a_gloo_job_is_host_only_on_a_machine_with_gpus_too():
+    """The job's backend decides, not the machine: the CPU suite on a GPU machine keeps its CPU thread layout
+    and receives onto the host."""
+    from runtime import executor
+
+    with mock.patch("torch.cuda.is_available", return_value=True), \
+            mock.patch("torch.distributed.is_initialized", return_value=True), \
+            mock.patch("torch.distributed.get_backend", return_value="gloo"):
+        assert executor.host_only()
+    with mock.patch("torch.distributed.is_initialized", return_value=True), \
+            mock.patch("torch.distributed.get_backend", return_value="nccl"), \
+            mock.patch("torch.cuda.current_device", return_value=0):
+        assert not executor.host_only()
