@@ -189,6 +189,8 @@ class Theirs:
         for m in self.modules:
             m.forward = self.acts.wrap(m.forward)
         self.pstages = [PipelineStage(m, c, n, torch.device("cpu")) for m, c in zip(self.modules, self.mine)]
+        for ps in self.pstages:
+            _no_self_p2p(ps)
         self._events = []
         for ps, c in zip(self.pstages, self.mine):
             self._time(ps, c, "forward_one_chunk", "F")
@@ -247,6 +249,22 @@ class Theirs:
 
     def threads(self) -> dict:
         return {}  # every timed action runs on the rank's main thread: the trace's compute track
+
+
+def _no_self_p2p(stage) -> None:
+    """Keep ``stage``'s p2p warm-up off its own rank.
+
+    In torch 2.11, the multi-stage schedules start their first step by sending a dummy tensor to, and
+    receiving one from, each stage's neighbours (``_get_init_p2p_neighbors_ops``), a neighbour on the same
+    rank included: ZB-V's middle stages (1 and 2 on rank 1). Gloo has no connection to its own rank
+    ("Pair is not connected"), so that rank fails and its peer times out on the receive. Each such send
+    pairs with a receive of the same rank, on dummy tensors, so dropping both leaves the warm-up (and the
+    schedule) as it was between ranks. 2.13's warm-up (a vote) skips same-rank neighbours itself.
+    """
+    ops_of = getattr(stage, "_get_init_p2p_neighbors_ops", None)
+    if ops_of is None:
+        return
+    stage._get_init_p2p_neighbors_ops = lambda: [op for op in ops_of() if op.group_peer != stage.group_rank]
 
 
 def _cfg(o) -> GPT2Config:
