@@ -26,6 +26,8 @@ batch norm's statistics.
   spatial ``S(d)`` with ``B`` parameters; ``B`` -> ``B``. In training the
   running stats are updated in place, so they must already be laid out as
   the signature needs (no boxed copy is updated).
+- ``cudnn_batch_norm`` and its backward (what ``F.batch_norm`` calls on
+  CUDA) run as ``native_batch_norm`` and its backward on the global tensors.
 - ``max_pool2d_with_indices``, ``avg_pool2d``, ``_adaptive_avg_pool2d`` and
   backwards: ``S`` on a batch or channel dim -> same; ``B`` -> ``B``; the
   linear ones (average pools, every backward in its gradient) ``P`` -> ``P``.
@@ -47,6 +49,8 @@ from __future__ import annotations
 
 import torch
 
+from ..global_tensor import GlobalTensor
+from ..layout import Layout
 from ..sbp import Split
 from .common import B, P
 from .loss import _row_stat
@@ -214,6 +218,36 @@ def batch_norm_backward(call):
     if part[0]:
         sigs.append(_sig(call, BN_BW, (P,) + (B,) * 4 + (saved_b,) * 2, (P, P, P), mask))
     return sigs
+
+
+def _cudnn_batch_norm(x, weight, bias, running_mean, running_var, training, momentum, eps):
+    """cuDNN's batch norm as ``native_batch_norm`` on the global tensors, its reserve space empty (``B``)."""
+    out, mean, invstd = aten.native_batch_norm.default(x, weight, bias, running_mean, running_var, training,
+                                                       momentum, eps)
+    empty = Layout(x.placement, tuple(B for _ in x.placement.shape), torch.Size([0]), torch.uint8)
+    return out, mean, invstd, GlobalTensor(torch.empty(0, dtype=torch.uint8, device=x.device), empty)
+
+
+def _cudnn_batch_norm_backward(x, g, weight, running_mean, running_var, save_mean, save_invstd, eps, reserve):
+    """cuDNN's backward (autograd takes it in training only) as ``native_batch_norm_backward``'s, all outputs."""
+    return aten.native_batch_norm_backward.default(g, x, weight, running_mean, running_var, save_mean, save_invstd,
+                                                   True, eps, [True, True, True])
+
+
+def _always(call) -> bool:
+    return True
+
+
+def _never_decided(call):
+    raise AssertionError(f"{call.func} is always decomposed")
+
+
+# ``F.batch_norm`` takes cuDNN's op for a CUDA input (the global tensor reports its local's device), and
+# autograd then its backward. Both run as the native ops above, so every layout and decomposition of
+# those applies; the local kernel is ATen's native one, not cuDNN's.
+register(aten.cudnn_batch_norm.default, decompose=_cudnn_batch_norm, decompose_when=_always)(_never_decided)
+register(aten.cudnn_batch_norm_backward.default, decompose=_cudnn_batch_norm_backward,
+         decompose_when=_always)(_never_decided)
 
 
 # -- pooling -------------------------------------------------------------------

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from sbp_core import sbp
+from sbp_core import GlobalTensor, sbp
 
 from .parity import check_cases as run
 
@@ -85,6 +85,14 @@ def batch_norm_no_affine(x):
     return F.batch_norm(x, None, None, training=True)
 
 
+def batch_norm_as_on_cuda(x, w, b, rm, rv):
+    """cuDNN's op, which ``F.batch_norm`` calls on a CUDA input, in training; the single-device reference
+    (plain CPU tensors, where cuDNN's op has no kernel) takes the native op it must equal."""
+    rm, rv = rm.detach(), rv.detach()
+    op = torch.ops.aten.cudnn_batch_norm if isinstance(x, GlobalTensor) else torch.ops.aten.native_batch_norm
+    return op(x, w, b, rm, rv, True, 0.3, 1e-5)[0], rm * 1.0, rv * 1.0
+
+
 def test_batch_norm():
     x, w, b = rnd(7, 3, 4, 5), rnd(3), rnd(3)
     rm, rv = rnd(3), rnd(3).abs() + 0.5
@@ -99,6 +107,8 @@ def test_batch_norm():
         (batch_norm_eval, stats, [S0, B, B, B, B], R3, [S0]),
         (batch_norm_eval, stats, [S1, S0, S0, S0, S0], R2, [S1]),
         (batch_norm_no_affine, [x], [S0], R3, [S0]),
+        (batch_norm_as_on_cuda, stats, [S0, B, B, B, B], R3, [S0, B, B]),
+        (batch_norm_as_on_cuda, stats, [S1, S0, S0, S0, S0], R2, [S1, S0, S0]),
     ])
 
 
