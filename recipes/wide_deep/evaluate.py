@@ -38,15 +38,15 @@ def evaluate(module, val, placement, data_sbp, n_rows: int, batch: int, bayes=No
         for start in range(0, n_rows, batch):
             size = min(batch, n_rows - start)
             (lo, n), = local_box((size,), placement.shape, data_sbp, coords)
-            got = val.load(torch.arange(start + lo, start + lo + n))
-            x = {k: _global(got[k], placement, data_sbp, size) for k in FIELDS}
+            got = val.load(torch.arange(start + lo, start + lo + n))  # host rows
+            x = {k: _global(got[k].to(placement.device()), placement, data_sbp, size) for k in FIELDS}
             logits.append(module(x["dense"], x["ids"]).full_tensor())
             labels.append(x["label"].full_tensor())
     finally:
         module.train(was)
     if me != 0:
         return None
-    scores, truth = torch.cat(logits), torch.cat(labels)
+    scores, truth = torch.cat(logits).cpu(), torch.cat(labels).cpu()  # beside the host's Bayes probabilities
     out = {"auc": auc(scores, truth), "logloss": logloss(scores, truth)}
     if bayes is not None:
         prob = bayes(torch.arange(n_rows))

@@ -30,7 +30,7 @@ def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
     new_run[1:] = s[1:] != s[:-1]
     run_id = torch.cumsum(new_run, 0) - 1
     starts = torch.nonzero(new_run).squeeze(1)
-    ends = torch.cat([starts[1:], torch.tensor([s.numel()])])
+    ends = torch.cat([starts[1:], starts.new_tensor([s.numel()])])
     avg_rank = (starts + ends + 1).double() / 2
     ranks = avg_rank[run_id]
     pos_rank_sum = float(ranks[pos[order]].sum())

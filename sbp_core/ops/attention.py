@@ -82,7 +82,8 @@ def _refuse_dropout(call) -> None:
     if p:
         raise ValueError(
             f"{call.func} with dropout_p={p} has no SBP rule (its mask would be drawn per shard); "
-            "F.scaled_dot_product_attention with dropout takes the math path, which is exact"
+            "F.scaled_dot_product_attention with dropout is exact on its math path, which CPU takes by itself; "
+            "on CUDA run it under torch.nn.attention.sdpa_kernel(SDPBackend.MATH), or set its dropout to 0"
         )
 
 
