@@ -97,12 +97,13 @@ def sample(weight, class_ids, labels, sample_rate: float, seed: int, draw_index:
         raise ValueError(f"rank {world_rank()} is outside the FC weight's placement {weight.placement}: Partial FC "
                          "sampling runs on the FC's ranks only")
     labels = labels.to_local() if isinstance(labels, sc.GlobalTensor) else labels
-    classes = torch.unique(labels)
+    # The draw is the host's (its sizes decide k, the global shape): one read of the labels.
+    classes = torch.unique(labels.cpu())
     counts = sample_counts(ranges, classes, sample_rate)
     k = max(counts)
     start, n = ranges[me]
     positives = classes[(classes >= start) & (classes < start + n)] - start
-    rows = draw(n, positives, counts[me], mixed_seed(seed, draw_index, me))
+    rows = draw(n, positives, counts[me], mixed_seed(seed, draw_index, me)).to(local_w.device)
     pad = k - rows.numel()
     w = torch.cat([local_w[rows], local_w.new_zeros(pad, local_w.shape[1])]) if pad else local_w[rows]
     ids = torch.cat([local_ids[rows], local_ids.new_full((pad,), -1)]) if pad else local_ids[rows]
