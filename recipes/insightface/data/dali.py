@@ -9,14 +9,19 @@ on ``device``: DALI's ``external_source`` feeds the encoded bytes, the
 ``mixed`` image decoder (nvJPEG) decodes on the GPU, ``resize`` and a
 ``transpose`` to CHW follow; the batch leaves DALI through DLPack. One DALI
 pipeline per (process, device, size, batch capacity), built on first use.
+A pipeline serves one batch at a time: the read-ahead's worker threads
+decode in turn on it, each batch copied out of DALI's buffers (and the copy
+finished) before the next run may overwrite them.
 """
 from __future__ import annotations
 
 import importlib.util
+import threading
 
 import torch
 
-_PIPES: dict = {}
+_PIPES: dict = {}  # key -> (pipeline, its lock)
+_BUILD = threading.Lock()
 
 
 def why_unavailable() -> str | None:
@@ -54,10 +59,13 @@ def decode(payloads: list, size: int, device) -> torch.Tensor:
     device_id = device.index if device.index is not None else torch.cuda.current_device()
     capacity = max(1, 1 << (len(payloads) - 1).bit_length())
     key = (device_id, size, capacity)
-    if key not in _PIPES:
-        _PIPES[key] = _pipeline(size, capacity, device_id)
-    pipe = _PIPES[key]
-    pipe.feed_input("encoded", [np.frombuffer(p, dtype=np.uint8) for p in payloads])
-    (out,) = pipe.run()
-    batch = torch.utils.dlpack.from_dlpack(out.as_tensor())
-    return batch.to(device).clone()
+    with _BUILD:
+        if key not in _PIPES:
+            _PIPES[key] = (_pipeline(size, capacity, device_id), threading.Lock())
+    pipe, lock = _PIPES[key]
+    with lock:
+        pipe.feed_input("encoded", [np.frombuffer(p, dtype=np.uint8) for p in payloads])
+        (out,) = pipe.run()
+        batch = torch.utils.dlpack.from_dlpack(out.as_tensor()).to(device).clone()
+        torch.cuda.current_stream(device).synchronize()  # the copy has read DALI's buffer before its next run
+    return batch
