@@ -253,7 +253,9 @@ def _dispatched_step(optimizer) -> None:
     """``optimizer.step()`` on the global parameters, with any ``fused`` kernel switched off for it.
 
     A fused step is one aten op over lists of tensors, which has no SBP rule;
-    its single-tensor ops (the same update) do.
+    its single-tensor ops (the same update) do. Those keep a new ``step``
+    count on the host, where a later fused step on the locals would hand it
+    to a CUDA kernel: it moves to its parameter's device, as fused state is.
     """
     fused = [g for g in optimizer.param_groups if g.get("fused")]
     for g in fused:
@@ -263,3 +265,7 @@ def _dispatched_step(optimizer) -> None:
     finally:
         for g in fused:
             g["fused"] = True
+            for p in g["params"]:
+                step = optimizer.state.get(p, {}).get("step")
+                if isinstance(step, torch.Tensor) and step.device != p.device:
+                    optimizer.state[p]["step"] = step.to(p.device, torch.float32)

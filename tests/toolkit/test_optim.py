@@ -126,13 +126,19 @@ def test_cpu_parameters_keep_torch_default_kernels():
 def test_a_dispatched_step_runs_without_the_fused_kernel_and_restores_it():
     from sbp_core.local_step import _dispatched_step
 
+    p = torch.nn.Parameter(torch.empty(3, device="meta"))  # stands for a parameter on a GPU
+
     class Probe:
-        param_groups = [{"fused": True}, {"fused": None}]
+        param_groups = [{"fused": True, "params": [p]}, {"fused": None, "params": []}]
+        state = {}
         seen = None
 
         def step(self):
             Probe.seen = [g["fused"] for g in self.param_groups]
+            self.state[p] = {"step": torch.tensor(1.0, dtype=torch.float64)}  # a single-tensor step's host count
 
     opt = Probe()
     _dispatched_step(opt)
     assert Probe.seen == [False, None] and [g["fused"] for g in opt.param_groups] == [True, None]
+    step = opt.state[p]["step"]  # where the next fused step's kernel reads it
+    assert step.device == p.device and step.dtype == torch.float32
