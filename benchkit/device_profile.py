@@ -16,17 +16,21 @@ inside a ``record_function`` span, then synchronizes the device. Per step:
 - ``launches``: kernel launches (``cudaLaunchKernel``, ``cuLaunchKernel``,
   their ``Ex`` forms, ``cudaGraphLaunch``);
 - ``copies``: memcpy by direction (``HtoD``, ``DtoH``, ``DtoD``);
-- ``waits``: CUDA runtime calls inside the span that block the host
+- ``waits``: CUDA runtime calls inside the span that block their thread
   (``cudaStreamSynchronize``, ``cudaDeviceSynchronize``,
-  ``cudaEventSynchronize``, synchronous ``cudaMemcpy``);
+  ``cudaEventSynchronize``, synchronous ``cudaMemcpy``), on any thread: a
+  copy thread's wait for its own side stream counts too, though it holds
+  up no kernel launch;
 - ``sites``: where each synchronizing op torch warned about was called:
   the innermost Python frame outside torch and this module, with counts.
 
-CUPTI records device activity and CUDA runtime calls from every thread, and
-the sync warning is raised in the thread that ran the op, so both see the
-work of our executor's queue threads. ``torch.profiler``'s op events
-(``aten::...``) come only from the thread that started it, so nothing here
-counts them. Without CUDA only ``wall`` is measured.
+CUPTI records device activity and CUDA runtime calls from every thread, so
+``busy``, ``launches`` and ``waits`` include our executor's queue threads.
+A sync warning reaches Python in the thread that ran the op, so ``sites``
+sees those threads too, but not autograd's own CUDA thread (backward),
+whose warnings torch prints to stderr instead. ``torch.profiler``'s op
+events (``aten::...``) come only from the thread that started it, so
+nothing here counts them. Without CUDA only ``wall`` is measured.
 """
 from __future__ import annotations
 
@@ -83,7 +87,7 @@ class StepProfile:
             share = self.busy_ms / self.wall_ms if self.wall_ms > 0 else 0.0
             copies = " ".join(f"{self.copies.get(k, 0):g} {k}" for k in ("HtoD", "DtoH", "DtoD"))
             head += (f", device busy {self.busy_ms:.2f} ms ({share:.0%}), {self.launches:g} launches, "
-                     f"copies {copies}, host waits {self.waits:g}")
+                     f"copies {copies}, blocking calls {self.waits:g}")
         out = [head]
         out += [f"    sync x{n} at {site}" for site, n in self.sites.most_common()]
         return out

@@ -42,8 +42,8 @@ loop's; above 1 favours ours) with its 90% bootstrap interval.
 ``--profile N`` then runs N more steps of each way under
 ``benchkit.device_profile`` and prints, per step, the wall time, how long
 the device was busy (the rest of the step it waited for the host), the
-kernel launches, the copies by direction, the CUDA calls that blocked the
-host, and where each synchronizing op was called; ``--trace-dir`` keeps
+kernel launches, the copies by direction, the CUDA calls that blocked a
+thread, and where each synchronizing op was called; ``--trace-dir`` keeps
 each way's Chrome trace. Those steps are not in the ratios.
 
 Last line: ``gpu bench: gpt2 A.AAx eager, B.BBx compiled; insightface C.CCx;

@@ -41,7 +41,7 @@ def test_reduce_takes_the_union_of_device_intervals_and_counts_per_step():
     assert p.copies == {"HtoD": 0.5, "DtoH": 0.5}
     head = p.lines("ours")[0]
     assert "device busy" in head and "(69%)" in head and "1.5 launches" in head, head
-    assert "copies 0.5 HtoD 0.5 DtoH 0 DtoD" in head and "host waits 0.5" in head, head
+    assert "copies 0.5 HtoD 0.5 DtoH 0 DtoD" in head and "blocking calls 0.5" in head, head
 
 
 def test_reduce_without_device_events_gives_the_span_and_refuses_a_missing_span():
