@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
 @dataclass
@@ -61,9 +62,9 @@ class Attention(nn.Module):
         self.attn_pdrop = cfg.attn_pdrop
         self.resid_dropout = nn.Dropout(cfg.resid_pdrop)
         if cfg.attn_pdrop > 0:
-            # With dropout torch's attention takes its math path, whose ``is_causal`` mask is a new plain
-            # tensor made inside the op, which a global tensor's op cannot mix with; a buffer is laid out
-            # by the plan like any other (B). Hugging Face's GPT-2 keeps such a buffer too (not saved).
+            # Attention with dropout runs torch's math path (``forward``), whose ``is_causal`` mask is a new
+            # plain tensor made inside the op, which a global tensor's op cannot mix with; a buffer is laid
+            # out by the plan like any other (B). Hugging Face's GPT-2 keeps such a buffer too (not saved).
             self.register_buffer("causal", torch.ones(cfg.n_positions, cfg.n_positions, dtype=torch.bool).tril(),
                                  persistent=False)
 
@@ -74,7 +75,10 @@ class Attention(nn.Module):
         q, k, v = (z.transpose(1, 2) for z in qkv.split(hs, dim=3))
         p = self.attn_pdrop if self.training else 0.0
         if p:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=self.causal[:t, :t], dropout_p=p)
+            # The math path draws its dropout mask with ``dropout``, for the whole tensor on any layout (a
+            # fused CUDA kernel would draw one per shard): CPU takes that path by itself, CUDA is told to.
+            with sdpa_kernel(SDPBackend.MATH):
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=self.causal[:t, :t], dropout_p=p)
         else:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         y = y.transpose(1, 2).reshape(b, t, c)
