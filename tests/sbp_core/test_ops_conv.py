@@ -5,6 +5,7 @@ batch norm's running statistics are compared too (SyncBatchNorm semantics).
 """
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -225,3 +226,33 @@ def test_embedding_bag():
         (bag_padded, [w, i, o], [S0, B, B], R3, [P]),
         (bag_last_offset, [w, i, torch.tensor([0, 2, 5, 5, 9])], [S0, B, B], R3, [P]),
     ])
+
+
+def _batch_norm_on_a_gpu(_):
+    """In a 1-rank NCCL job: ``F.batch_norm`` of a global tensor on the GPU (cuDNN's op) against plain tensors,
+    training then eval; the largest relative error of outputs, input gradients and running statistics."""
+    import sbp_core as sc
+
+    p = sc.placement("cuda", [0])
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x, w, b, weights = (torch.randn(*s, device="cuda", generator=gen) for s in ((8, 4, 6, 6), (4,), (4,), (8, 4, 6, 6)))
+    errs = []
+    for training in (True, False):
+        plain = [t.clone().requires_grad_() for t in (x, w, b)]
+        glob = [sc.distribute(t, p, s, requires_grad=True) for t, s in zip((x, w, b), (S0, B, B))]
+        rm, rv = torch.zeros(4, device="cuda"), torch.ones(4, device="cuda")
+        grm, grv = (sc.distribute(t, p, B) for t in (rm, rv))
+        out = F.batch_norm(plain[0], rm, rv, plain[1], plain[2], training=training)
+        gout = F.batch_norm(glob[0], grm, grv, glob[1], glob[2], training=training)
+        (out * weights).sum().backward()
+        (gout * sc.distribute(weights, p, S0)).sum().backward()
+        pairs = [(gout, out), (grm, rm), (grv, rv)] + [(g.grad, t.grad) for g, t in zip(glob, plain)]
+        errs += [float((a.full_tensor() - r).abs().max() / r.abs().max().clamp_min(1e-12)) for a, r in pairs]
+    return max(errs)
+
+
+@pytest.mark.cuda
+def test_batch_norm_of_a_global_tensor_on_a_gpu_takes_cudnns_op_and_equals_plain_tensors():
+    from toolkit.launcher import launch
+
+    assert launch(_batch_norm_on_a_gpu, None, 1, device="cuda") <= 1e-5
