@@ -218,12 +218,14 @@ def _run_launched(main, cfg, nprocs: int, env: ClusterEnv, device: str, timeout:
     dist.init_process_group("nccl" if kind == "cuda" else "gloo", init_method="env://",
                             rank=env.rank, world_size=env.world_size, timeout=timedelta(seconds=timeout),
                             **_bound_device(kind))
-    try:
-        packed = [_pack(cfg) if env.rank == 0 else None]
-        dist.broadcast_object_list(packed, src=0)
-        return main(_rebuild(packed[0]))
-    finally:
-        dist.destroy_process_group()
+    packed = [_pack(cfg) if env.rank == 0 else None]
+    dist.broadcast_object_list(packed, src=0)
+    value = main(_rebuild(packed[0]))
+    # Only after a success: a failed rank's peers may still be inside collectives with it, and NCCL's
+    # destroy finalizes communicators, waiting for them. The failure ends this process, and the launcher
+    # (torchrun, Slurm) then stops the others.
+    dist.destroy_process_group()
+    return value
 
 
 def _run_in_process(main, cfg, device: str, timeout: float):

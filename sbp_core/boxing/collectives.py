@@ -19,8 +19,10 @@ split sizes, so no padding is ever sent.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import pickle
+import threading
 
 import torch
 import torch.distributed as dist
@@ -394,13 +396,14 @@ def exchange_start(sends, recvs) -> Pending:
     pair of ranks match in the order they are started, whatever runs between.
     """
     out = [torch.empty(shape, dtype=dtype, device=device) for _, shape, dtype, device in recvs]
-    works = []
-    for (src, *_), buf in zip(recvs, out):
-        works.append(dist.irecv(buf, src=src))
+    ops = [dist.P2POp(dist.irecv, buf, src) for (src, *_), buf in zip(recvs, out)]
     payload = [t.contiguous() for _, t in sends]  # kept alive until the wait returns
     for (dst, _), t in zip(sends, payload):
         ledger.record("send", 2, _nbytes(t), (world_rank(), dst))
-        works.append(dist.isend(t, dst=dst))
+        ops.append(dist.P2POp(dist.isend, t, dst))
+    # One batch: NCCL runs a pair's transfers in the order they are posted, so two ranks that each
+    # post a receive before their send to the other would wait on each other; a batch is one group.
+    works = dist.batch_isend_irecv(ops) if ops else []
 
     def received() -> list:
         payload.clear()  # every send is done: its buffer may go
@@ -444,11 +447,41 @@ def broadcast_ints(values, src: int, group) -> list:
     return t.tolist()
 
 
+_P2P = threading.local()
+
+
+@contextlib.contextmanager
+def _settled(device: torch.device):
+    """Run the block's transfers on a stream of this thread's own, and return once they are done.
+
+    Under NCCL a transfer's ``wait`` only makes the current stream wait for
+    it. The runtime's receive actors post receives ahead of their data (two
+    registers a channel), from threads whose current stream is the device's
+    default one; every kernel queued there later, the work that produces the
+    data included, would wait behind such a receive: a deadlock. On a stream
+    of its own a transfer holds up nothing else, and the calling thread
+    blocks until it is done, as under gloo. The stream first waits for what
+    the thread's current stream has queued (a send's producer, a receive
+    buffer's allocation). Anything not CUDA: nothing to do.
+    """
+    if device.type != "cuda":
+        yield
+        return
+    streams = _P2P.__dict__.setdefault("streams", {})
+    if device not in streams:
+        streams[device] = torch.cuda.Stream(device)
+    stream = streams[device]
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        yield
+    stream.synchronize()
+
+
 @_collective(lambda obj, dst, group: {dst})
 def send_object(obj, dst: int, group) -> None:
     """Send a tensor (header, then its data) or any picklable object to ``dst`` on ``group``.
 
-    Blocking; for the runtime's channels, each on a group and thread of its
+    Blocking (on a GPU too: ``_settled``); for the runtime's channels, each on a group and thread of its
     own. The header and a pickled object travel on the host over ``group``'s
     control group (gloo); a tensor's data travels on ``group`` from the device
     its backend needs (``tensor_device``: this rank's GPU under NCCL), copied
@@ -468,7 +501,8 @@ def send_object(obj, dst: int, group) -> None:
     ledger.record("send", 2, _nbytes(payload), (world_rank(), dst))
     dist.send(header, dst=dst, group=control)
     if payload.numel():
-        dist.send(payload, dst=dst, group=on)
+        with _settled(payload.device):
+            dist.send(payload, dst=dst, group=on)
 
 
 @_collective(lambda src, group, device=None: {src})
@@ -487,7 +521,8 @@ def recv_object(src: int, group, device=None):
         return pickle.loads(buf.numpy().tobytes())
     buf = torch.empty(shape, dtype=_DTYPES[code], device=tensor_device(group))
     if buf.numel():
-        dist.recv(buf, src=src, group=group)
+        with _settled(buf.device):
+            dist.recv(buf, src=src, group=group)
     return buf if device is None else buf.to(device)
 
 
@@ -502,7 +537,9 @@ def send_tensor(t: torch.Tensor, dst: int, group) -> None:
     when ``t`` lies elsewhere).
     """
     ledger.record("send", 2, _nbytes(t), (world_rank(), dst))
-    dist.send(t.to(tensor_device(group)), dst=dst, group=group)
+    t = t.to(tensor_device(group))
+    with _settled(t.device):
+        dist.send(t, dst=dst, group=group)
 
 
 @_collective(lambda shape, dtype, src, group, device=None: {src})
@@ -510,5 +547,6 @@ def recv_tensor(shape, dtype, src: int, group, device=None) -> torch.Tensor:
     """Receive what ``send_tensor`` sent from ``src`` on ``group``, into a new tensor of ``shape`` and
     ``dtype`` on ``device`` (``None``: where ``group``'s backend delivers it)."""
     buf = torch.empty(shape, dtype=dtype, device=tensor_device(group))
-    dist.recv(buf, src=src, group=group)
+    with _settled(buf.device):
+        dist.recv(buf, src=src, group=group)
     return buf if device is None else buf.to(device)
