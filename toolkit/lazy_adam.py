@@ -98,32 +98,38 @@ class RowMoments:
         self._v = torch.cat([self._v, self._v.new_zeros(pad, self.n_cols)])
 
     def slots(self, rows: torch.Tensor) -> torch.Tensor:
-        """Slots of the local ``rows`` (unique, ascending), adding the rows seen for the first time."""
+        """Slots of the local ``rows`` (unique, ascending), adding the rows seen for the first time.
+
+        One host read, the number of new rows (it sizes the buffers), and no boolean masks: on a GPU
+        the step waits for the device once here, not at every masked index.
+        """
         g = rows + self.row0
         n = self.n
-        pos = torch.searchsorted(self.sorted_rows, g)
-        found = torch.zeros_like(g, dtype=torch.bool)
-        inside = pos < n
-        found[inside] = self.sorted_rows[pos[inside]] == g[inside]
-        new = g[~found]
-        k = new.shape[0]
-        slots = torch.empty_like(g)
-        slots[found] = self.slot_of_sorted[pos[found]]
+        if n:
+            pos = torch.searchsorted(self.sorted_rows, g).clamp_(max=n - 1)
+            found = self.sorted_rows[pos] == g
+            slots = torch.where(found, self.slot_of_sorted[pos], -1)
+        else:
+            found = torch.zeros_like(g, dtype=torch.bool)
+            slots = torch.full_like(g, -1)
+        k = g.numel() - int(found.sum())
         if k:
+            # The new rows in ascending order: a stable sort puts the rows not found first, as they came.
+            first = torch.sort(found.to(torch.uint8), stable=True).indices[:k]
+            new, new_slots = g[first], torch.arange(n, n + k, device=g.device)
+            slots[first] = new_slots
             self._grow(n + k)
-            new_slots = torch.arange(n, n + k, device=g.device)
             self._index[n:n + k] = new
-            # Merge the new rows into the sorted index: O(n + k), no sort.
-            at = torch.searchsorted(self.sorted_rows, new) + torch.arange(k, device=g.device)
-            old = torch.ones(n + k, dtype=torch.bool, device=g.device)
-            old[at] = False
+            # Merge into the sorted index, O(n + k): a row's place is its rank among its own rows plus
+            # the other side's rows below it (the two sides share no row).
+            at_new = torch.searchsorted(self.sorted_rows, new) + torch.arange(k, device=g.device)
+            at_old = torch.searchsorted(new, self.sorted_rows) + torch.arange(n, device=g.device)
             merged_rows = torch.empty(n + k, dtype=torch.int64, device=g.device)
             merged_slots = torch.empty_like(merged_rows)
-            merged_rows[old], merged_rows[at] = self.sorted_rows, new
-            merged_slots[old], merged_slots[at] = self.slot_of_sorted, new_slots
+            merged_rows[at_old], merged_rows[at_new] = self.sorted_rows, new
+            merged_slots[at_old], merged_slots[at_new] = self.slot_of_sorted, new_slots
             self.sorted_rows, self.slot_of_sorted = merged_rows, merged_slots
             self.n = n + k
-            slots[~found] = new_slots
         return slots
 
     @property

@@ -162,3 +162,25 @@ def test_bad_arguments():
         LazyAdamW([nn.Parameter(torch.zeros(2))], lr=0)
     with pytest.raises(ValueError, match="betas"):
         LazyAdamW([nn.Parameter(torch.zeros(2))], betas=(0.9, 1.0))
+
+
+def test_row_slots_follow_first_look_up_with_one_host_read():
+    """Slots in order of first look-up (ascending within a call), the sorted index consistent, and each call
+    reading the device once (the new-row count; ``test_host_reads.HostReads`` counts masks and reads)."""
+    from .test_host_reads import HostReads
+
+    mom = RowMoments(((100, 50), (0, 4)), torch.float32, "cpu")
+    gen = torch.Generator().manual_seed(0)
+    seen = {}  # global row -> slot
+    for _ in range(20):
+        size = int(torch.randint(0, 12, (1,), generator=gen))
+        rows = torch.unique(torch.randint(0, 50, (size,), generator=gen))
+        with HostReads() as reads:
+            got = mom.slots(rows)
+        for r in rows.tolist():
+            seen.setdefault(r + 100, len(seen))
+        assert got.tolist() == [seen[r + 100] for r in rows.tolist()]
+        assert dict(reads.ops) == {"aten::_local_scalar_dense": 1}, reads.sites
+    assert mom.n == len(seen) and mom.sorted_rows.tolist() == sorted(seen)
+    assert mom.slot_of_sorted.tolist() == [seen[r] for r in sorted(seen)]
+    assert mom._index[:mom.n].tolist() == sorted(seen, key=seen.get)
