@@ -22,7 +22,9 @@ inside a ``record_function`` span, then synchronizes the device. Per step:
   copy thread's wait for its own side stream counts too, though it holds
   up no kernel launch;
 - ``sites``: where each synchronizing op torch warned about was called:
-  the innermost Python frame outside torch and this module, with counts.
+  the innermost Python frame outside torch and this module, and the
+  thread (a copy or network thread's wait holds up no kernel launch), with
+  counts.
 
 CUPTI records device activity and CUDA runtime calls from every thread, so
 ``busy``, ``launches`` and ``waits`` include our executor's queue threads.
@@ -150,7 +152,8 @@ def _site(stack) -> str:
 
 @contextmanager
 def sync_sites():
-    """A ``Counter`` of the call sites of synchronizing CUDA ops run inside the block, from any thread.
+    """A ``Counter`` of the call sites (``path:line (function) on thread NAME``) of synchronizing CUDA ops run
+    inside the block, from any thread.
 
     Turns on ``torch.cuda.set_sync_debug_mode("warn")`` where CUDA is initialized and takes torch's warnings
     (``SYNC_WARNING``) from ``warnings.showwarning`` for the block; other warnings pass on as before.
@@ -161,7 +164,7 @@ def sync_sites():
 
         def show(message, category, filename, lineno, file=None, line=None):
             if SYNC_WARNING in str(message):
-                site = _site(traceback.extract_stack()[:-1])
+                site = f"{_site(traceback.extract_stack()[:-1])} on thread {threading.current_thread().name}"
                 with lock:
                     sites[site] += 1
             else:

@@ -63,12 +63,13 @@ def test_sync_sites_counts_the_calling_line_in_any_thread_and_passes_other_warni
         warnings.simplefilter("always")
         with sync_sites() as sites:
             _synchronizing_op()
-            t = threading.Thread(target=_synchronizing_op)
+            t = threading.Thread(target=_synchronizing_op, name="copy")
             t.start()
             t.join()
             warnings.warn("something else")
         _synchronizing_op()  # after the block: an ordinary warning again
-    assert sites == {f"tests/scripts/test_device_profile.py:{line} (_synchronizing_op)": 2}, sites
+    site = f"tests/scripts/test_device_profile.py:{line} (_synchronizing_op) on thread"
+    assert sites == {f"{site} {threading.current_thread().name}": 1, f"{site} copy": 1}, sites
     assert [str(w.message) for w in others] == ["something else", "called a synchronizing CUDA operation"]
 
 
