@@ -54,7 +54,7 @@ from ..layout import Layout
 from ..sbp import Split
 from .common import B, P
 from .loss import _row_stat
-from .nn import _rows
+from .nn import _always, _never_decided, _rows
 from .per_axis import axis_of
 from .pointwise import pointwise
 from .registry import Call, Sig, register
@@ -232,14 +232,6 @@ def _cudnn_batch_norm_backward(x, g, weight, running_mean, running_var, save_mea
     """cuDNN's backward (autograd takes it in training only) as ``native_batch_norm_backward``'s, all outputs."""
     return aten.native_batch_norm_backward.default(g, x, weight, running_mean, running_var, save_mean, save_invstd,
                                                    True, eps, [True, True, True])
-
-
-def _always(call) -> bool:
-    return True
-
-
-def _never_decided(call):
-    raise AssertionError(f"{call.func} is always decomposed")
 
 
 # ``F.batch_norm`` takes cuDNN's op for a CUDA input (the global tensor reports its local's device), and
