@@ -114,7 +114,11 @@ def reduce(events: list, steps: int, sites: Counter | None = None) -> StepProfil
     if len(spans) != 1:
         raise ValueError(f"expected one host {SPAN!r} span among the events, found {len(spans)}")
     lo, hi = spans[0].start_ns, spans[0].start_ns + spans[0].dur_ns
-    device = [e for e in events if e.on_device and not e.annotation and e.start_ns + e.dur_ns > lo]
+    # A ``record_function`` region (ours, or torch's own such as an optimizer's step) also shows on the
+    # device as a span of its name: a region, not work, whether or not kineto flags it as an annotation.
+    marks = {e.name for e in events if e.annotation and not e.on_device}
+    device = [e for e in events if e.on_device and not e.annotation and e.name not in marks
+              and e.start_ns + e.dur_ns > lo]
     host = [e for e in events if not e.on_device and lo <= e.start_ns <= hi]
     sites = Counter(sites or {})
     if not device:

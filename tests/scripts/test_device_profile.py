@@ -17,6 +17,8 @@ def _events():
     return [
         Event(SPAN, False, 1_000, 10_000, annotation=True),
         Event(SPAN, True, 1_000, 13_000, annotation=True),  # the device-side copy of the span: not work
+        Event("Optimizer.step#AdamW.step", False, 9_800, 100, annotation=True),  # torch's own region
+        Event("Optimizer.step#AdamW.step", True, 9_000, 5_000),  # its device side, even if not flagged
         Event("early_kernel", True, 0, 500),  # ended before the span
         Event("gemm", True, 2_000, 3_000),
         Event("gelu", True, 4_000, 2_000),  # overlaps gemm (another stream): 2..6 us busy
