@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import gzip
 import os
+import re
 import shutil
 import threading
 import traceback
@@ -53,6 +54,7 @@ LAUNCHES = frozenset({"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel
                       "cudaGraphLaunch"})
 WAITS = frozenset({"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy"})
 SYNC_WARNING = "synchronizing CUDA operation"
+_VERSION = re.compile(r"_v\d+$")
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _SKIP = (_TORCH_DIR, os.path.abspath(__file__), os.path.dirname(warnings.__file__) + os.sep + "warnings.py")
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -130,9 +132,10 @@ def reduce(events: list, steps: int, sites: Counter | None = None) -> StepProfil
         for kind in ("HtoD", "DtoH", "DtoD"):
             if e.name.startswith(f"Memcpy {kind}"):
                 copies[kind] += 1
+    api = [_VERSION.sub("", e.name) for e in host]  # CUPTI may name a call by its version: cudaX_v11060
     return StepProfile(steps, (end - lo) / 1e6 / steps, busy / 1e6 / steps,
-                       sum(e.name in LAUNCHES for e in host) / steps, {k: v / steps for k, v in copies.items()},
-                       sum(e.name in WAITS for e in host) / steps, sites)
+                       sum(a in LAUNCHES for a in api) / steps, {k: v / steps for k, v in copies.items()},
+                       sum(a in WAITS for a in api) / steps, sites)
 
 
 def _events(prof) -> list:

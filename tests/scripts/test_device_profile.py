@@ -27,7 +27,8 @@ def _events():
         Event("adam", True, 10_500, 3_500),  # runs past the span: the window ends at 14 us
         Event("cudaLaunchKernel", False, 1_500, 10),
         Event("cuLaunchKernel", False, 3_500, 10),
-        Event("cudaLaunchKernel", False, 9_000, 10),
+        Event("cudaLaunchKernelExC_v11060", False, 9_000, 10),
+        Event("cudaMemcpyAsync", False, 9_100, 10),  # not a blocking call
         Event("cudaStreamSynchronize", False, 9_400, 700),
         Event("aten::mm", False, 1_400, 300),
         Event("cudaDeviceSynchronize", False, 11_500, 2_600),  # the probe's own synchronize, after the span
