@@ -34,10 +34,12 @@ def global_batch(step: int) -> torch.Tensor:
 
 def build(dp: int, tp: int, pp: int, micro: int = MICRO, schedule: str = "1f1b", traced: bool = False,
           cfg: GPT2Config = CFG, batch_of=global_batch, seq: int = SEQ, batch: int = BATCH, max_grad_norm=None,
-          rows_weigh_equally: bool = True, loss_scale=None, dtype=torch.float32, virtual: int = 1):
+          rows_weigh_equally: bool = True, loss_scale=None, dtype=torch.float32, virtual: int = 1,
+          fused: bool = False):
     """This rank's pipelined GPT-2: ``(PipelineStep, its module or None)``; every rank calls it.
 
-    ``loss_scale``: an ``sc.LossScaler`` the step scales the loss by (fp16's; here in fp32).
+    ``loss_scale``: an ``sc.LossScaler`` the step scales the loss by (fp16's; here in fp32). ``fused``: AdamW's
+    fused kernel (it skips an overflowed step by the loss scale's flag, on the device).
     ``dtype``: the model's and the stage boundaries' precision. ``virtual``: stages per pipeline rank
     (``cfg.n_layer`` layers split into ``virtual * pp`` stages, placed as ``schedule`` says).
 
@@ -56,7 +58,7 @@ def build(dp: int, tp: int, pp: int, micro: int = MICRO, schedule: str = "1f1b",
         module = keep_stages(model, PIPELINE, ranges, stages)
         chunks = chunk_views(module, PIPELINE, ranges, stages)
         sc.distribute_module(module, placements[rank], plan_for_module(module, mesh_plan(), names))
-        opt = torch.optim.AdamW(module.parameters(), **ADAMW)
+        opt = torch.optim.AdamW(module.parameters(), **ADAMW, fused=fused or None)
     d = (me % (dp * tp)) // tp
 
     def batches(step, k):

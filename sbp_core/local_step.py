@@ -256,7 +256,13 @@ def _dispatched_step(optimizer) -> None:
     its single-tensor ops (the same update) do. Those keep a new ``step``
     count on the host, where a later fused step on the locals would hand it
     to a CUDA kernel: it moves to its parameter's device, as fused state is.
+    A ``found_inf`` flag on the optimizer (fp16's overflow, ``LossScaler``),
+    which only the fused kernels read, is read here: a step that overflowed
+    is skipped.
     """
+    found = getattr(optimizer, "found_inf", None)
+    if found is not None and float(found):  # only a fused kernel skips by the flag: the host decides here
+        return
     fused = [g for g in optimizer.param_groups if g.get("fused")]
     for g in fused:
         g["fused"] = False

@@ -251,7 +251,7 @@ def train(cfg, recipe, layout=None):
                 if bar is not None:
                     bar.set_postfix(loss=f"{loss:.4f}" if loss is not None else "?")
                 scale = {} if job.pipe.loss_scale is None else \
-                    {"loss_scale": job.pipe.loss_scale.scale, "skipped": job.pipe.skipped}
+                    {"loss_scale": job.pipe.loss_scale.scale, "skipped": bool(job.pipe.skipped)}
                 last = logger.log(job.step, loss=loss, lr=lr, grad_norm=job.pipe.grad_norm, **scale,
                                   **{throughput: lay.items_per_step / seconds}) or last
                 window, steps_in_window = time.perf_counter(), 0

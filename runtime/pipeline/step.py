@@ -99,6 +99,7 @@ import torch
 import sbp_core as sc
 from sbp_core import GlobalTensor, Layout
 from sbp_core.dispatch import explaining
+from sbp_core.loss_scale import skips_on_device
 from sbp_core.process_groups import world_rank
 
 from ..executor import run
@@ -400,7 +401,7 @@ class PipelineStep:
         m = self.cfg.micro_batches
         if s == self.pp - 1:  # the last stage: its share of the mean loss, times fp16's loss scale if any
             loss = stash.output
-            outputs, grads = [loss / m if self.loss_scale is None else loss / m * self.loss_scale.scale], None
+            outputs, grads = [loss / m if self.loss_scale is None else loss / m * self.loss_scale.factor(loss)], None
         else:  # the boundary's floating-point tensors, seeded with the gradients the next stage sent
             slots = self.cfg.grad_slots(s)
             outputs = [stash.output[i] for i in slots]
@@ -474,14 +475,20 @@ class PipelineStep:
     def _update(self, k, loss):
         if self._on_leaves:
             return self._update_on_leaves(loss)
-        norm = None
+        norm, found = None, None
         self.skipped = False
         if self.loss_scale is not None:
             params = [p for p in self.module.parameters() if p.requires_grad]
-            self.skipped = self.loss_scale.unscale_(params, self.cfg.placements)
-            self.loss_scale.update(self.skipped)
-        # An overflow is found on every rank alike (a job-wide flag): then none clips or steps.
-        if not self.skipped and self.cfg.max_grad_norm is not None:
+            found = self.loss_scale.found_inf(params, self.cfg.placements)
+            self.loss_scale.update(found)
+            if skips_on_device(self.optimizer):
+                self.skipped = found  # a fused optimizer skips by the flag itself: read when logged
+            else:
+                self.skipped, found = bool(found.item()), None
+        # An overflow is found on every rank alike (a job-wide flag): then none clips or steps. With the flag
+        # left on the device every rank clips (an overflow's gradients come out inf or NaN) and the fused
+        # step leaves everything as it was.
+        if (found is not None or not self.skipped) and self.cfg.max_grad_norm is not None:
             # The last stage's tied copies hold the same summed gradient as the first stage's:
             # counted once in the norm, scaled like the rest.
             if self._clipped is None:
@@ -494,7 +501,13 @@ class PipelineStep:
                 for p in copies:
                     p.grad.mul_(coef)
         # An element-wise optimizer steps the parameters' locals (no op dispatch); the state stays global.
-        if not self.skipped:
+        if found is not None:
+            self.optimizer.found_inf, self.optimizer.grad_scale = found, None  # as GradScaler.step hands them
+            try:
+                sc.step_on_locals(self.optimizer)
+            finally:
+                self.optimizer.found_inf = None
+        elif not self.skipped:
             sc.step_on_locals(self.optimizer)
         if self.scheduler is not None:
             self.scheduler.step()

@@ -49,36 +49,50 @@ class _Planting(sc.LossScaler):
         super().__init__(2.0**10)
         self.at, self.victim, self.calls = at, victim, 0
 
-    def unscale_(self, params, stages=None):
+    def found_inf(self, params, stages=None):
         self.calls += 1
         if self.calls == self.at and world_rank() == self.victim:
             grad = next(p.grad for p in params if p.grad is not None)
             grad._local.view(-1)[-1] = float("inf")
-        return super().unscale_(params, stages)
+        return super().found_inf(params, stages)
 
 
-def _skips(dp: int, tp: int, pp: int, victim: int):
-    """Worker: per step ``(any local parameter changed, skipped, scale after)``; rank ``victim`` overflows in step 1."""
+def _skips(dp: int, tp: int, pp: int, victim: int, fused: bool):
+    """Worker: per step ``(any local parameter or optimizer state changed, skipped, scale after, the step
+    read the device)``; rank ``victim`` overflows in step 1."""
+    from tests.toolkit.test_host_reads import HostReads
+
     scaler = _Planting(at=2, victim=victim)
-    step, module = build(dp, tp, pp, loss_scale=scaler)
+    step, module = build(dp, tp, pp, loss_scale=scaler, fused=fused)
     out = []
     for i in range(3):
-        before = [p.to_local().clone() for p in module.parameters()] if module is not None else []
-        step.step(i)
-        after = [p.to_local() for p in module.parameters()] if module is not None else []
-        changed = any(not torch.equal(a, b) for a, b in zip(before, after))
-        out.append((changed, step.skipped, scaler.scale))
+        state = [] if module is None else [p.to_local() for p in module.parameters()] + [
+            v.to_local() if isinstance(v, sc.GlobalTensor) else v
+            for s in step.optimizer.state.values() for v in s.values()]
+        before = [t.clone() for t in state]
+        with HostReads() as reads:
+            step.step(i)
+        after = [] if module is None else [p.to_local() for p in module.parameters()] + [
+            v.to_local() if isinstance(v, sc.GlobalTensor) else v
+            for s in step.optimizer.state.values() for v in s.values()]
+        changed = len(before) != len(after) or any(not torch.equal(a, b) for a, b in zip(before, after))
+        out.append((changed, bool(step.skipped), scaler.scale, reads.ops["aten::_local_scalar_dense"] > 0))
     return out if module is not None else None
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
 @pytest.mark.parametrize("dp,tp,pp,victim", [(2, 2, 1, 3), (1, 1, 2, 1)], ids=["dp2_tp2", "pp2"])
-def test_an_overflow_on_one_rank_skips_that_step_on_every_rank(dp, tp, pp, victim):
-    res = [r for r in get_pool(8).run(_skips, dp, tp, pp, victim) if r is not None]
+def test_an_overflow_on_one_rank_skips_that_step_on_every_rank(dp, tp, pp, victim, fused):
+    """Parameters and optimizer state stay as they were on every rank; with the fused kernel the flag never
+    leaves the device (no host read in any step, counted where the step runs on the calling thread)."""
+    res = [r for r in get_pool(8).run(_skips, dp, tp, pp, victim, fused) if r is not None]
     assert len(res) == dp * tp * pp
     for rank, steps in enumerate(res):
         assert [s[0] for s in steps] == [True, False, True], (rank, steps)
         assert [s[1] for s in steps] == [False, True, False], (rank, steps)
         assert [s[2] for s in steps] == [2.0**10, 2.0**9, 2.0**9], (rank, steps)
+        if pp == 1:  # the step runs on the calling thread, where the probe counts (a pipeline's compute has one)
+            assert [s[3] for s in steps] == [not fused] * 3, (rank, steps)
 
 
 def test_a_scaled_pipeline_matches_one_device():
