@@ -62,10 +62,12 @@ class LossScaler:
 
     @property
     def scale(self) -> float:
+        """The current scale, read from the device (the host waits: for logs and checkpoints only)."""
         return float(self._scale)
 
     @property
     def growth_tracker(self) -> int:
+        """Clean steps since the scale last moved, read from the device."""
         return int(self._tracker)
 
     def _on(self, device) -> torch.Tensor:
