@@ -60,7 +60,7 @@ class _Planting(sc.LossScaler):
 def _skips(dp: int, tp: int, pp: int, victim: int, fused: bool):
     """Worker: per step ``(any local parameter or optimizer state changed, skipped, scale after, the step
     read the device)``; rank ``victim`` overflows in step 1."""
-    from tests.toolkit.test_host_reads import HostReads
+    from tests.toolkit.host_reads import HostReads
 
     scaler = _Planting(at=2, victim=victim)
     step, module = build(dp, tp, pp, loss_scale=scaler, fused=fused)

@@ -17,22 +17,14 @@ already is on the CPU.
 """
 from __future__ import annotations
 
-import os
 import tempfile
-import traceback
-from collections import Counter
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from toolkit.rank_pool import get_pool
 
-READS = frozenset({"aten::_local_scalar_dense", "aten::is_nonzero", "aten::equal", "aten::nonzero",
-                   "aten::argwhere", "aten::masked_select", "aten::_unique", "aten::_unique2", "aten::unique_dim",
-                   "aten::unique_consecutive", "aten::_coalesce", "aten::bincount"})
-MASKED = frozenset({"aten::index", "aten::index_put_", "aten::index_put", "aten::_index_put_impl_"})
-_TORCH = os.path.dirname(torch.__file__) + os.sep
+from .host_reads import HostReads
 
 COMMON = ["logger=none", "trainer.eval_every=0", "trainer.save_every=0", "trainer.max_steps=4", "device=cpu"]
 CASES = {
@@ -44,25 +36,6 @@ CASES = {
     "wide_deep": ["recipe=wide_deep", "model=wide-deep-tiny", "trainer.micro_batch_size=256",
                   "trainer.global_batch_size=256", "data.train_rows=5000", "data.val_rows=100"],
 }
-
-
-class HostReads(TorchDispatchMode):
-    """Counts the ops that make a CUDA host wait, by op and by calling line (the innermost frame outside torch)."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops, self.sites = Counter(), Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = func._schema.name
-        masks = args[1] if name in MASKED and len(args) > 1 else ()
-        if (name in READS or any(isinstance(m, torch.Tensor) and m.dtype == torch.bool for m in masks)
-                or (name == "aten::repeat_interleave" and kwargs.get("output_size") is None)):
-            self.ops[name] += 1
-            frame = next(f for f in reversed(traceback.extract_stack()[:-1]) if not f.filename.startswith(_TORCH))
-            self.sites[f"{name} at {os.path.basename(frame.filename)}:{frame.lineno}"] += 1
-        return func(*args, **kwargs)
 
 
 def _count(step, steps) -> HostReads:

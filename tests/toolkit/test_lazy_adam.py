@@ -167,7 +167,7 @@ def test_bad_arguments():
 def test_row_slots_follow_first_look_up_with_one_host_read():
     """Slots in order of first look-up (ascending within a call), the sorted index consistent, and each call
     reading the device once (the new-row count; ``test_host_reads.HostReads`` counts masks and reads)."""
-    from .test_host_reads import HostReads
+    from .host_reads import HostReads
 
     mom = RowMoments(((100, 50), (0, 4)), torch.float32, "cpu")
     gen = torch.Generator().manual_seed(0)
