@@ -19,12 +19,12 @@ inside a ``record_function`` span, then synchronizes the device. Per step:
 - ``waits``: CUDA runtime calls inside the span that block their thread
   (``cudaStreamSynchronize``, ``cudaDeviceSynchronize``,
   ``cudaEventSynchronize``, synchronous ``cudaMemcpy``), on any thread: a
-  copy thread's wait for its own side stream counts too, though it holds
-  up no kernel launch;
+  read-ahead worker's wait for its copy on the side stream counts too,
+  though it holds up no kernel launch;
 - ``sites``: where each synchronizing op torch warned about was called:
   the innermost Python frame outside torch and this module, and the
-  thread (a copy or network thread's wait holds up no kernel launch), with
-  counts.
+  thread (a read-ahead worker's or network thread's wait holds up no
+  kernel launch), with counts.
 
 CUPTI records device activity and CUDA runtime calls from every thread, so
 ``busy``, ``launches`` and ``waits`` include our executor's queue threads.

@@ -35,13 +35,15 @@ def global_batch(step: int) -> torch.Tensor:
 def build(dp: int, tp: int, pp: int, micro: int = MICRO, schedule: str = "1f1b", traced: bool = False,
           cfg: GPT2Config = CFG, batch_of=global_batch, seq: int = SEQ, batch: int = BATCH, max_grad_norm=None,
           rows_weigh_equally: bool = True, loss_scale=None, dtype=torch.float32, virtual: int = 1,
-          fused: bool = False):
+          fused: bool = False, data=None):
     """This rank's pipelined GPT-2: ``(PipelineStep, its module or None)``; every rank calls it.
 
     ``loss_scale``: an ``sc.LossScaler`` the step scales the loss by (fp16's; here in fp32). ``fused``: AdamW's
     fused kernel (it skips an overflowed step by the loss scale's flag, on the device).
     ``dtype``: the model's and the stage boundaries' precision. ``virtual``: stages per pipeline rank
-    (``cfg.n_layer`` layers split into ``virtual * pp`` stages, placed as ``schedule`` says).
+    (``cfg.n_layer`` layers split into ``virtual * pp`` stages, placed as ``schedule`` says). ``data(d)``:
+    the step's batches for data shard ``d`` of ``dp`` (a ``toolkit.data.MicroBatches``) in place of
+    ``batch_of``'s, sliced per micro-batch and shard.
 
     ``rows_weigh_equally``: GPT-2's loss is (``Recipe.rows_weigh_equally``), so dp stages (dp2_pp2) run plain
     after their audit."""
@@ -63,6 +65,9 @@ def build(dp: int, tp: int, pp: int, micro: int = MICRO, schedule: str = "1f1b",
 
     def batches(step, k):
         return batch_of(step).tensor_split(micro)[k].tensor_split(dp)[d]
+
+    if data is not None:
+        batches = data(d)
 
     pcfg = PipelineConfig(placements, micro, {"input_ids": ((batch // micro, seq), torch.int64)},
                           [(((batch // micro, seq, cfg.n_embd), dtype),)] * (pp * virtual - 1), DATA_SBP, ACT_SBP,

@@ -24,9 +24,10 @@ alongside the compute thread, and on a host without an accelerator the
 compute thread runs them itself between its own actions
 (``runtime.executor.thread_homes``: there a data thread would only take the
 GIL from the step). These actors live within one run (one training step);
-loading the next step's batches while the device still works on this one is
-``toolkit.data.ReadAhead``'s, whose ``read`` actor hands on whole batches
-(``data_stages`` without ``decode`` and ``collate``). An exception in a
+loading and copying the next step's batches while the device still works on
+this one is ``toolkit.data.ReadAhead``'s, whose worker threads call
+``to_device`` themselves (``toolkit.data.MicroBatches`` then hands the step
+its batches with one compute actor instead of these). An exception in a
 stage stops the run and names the stage's actor and the piece (batch index).
 """
 from __future__ import annotations
@@ -63,10 +64,11 @@ def to_device(batch, device):
     nothing is ever queued on the compute stream. The copies' memory is
     marked as used by the device's default stream, where the step computes
     (``record_stream``: the allocator will not reuse it for the next batch
-    before that stream is done with it). The calling thread (the copy queue's)
-    then waits for the copies on the host, so a batch handed on is on the
-    device already and the compute stream needs no event to wait on. Any
-    other device or ``None``: returns ``batch`` itself, no copy.
+    before that stream is done with it). The calling thread (the copy queue's,
+    or a read-ahead worker) then waits for the copies on the host, so a batch
+    handed on is on the device already and the compute stream needs no event
+    to wait on. Any other device or ``None``: returns ``batch`` itself, no
+    copy.
     """
     if not copies_to(device):
         return batch
@@ -103,13 +105,7 @@ def _tensors_mapped(batch, fn):
     return batch
 
 
-def pinned(batch):
-    """``batch`` with every CPU tensor in page-locked memory (``pin_memory``), ready for ``to_device``'s
-    copy, which then copies without pinning again (a pinned tensor's ``pin_memory()`` is itself)."""
-    return _tensors_mapped(batch, lambda x: x.pin_memory() if x.device.type == "cpu" else x)
-
-
-def data_stages(read, decode=None, collate=None, device=None, quota: int = 2, prefix: str = "data") -> list:
+def data_stages(read, decode, collate, device=None, quota: int = 2, prefix: str = "data") -> list:
     """The pipeline actors, in order; consume ``stages[-1].name``.
 
     ``read(piece) -> raw``, ``decode(piece, raw) -> samples`` and
@@ -118,22 +114,16 @@ def data_stages(read, decode=None, collate=None, device=None, quota: int = 2, pr
     the last actor is then ``f"{prefix}.to_device"``, else
     ``f"{prefix}.collate"``); every stage has ``quota`` out registers.
     Piece ``k`` of every stage is batch ``k``: the consumer sees batches in
-    order, exactly ``collate(k, decode(k, read(k)))`` on ``device``. A
-    ``read`` that returns whole batches (``toolkit.data.ReadAhead``) comes
-    with neither ``decode`` nor ``collate``: those stages are left out.
+    order, exactly ``collate(k, decode(k, read(k)))`` on ``device``.
     """
-    if (decode is None) != (collate is None):
-        raise ValueError("data_stages: give both decode and collate, or neither (read returns whole batches)")
-
     def n(stage):
         return f"{prefix}.{stage}"
 
-    stages = [ActorSpec(n("read"), read, queue="data", quota=quota)]
-    if decode is not None:
-        stages += [
-            ActorSpec(n("decode"), decode, inputs=(n("read"),), queue="data", quota=quota),
-            ActorSpec(n("collate"), collate, inputs=(n("decode"),), queue="data", quota=quota),
-        ]
+    stages = [
+        ActorSpec(n("read"), read, queue="data", quota=quota),
+        ActorSpec(n("decode"), decode, inputs=(n("read"),), queue="data", quota=quota),
+        ActorSpec(n("collate"), collate, inputs=(n("decode"),), queue="data", quota=quota),
+    ]
     if copies_to(device):
         stages.append(ActorSpec(n("to_device"), lambda piece, batch: to_device(batch, device),
                                 inputs=(stages[-1].name,), queue="copy", quota=quota))

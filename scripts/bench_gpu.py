@@ -16,12 +16,12 @@ Cases (GPU / ``--host-only``):
 
 One process, one device (a 1-rank process group, as ``train.py`` on one
 device). ``ours``: ``toolkit.trainer.Job`` stepping ``job.pipe.step(i)``,
-its data read by the runtime's pipeline (and copied on its side stream).
+its data read by the runtime's pipeline.
 ``plain``: ``toolkit.plain_loop.PlainLoop``, the same model class, seed,
 optimizer family (fused on CUDA), schedule, precision and clipping; on a
 GPU its batches are copied to the device before any timing (ours reads
-its batches ahead on worker threads, ``toolkit.data.ReadAhead``, and copies
-them from its copy thread, beside the GPU's work); with
+its batches ahead on worker threads, ``toolkit.data.ReadAhead``, which also
+copy them to the device on a side stream, beside the GPU's work); with
 ``--host-only`` it reads each step's batches as ours does (on a CPU host
 nothing overlaps the step, so data work is on every loop's critical path
 and the ratio is the runtime's own host work per step); there torch runs

@@ -9,7 +9,9 @@ on each of its ranks ``r``:
 - ``s{s}.data@r`` (data queue; first and last stage): micro-batch ``k``'s
   fields (``batch``), global tensors laid out ``data_sbp`` (no
   communication); the first stage reads the ``inputs`` fields, the last the
-  ``labels`` fields;
+  ``labels`` fields. Where a read-ahead loads and copies the batches ahead
+  (``toolkit.data.MicroBatches`` on a GPU) this is one compute actor that
+  takes them;
 - ``s{s}.F@r`` (compute): the stage's forward of micro-batch ``k``; its out
   register is the *activation stash* (the input leaves, the outputs and the
   autograd graph between them). Its registers count against its rank's
@@ -307,7 +309,10 @@ class PipelineStep:
         if hasattr(batches, "stages"):
             placement = self.cfg.stage_placement(s)
             device = placement.device() if placement.device_type == "cuda" else None
-            specs = [replace(a, rank=r) for a in batches.stages(device=device, prefix=prefix)]
+            # A role without the rank: a read-ahead's actor is a compute actor, and the ranks of a lockstep
+            # gang must hold the same compute roles.
+            specs = [replace(a, rank=r, role=a.name.replace(prefix, f"s{s}.data"))
+                     for a in batches.stages(device=device, prefix=prefix)]
             return specs, specs[-1].name
 
         def data(k):

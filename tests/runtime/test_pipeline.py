@@ -132,6 +132,63 @@ def test_data_parallel_stages_run_plain_only_when_the_audit_passes(dropout, rows
     assert len(last) == 2 and all(x is not None for losses in last for x in losses)
 
 
+class _Tokens:
+    """A sample source (``toolkit.data.MicroBatches``) over a fixed token table: sample ``i`` is row ``i``."""
+
+    def __init__(self):
+        from benchkit.pipeline_parity import CFG, SEQ
+
+        self.table = torch.randint(0, CFG.vocab_size, (64, SEQ), generator=torch.Generator().manual_seed(5))
+
+    def __len__(self):
+        return len(self.table)
+
+    def read(self, rows):
+        return self.table[rows]
+
+    def decode(self, raw):
+        return raw
+
+    def collate(self, samples):
+        return {"input_ids": samples}
+
+
+def _dp2_pp2_reading(read_ahead: int):
+    """dp2_pp2, two steps, a thread per queue (as on GPUs), batches read ``read_ahead`` pieces ahead (0: in the
+    step): per rank ``(stage, {data actor: queue}, the plan's gangs, losses)``."""
+    from unittest import mock
+
+    from benchkit.pipeline_parity import BATCH, MICRO, build
+    from toolkit.data import GlobalBatchSampler, MicroBatches
+
+    def data(d):
+        return MicroBatches(_Tokens(), GlobalBatchSampler(64, BATCH, seed=1), accum=MICRO, n_shards=2, shard=d,
+                            read_ahead=read_ahead)
+
+    with mock.patch("runtime.executor.host_only", return_value=False):
+        step, _ = build(2, 1, 2, data=data)
+        losses = [step.step(i) for i in range(2)]
+    me = torch.distributed.get_rank()
+    queues = {a.name: a.queue for a in step.plan.actors if ".data@" in a.name and a.rank == me}
+    return step.stage, queues, step.plan.lockstep, [None if x is None else float(x) for x in losses]
+
+
+def test_a_read_ahead_joins_a_lockstep_gang_and_trains_as_reading_in_the_step():
+    """The read-ahead's data actor is a compute actor: in dp2_pp2 the first stage's two ranks are a lockstep
+    gang, which picks by role, and the step trains as it does with the data loaded in the step."""
+    pool = get_pool(8)
+    ahead, inline = pool.run(_dp2_pp2_reading, 2), pool.run(_dp2_pp2_reading, 0)
+    assert ahead[0][2] == [(0, 1)]  # the first stage's ranks, ganged
+    for (stage, queues, _, losses), (_, inline_queues, _, inline_losses) in zip(ahead, inline):
+        if stage is None:
+            continue
+        assert set(queues.values()) == {"compute"} and set(inline_queues.values()) == {"data"}
+        assert [x is None for x in losses] == [x is None for x in inline_losses]
+        for a, b in zip(losses, inline_losses):
+            assert a is None or abs(a - b) <= 1e-6 * abs(b), (losses, inline_losses)
+    assert any(x is not None for *_, losses in ahead for x in losses)
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_held_micro_batches_follow_the_stash_quota(schedule):
     res = get_pool(8).run(run_pipeline, "pp4", 1, schedule)

@@ -7,6 +7,7 @@ import pickle
 import subprocess
 import sys
 import threading
+from unittest import mock
 
 import pytest
 import torch
@@ -137,13 +138,31 @@ def test_read_ahead_is_on_only_for_an_accelerator_unless_asked():
         ReadAhead(_batches(Rows()), pieces=0, workers=1)
 
 
+def test_a_read_ahead_hands_batches_to_the_step_on_its_thread_and_the_run_replays():
+    """On an accelerator (a thread per queue) the read-ahead's actor is a compute actor: a step that only
+    reads and computes runs on one thread, recorded once and replayed, and reads ``load``'s batches."""
+    batches = _batches(Rows(), read_ahead=2)
+    stages = batches.stages()
+    assert [(s.name, s.queue) for s in stages] == [("data.read", "compute")]
+    plan = Plan(stages + [ActorSpec("step", lambda k, b: b["x"], inputs=(stages[-1].name,))])
+    plain = _batches(Rows())
+    with mock.patch("runtime.executor.host_only", return_value=False):
+        for step in range(3):
+            batches.step = step
+            seen = run(plan, 2, timeout=30).outputs["step"]
+            assert [s.tolist() for s in seen] == [plain.load(step, k)["x"].tolist() for k in range(2)]
+    assert plan.__dict__["_prepared"].schedules  # one thread: recorded on the first run, replayed after
+    stages[0].action.ahead.close()
+
+
 @pytest.mark.cuda
-def test_on_cuda_it_reads_ahead_pinned_and_the_copy_actor_takes_the_batches_to_the_device():
+def test_on_cuda_the_read_ahead_copies_the_batches_to_the_device():
     batches = _batches(Rows())
     stages = batches.stages(device=torch.device("cuda", 0))
     ahead = stages[0].action.ahead
-    assert [s.name for s in stages] == ["data.read", "data.to_device"]
-    assert ahead.device == torch.device("cuda", 0) and ahead.get(5)["x"].is_pinned()
+    assert [(s.name, s.queue) for s in stages] == [("data.read", "compute")]  # no copy actor
+    got = ahead.get(5)["x"]
+    assert ahead.device == torch.device("cuda", 0) and got.is_cuda and torch.equal(got.cpu(), _want(batches, 5))
     plan = Plan(stages + [ActorSpec("step", lambda k, b: b["x"], inputs=(stages[-1].name,))])
     seen = run(plan, 4, timeout=60).outputs["step"]
     assert all(s.is_cuda and torch.equal(s.cpu(), _want(batches, k)) for k, s in enumerate(seen))
@@ -153,20 +172,21 @@ def test_on_cuda_it_reads_ahead_pinned_and_the_copy_actor_takes_the_batches_to_t
 def test_a_dropped_read_ahead_ends_its_threads():
     import gc
 
-    def alive():
-        return [t for t in threading.enumerate() if t.name.startswith("sbp-read-ahead")]
+    def alive():  # another test's closed read-ahead may still be finishing a load: count only this one's
+        return {t for t in threading.enumerate() if t.name.startswith("sbp-read-ahead")}
 
-    before = len(alive())
+    before = alive()
     stages = _batches(Rows(), read_ahead=2).stages()
     stages[0].action(0)
-    assert len(alive()) > before
+    mine = alive() - before
+    assert mine
     del stages
     gc.collect()
     for _ in range(100):
-        if len(alive()) == before:
+        if not any(t.is_alive() for t in mine):
             break
         threading.Event().wait(0.05)
-    assert len(alive()) == before
+    assert not any(t.is_alive() for t in mine)
 
 
 def test_a_load_stuck_in_io_does_not_keep_the_process_from_ending(tmp_path):

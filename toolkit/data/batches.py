@@ -23,11 +23,17 @@ run on the data queue, one actor each; ``stages()`` returns the four actors
 
 Reading ahead (``read_ahead``, see ``toolkit.data.read_ahead``): where the
 batches are copied to an accelerator (``stages(device=...)`` with a CUDA
-device) and ``read_ahead`` is left ``None``, ``stages()`` returns a ``read``
-actor that takes whole batches from a ``ReadAhead`` of ``read_ahead_threads()``
-threads keeping twice as many micro-batches loading (then the copy actor;
-no ``decode``/``collate`` actors). ``read_ahead=n`` reads ``n`` pieces ahead on
-any device, ``0`` never: on a CPU host the step itself needs the cores.
+device) and ``read_ahead`` is left ``None``, ``stages()`` returns one
+``read`` actor that takes whole batches, loaded and copied to the device
+already, from a ``ReadAhead`` of ``read_ahead_threads()`` threads keeping
+twice as many micro-batches loading. That actor is on the compute queue: its
+action is a lookup, which waits only where loading falls behind the device
+(and then holds up the thread's other compute actors, a pipeline rank's
+backward passes among them), while on a thread of its own it would add two
+cross-thread messages and GIL hand-offs to every batch. A one-device step
+then has one thread, whose order the executor records once and replays
+(``runtime.executor``). ``read_ahead=n`` reads ``n`` pieces ahead on any
+device, ``0`` never: on a CPU host the step itself needs the cores.
 Each ``stages()`` call, one data actor, has a read-ahead of its own: a rank
 holding a V-shaped pipeline's first and last stage has two data actors
 reading the same pieces at different times, and one window shared by both
@@ -43,6 +49,7 @@ import os
 import torch
 
 from runtime.data_pipeline import copies_to, data_stages
+from runtime.plan import ActorSpec
 
 from .read_ahead import ReadAhead
 from .sampler import GlobalBatchSampler, micro_batch_rows
@@ -115,14 +122,15 @@ class MicroBatches:
 
     def stages(self, device=None, quota: int = 2, prefix: str = "data") -> list:
         """The data-pipeline actors (consume ``stages[-1].name``): ``data_stages`` over ``read``, ``decode`` and
-        ``collate``, or, reading ahead (see the module docstring), one ``read`` of whole batches."""
+        ``collate``, or, reading ahead (see the module docstring), one compute actor ``read`` of whole batches
+        on ``device``."""
         pieces = self.read_ahead
         if pieces is None:
             pieces = 2 * read_ahead_threads() if copies_to(device) else 0
         if not pieces:
             return data_stages(self.read, self.decode, self.collate, device, quota, prefix)
         read = _ReadAhead(self, ReadAhead(self, pieces, min(pieces, read_ahead_threads()), device))
-        return data_stages(read, device=device, quota=quota, prefix=prefix)
+        return [ActorSpec(f"{prefix}.read", read, queue="compute", quota=quota)]
 
     def __repr__(self) -> str:
         return (f"MicroBatches({self.source!r}, {self.sampler!r}, accum={self.accum}, "

@@ -17,12 +17,16 @@ resumed run, an evaluation that starts again at step 0) drops what was
 loading and starts from there, so any order of ``get`` returns exactly
 ``batches.load``'s batches. A load's exception is raised by the ``get`` of
 its piece, not before. ``device`` (a CUDA device, where the batches go):
-each batch's tensors are pinned on the worker (``runtime.data_pipeline.pinned``),
-off the copy's path, and each worker thread is bound to that device first
-(``torch.cuda.set_device``, as DataLoader's pinning thread is), else its
-first pinned allocation would open a context on GPU 0 on every rank. The
-workers are daemon threads: a load stuck in I/O never keeps a process that
-failed from ending.
+the worker also copies each batch there (``runtime.data_pipeline.to_device``:
+pinned, copied on the side stream, and waited for on the worker), so a batch
+that ``get`` returns is on the device already: the copy of a later step's
+batches runs while the device computes this one, and taking a batch is a
+lookup on the step's own thread (no copy actor, no thread hand-off; up to
+``pieces + 1`` batches are held on the device). Each worker thread is bound
+to that device first (``torch.cuda.set_device``, as DataLoader's pinning
+thread is), else its first allocation would open a context on GPU 0 on every
+rank. The workers are daemon threads: a load stuck in I/O never keeps a
+process that failed from ending.
 
 What runs where, and what a source must allow: a read-ahead calls ``read``
 for one piece at a time (under its lock: reads are the file I/O, in order);
@@ -52,7 +56,7 @@ from concurrent.futures import Future
 
 import torch
 
-from runtime.data_pipeline import copies_to, pinned
+from runtime.data_pipeline import copies_to, to_device
 
 
 class _Workers:
@@ -109,7 +113,7 @@ class ReadAhead:
                 raise ValueError(f"ReadAhead: {name} must be a positive int, got {v!r}")
         self.batches = batches.for_step(0)  # piece q of this one is the absolute piece q
         self.pieces, self.workers = pieces, workers
-        self.device = None  # the CUDA device the batches are pinned for, else None
+        self.device = None  # the CUDA device the batches are copied to, else None
         if copies_to(device):
             device = torch.device(device)
             self.device = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
@@ -122,8 +126,7 @@ class ReadAhead:
         b = self.batches
         with self._read_lock:
             raw = b.read(q)
-        batch = b.collate(q, b.decode(q, raw))
-        return batch if self.device is None else pinned(batch)
+        return to_device(b.collate(q, b.decode(q, raw)), self.device)
 
     def get(self, q: int):
         """Batch ``q`` (``batches.load(q // accum, q % accum)``), with ``q + 1 .. q + pieces`` loading."""
