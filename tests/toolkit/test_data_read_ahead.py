@@ -82,11 +82,13 @@ def test_reads_one_at_a_time_and_decodes_at_once():
     source = Rows(barrier=threading.Barrier(2, timeout=20))
     ahead = ReadAhead(_batches(source), pieces=3, workers=3)
     try:
-        ahead.get(0)  # pieces 0 and 1 pass the barrier together, then 2 and 3: only if decoded at once
+        ahead.get(0)  # each decode passes the barrier only with another one: only if decoded at once
         ahead.get(2)
     finally:
         ahead.close()
-    assert source.most_reading == 1 and source.reads >= 4
+    # Reads take the lock in any order: 0 and 2 may pass the barrier together while 1 still waits for its
+    # partner's read, so two reads are all that the two gets guarantee.
+    assert source.most_reading == 1 and source.reads >= 2
 
 
 def test_a_load_fails_at_the_get_of_its_piece():
