@@ -33,11 +33,22 @@ from .hashing import splitmix64
 _UNIT = 2.0 ** -53
 
 
+def _salt(seed: int, stream: int) -> np.uint64:
+    """The key of random stream ``stream`` of data set ``seed``, xored into each index of the stream."""
+    return splitmix64(np.asarray([seed * 1_000_003 + stream], dtype=np.uint64))[0]
+
+
+def _units(keys: np.ndarray) -> torch.Tensor:
+    """U(0, 1) float64, one per ``keys`` element (an index xored with its stream's salt): the top 53 bits of
+    its splitmix64, plus a half, times 2**-53 (exact in float64, so any grouping of keys gives the same
+    values)."""
+    bits = splitmix64(keys) >> np.uint64(11)
+    return torch.from_numpy((bits.astype(np.float64) + 0.5) * _UNIT)
+
+
 def _uniform(seed: int, stream: int, index: np.ndarray) -> torch.Tensor:
     """U(0, 1) float64, one per ``index`` (uint64), from ``(seed, stream)``."""
-    salt = splitmix64(np.asarray([seed * 1_000_003 + stream], dtype=np.uint64))[0]
-    bits = splitmix64(index.astype(np.uint64) ^ salt) >> np.uint64(11)
-    return (torch.from_numpy(bits.astype(np.int64)).to(torch.float64) + 0.5) * _UNIT
+    return _units(index.astype(np.uint64) ^ _salt(seed, stream))
 
 
 def _normal(seed: int, stream: int, index: np.ndarray) -> torch.Tensor:
@@ -71,29 +82,42 @@ class PlantedCriteo:
         # E[log1p(floor(exp(s z)))] over z ~ N(0, 1) with missing values, centring the dense terms.
         z = torch.special.ndtri((torch.arange(4096, dtype=torch.float64) + 0.5) / 4096)
         self.dense_mean = (1 - missing) * torch.log1p(torch.floor(torch.exp(dense_spread * z))).mean()
+        # What ``generate`` draws with: each stream's salt per column of its first pass, and the columns.
+        self._dense_cols = np.arange(n_dense, dtype=np.uint64)[None, :]
+        self._field_cols = np.arange(n_fields, dtype=np.uint64)[None, :]
+        self._first_salts = np.asarray([_salt(self.seed, 2)] * n_dense + [_salt(self.seed, 3)] * n_dense
+                                       + [_salt(self.seed, 4)] * n_fields + [_salt(self.seed, 6)], dtype=np.uint64)
+        self._theta_salt = _salt(self.seed, 5)
+        self._log_range = torch.log(self.cardinality + 1)
 
     def __len__(self) -> int:
         return self.n_rows
 
     def generate(self, rows: torch.Tensor) -> dict:
-        """``{"dense": float64 [n, 13] counts, "cats": int64 [n, 26], "label": float32 [n], "prob": float64 [n]}``."""
+        """``{"dense": float64 [n, 13] counts, "cats": int64 [n, 26], "label": float32 [n], "prob": float64 [n]}``.
+
+        Two passes of the hash over whole arrays: one over every draw a row
+        makes before its categories are known (its dense normals, stream 2;
+        missing flags, 3; categories, 4; click, 6), one over the categories'
+        weights (5). A read-ahead thread generates batches beside the step,
+        and each numpy or torch call of it may take the GIL from the step
+        between two of its ops: the fewer the calls, the less it slows the step."""
         rows = torch.as_tensor(rows, dtype=torch.int64)
         if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= self.n_rows):
             raise IndexError(f"rows {int(rows.min())}..{int(rows.max())} outside [0, {self.n_rows})")
         r = rows.numpy().astype(np.uint64)[:, None]
         nd, nf = self.n_dense, self.n_fields
-        cells = r * np.uint64(nd) + np.arange(nd, dtype=np.uint64)[None, :]
-        counts = torch.floor(torch.exp(self.dense_spread * _normal(self.seed, 2, cells)))
-        counts[_uniform(self.seed, 3, cells) < self.missing] = 0
-        fields = r * np.uint64(nf) + np.arange(nf, dtype=np.uint64)[None, :]
-        u = _uniform(self.seed, 4, fields)
-        cats = torch.minimum(torch.floor(torch.exp(u * torch.log(self.cardinality + 1))) - 1, self.cardinality - 1)
-        cats = cats.to(torch.int64)
-        theta_index = (cats.numpy().astype(np.uint64) * np.uint64(nf) + np.arange(nf, dtype=np.uint64)[None, :])
-        theta = _normal(self.seed, 5, theta_index) * self.cat_weight
+        cells, fields = r * np.uint64(nd) + self._dense_cols, r * np.uint64(nf) + self._field_cols
+        u = _units(np.concatenate([cells, cells, fields, r], axis=1) ^ self._first_salts)
+        counts = torch.floor(torch.exp(self.dense_spread * torch.special.ndtri(u[:, :nd])))
+        counts.masked_fill_(u[:, nd:2 * nd] < self.missing, 0)
+        cats = torch.minimum(torch.floor(torch.exp(u[:, 2 * nd:2 * nd + nf] * self._log_range)) - 1,
+                             self.cardinality - 1).to(torch.int64)
+        theta_keys = (cats.numpy().astype(np.uint64) * np.uint64(nf) + self._field_cols) ^ self._theta_salt
+        theta = torch.special.ndtri(_units(theta_keys)) * self.cat_weight
         logit = self.bias + (theta - self.theta_mean).sum(1) + ((torch.log1p(counts) - self.dense_mean) * self.beta).sum(1)
         prob = torch.sigmoid(logit)
-        label = (_uniform(self.seed, 6, r[:, 0]) < prob).to(torch.float32)
+        label = (u[:, -1] < prob).to(torch.float32)
         return {"dense": counts, "cats": cats, "label": label, "prob": prob}
 
 

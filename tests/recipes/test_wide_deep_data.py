@@ -58,6 +58,23 @@ def test_planted_rows_are_a_function_of_the_row():
     assert 0.15 < ctr < 0.45 and 0.7 < bayes < 0.9, (ctr, bayes)
 
 
+def test_planted_rows_stay_the_rows_they_were():
+    """A checkpoint resumed, or an AUC compared, on another version of this code reads the same rows:
+    rows 0, 5 and 123456789 of seed 3 as the generator first drew them (their counts and categories are
+    floors of libm values, so a last-bit difference between CPUs could move one; none of these is near a
+    boundary)."""
+    got = PlantedCriteo(10 ** 9, seed=3).generate(torch.tensor([0, 5, 123456789]))
+    assert got["cats"].tolist() == [
+        [0, 1, 0, 1, 0, 6, 2, 9, 4, 6, 0, 8, 6, 6, 2, 6, 63, 73, 27, 18, 5, 330, 5, 431, 3, 1],
+        [0, 1, 0, 3, 1, 0, 4, 1, 5, 0, 15, 11, 3, 25, 9, 7, 0, 1, 83, 137, 86, 37, 0, 22, 259, 39],
+        [1, 2, 1, 1, 4, 3, 7, 5, 0, 1, 8, 16, 1, 0, 19, 2, 24, 26, 6, 21, 1, 160, 0, 169, 72, 799]]
+    assert got["dense"].tolist() == [[1, 8, 0, 0, 5, 0, 2, 5, 2, 0, 0, 8, 1], [1, 0, 0, 0, 0, 1, 0, 0, 1, 5, 0, 3, 0],
+                                     [0, 2, 0, 0, 0, 3, 6, 12, 0, 0, 1, 0, 0]]
+    assert got["label"].tolist() == [0, 0, 1]
+    assert got["prob"].tolist() == pytest.approx([0.4645589499597331, 0.14880405272757058, 0.5064606291853756],
+                                                 rel=1e-12)
+
+
 def _line(label="1", counts=None, cats=None) -> str:
     counts = counts if counts is not None else ["1", "", "-2"] + ["3"] * 10
     cats = cats if cats is not None else ["68fd1e64", ""] + ["a" * 8] * 24
