@@ -39,6 +39,7 @@ import time
 import torch
 
 from benchkit.paired import balanced_orders, paired_ratio
+from benchkit.pieces import Pieces, Window
 
 CASES = {
     "wide_deep": ["recipe=wide_deep", "trainer.micro_batch_size=16384", "trainer.global_batch_size=16384"],
@@ -61,32 +62,6 @@ def micro_batches(overrides: list, root: str):
     layout = validate(cfg, recipe, world_size=1)
     cfg = typed(cfg, recipe)
     return recipe.data(cfg, recipe.prepare(cfg), "train", 0, 1, layout)
-
-
-class Pieces(torch.utils.data.Dataset):
-    """Piece ``q`` of ``batches`` (micro-batch ``q % accum`` of step ``q // accum``): DataLoader's items."""
-
-    def __init__(self, batches):
-        self.batches = batches
-
-    def __len__(self) -> int:
-        return 1 << 40
-
-    def __getitem__(self, q: int):
-        return self.batches.load(q // self.batches.accum, q % self.batches.accum)
-
-
-class Window(torch.utils.data.Sampler):
-    """Pieces ``start .. start + n``, ``start`` set before each iteration (one loader, persistent workers)."""
-
-    def __init__(self, n: int):
-        self.start, self.n = 0, n
-
-    def __iter__(self):
-        return iter(range(self.start, self.start + self.n))
-
-    def __len__(self) -> int:
-        return self.n
 
 
 class InStep:

@@ -56,7 +56,9 @@ class PlainLoop:
         self.loaded = [[to_device(self.batches.load(i, k), self.device) for k in range(lay.accumulation)]
                        for i in range(preload)]
 
-    def _micro(self, step: int, k: int) -> dict:
+    def micro_batch(self, step: int, k: int) -> dict:
+        """Micro-batch ``k`` of step ``step`` on the device: preloaded, else loaded now (a subclass may feed
+        it from elsewhere: ``scripts/bench_data_feed.py`` feeds it from loaders)."""
         from runtime.data_pipeline import to_device
 
         if step < len(self.loaded):
@@ -67,7 +69,7 @@ class PlainLoop:
         m = self.layout.accumulation
         total = torch.zeros((), device=self.device)
         for k in range(m):
-            batch = self._micro(i, k)
+            batch = self.micro_batch(i, k)
             x = {f: batch[f] for f in self.recipe.inputs}
             labels = {f: batch[f] for f in self.recipe.labels}
             with torch.autocast(self.device.type, dtype=self.dtype or torch.bfloat16, enabled=self.dtype is not None):

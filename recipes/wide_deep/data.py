@@ -8,7 +8,8 @@ malformed; ``bayes(rows)`` gives the planted model's true click
 probabilities of held-out rows (synthetic data only, else ``None``).
 
 - ``synthetic``: rows ``[0, train_rows)`` of the planted data set train,
-  the next ``val_rows`` are held out;
+  the next ``val_rows`` are held out (written once under ``data.cache_dir``,
+  ``synthetic.ensure``);
 - ``criteo_tsv`` / ``criteo_parquet``: the files of ``data.path`` (a file, a
   directory's files in name order, or a glob) in order; the last
   ``val_fraction`` of their well-formed rows is held out (Criteo is in time
@@ -27,7 +28,7 @@ from .config import hasher
 from .criteo_parquet import CriteoParquet
 from .criteo_tsv import CriteoTSV
 from .features import Columns, Encoder
-from .synthetic import PlantedCriteo
+from .synthetic import PlantedColumns, PlantedCriteo, ensure
 
 
 class Rows:
@@ -57,23 +58,21 @@ class Rows:
 
 
 class Synthetic:
-    """``PlantedCriteo`` with the ``read``/``decode`` of the file readers: ``read`` takes the rows (a generator
-    has no I/O), ``decode`` generates them, so that a read-ahead's threads generate several batches at once
-    (``toolkit.data.ReadAhead`` reads one piece at a time and decodes in parallel)."""
+    """``PlantedCriteo``'s rows with the ``read``/``decode`` of the file readers: ``read`` gathers the rows
+    from the columns ``synthetic.ensure`` wrote once (memory-mapped), ``decode`` hands them on as columns
+    (the encoder takes columns: no Python tuple per row)."""
 
-    def __init__(self, planted: PlantedCriteo):
-        self.planted = planted
+    def __init__(self, columns: PlantedColumns):
+        self.columns = columns
 
     def __len__(self) -> int:
-        return len(self.planted)
+        return len(self.columns)
 
-    def read(self, rows) -> torch.Tensor:
-        return torch.as_tensor(rows, dtype=torch.int64)
+    def read(self, rows) -> tuple:
+        return self.columns.read(rows)
 
-    def decode(self, rows: torch.Tensor) -> Columns:
-        """The generated arrays as they are: the encoder takes columns (no Python tuple per row)."""
-        raw = self.planted.generate(rows)
-        return Columns(raw["label"].numpy(), raw["dense"].numpy(), raw["cats"].numpy())
+    def decode(self, raw: tuple) -> Columns:
+        return Columns(*raw)
 
 
 @dataclass
@@ -104,7 +103,7 @@ def open_splits(data, model) -> Splits:
     if data.source == "synthetic":
         n_train, n_val = int(data.train_rows), int(data.val_rows)
         planted = PlantedCriteo(n_train + n_val, seed=int(data.seed), max_cardinality=int(data.max_cardinality))
-        source = Synthetic(planted)
+        source = Synthetic(PlantedColumns(ensure(planted, str(data.cache_dir))))
 
         def bayes(rows):
             return planted.generate(torch.as_tensor(rows) + n_train)["prob"]

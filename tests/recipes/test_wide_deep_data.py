@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ from recipes.wide_deep.criteo_tsv import CriteoTSV
 from recipes.wide_deep.features import Encoder
 from recipes.wide_deep.hashing import FeatureHasher
 from recipes.wide_deep.metrics import auc, logloss
-from recipes.wide_deep.synthetic import PlantedCriteo
+from recipes.wide_deep.synthetic import PlantedColumns, PlantedCriteo, ensure
 
 
 def test_hashing_never_leaves_the_table():
@@ -73,6 +74,25 @@ def test_planted_rows_stay_the_rows_they_were():
     assert got["label"].tolist() == [0, 0, 1]
     assert got["prob"].tolist() == pytest.approx([0.4645589499597331, 0.14880405272757058, 0.5064606291853756],
                                                  rel=1e-12)
+
+
+def test_planted_columns_hold_the_generated_rows_written_once_per_generator(tmp_path):
+    planted = PlantedCriteo(70_000, seed=5, max_cardinality=300)  # more rows than one chunk of the writer
+    root = ensure(planted, str(tmp_path))
+    stamps = {f: os.stat(os.path.join(root, f)).st_mtime_ns for f in os.listdir(root)}
+    assert ensure(PlantedCriteo(70_000, seed=5, max_cardinality=300), str(tmp_path)) == root
+    assert {f: os.stat(os.path.join(root, f)).st_mtime_ns for f in os.listdir(root)} == stamps  # not written again
+    assert ensure(PlantedCriteo(70_000, seed=6, max_cardinality=300), str(tmp_path)) != root
+    columns = PlantedColumns(root)
+    rows = torch.tensor([0, 65_535, 65_536, 69_999, 123, 123])
+    want = planted.generate(rows)
+    label, dense, cats = columns.read(rows)
+    assert len(columns) == 70_000 and cats.dtype == np.int32
+    assert np.array_equal(label, want["label"].numpy()) and np.array_equal(dense, want["dense"].numpy())
+    assert np.array_equal(cats, want["cats"].numpy())
+    os.remove(os.path.join(root, "cats.npy"))
+    with pytest.raises(FileNotFoundError, match="lacks.*cats.npy.*remove the directory"):
+        ensure(planted, str(tmp_path))
 
 
 def _line(label="1", counts=None, cats=None) -> str:
@@ -166,15 +186,15 @@ def test_splits_of_a_tsv_directory_hold_out_the_tail(tmp_path):
     assert splits.train.load(torch.tensor([7]))["label"].tolist() == [1.0]
 
 
-def test_columns_encode_as_the_same_samples_listed_row_by_row():
+def test_columns_encode_as_the_same_samples_listed_row_by_row(tmp_path):
     from recipes.wide_deep.data import Synthetic
     from recipes.wide_deep.features import Columns
 
     rows = torch.tensor([4, 4999, 0, 17])
     raw = PlantedCriteo(5000, seed=3).generate(rows)
     listed = list(zip(raw["label"].tolist(), raw["dense"].tolist(), raw["cats"].tolist()))
-    source = Synthetic(PlantedCriteo(5000, seed=3))
-    columns = source.decode(source.read(rows))  # read takes the rows, decode generates them
+    source = Synthetic(PlantedColumns(ensure(PlantedCriteo(5000, seed=3), str(tmp_path))))
+    columns = source.decode(source.read(rows))  # read gathers the written rows, decode hands them on
     assert isinstance(columns, Columns) and len(columns) == 4
     enc = Encoder(FeatureHasher(26, vocab_size=1000))
     a, b = enc.collate(listed), enc.collate(columns)

@@ -5,8 +5,8 @@ the step's run. On an accelerator the host queues a step's kernels and
 returns before the device is done with them, so the next step's batches
 could load while the device works; inside the run they start only when the
 run does, and a batch that takes the host longer than the device's step
-sets the pace: Wide&Deep's 16384 synthetic rows take about 25 ms of one
-core to generate and hash, a plain loop's whole step on an H100 about 19 ms.
+sets the pace: InsightFace's 128 JPEG faces take about 40 ms of one core
+to decode, a plain loop's whole step on an H100 about 66 ms.
 
 ``ReadAhead(batches, pieces, workers)`` keeps micro-batches ``q .. q +
 pieces`` loading on ``workers`` threads while the step reads ``q`` (a piece
@@ -32,8 +32,12 @@ What runs where, and what a source must allow: a read-ahead calls ``read``
 for one piece at a time (under its lock: reads are the file I/O, in order);
 ``decode`` and ``collate`` of different pieces run at once on different
 threads, so they must be functions of their input, as every source here
-makes them (the heavy work in them, JPEG decoding, parsing, the synthetic
-rows' hashing, runs in PIL, numpy and torch kernels that release the GIL).
+makes them (the heavy work in them, JPEG decoding, parsing, hashing, runs
+in PIL, numpy and torch kernels that release the GIL). Between those calls a
+worker holds the GIL, and each time it takes it while the step's thread is
+in a torch op, the step waits to get it back: a batch made in a few long
+calls costs the step little, one made in a hundred short ones about its
+whole load time (``scripts/bench_data_feed.py``).
 ``read`` itself must allow another thread's ``read`` at the same time: the
 training batches' read-ahead keeps reading while an evaluation reads the
 held-out rows of the same files, and a V-shaped pipeline's two data actors
