@@ -5,7 +5,9 @@ numbering of ``MicroBatches.read`` and ``toolkit.data.ReadAhead``).
 ``Pieces`` is a map-style dataset of them, ``Window`` a sampler of the
 pieces ``start .. start + n`` whose start moves between iterations, so one
 ``DataLoader`` with persistent workers serves any run of pieces
-(``scripts/bench_read_ahead.py``, ``scripts/bench_data_feed.py``).
+(``scripts/bench_read_ahead.py``, ``scripts/bench_data_feed.py``);
+``same_batch`` is how those scripts check each way's first batch against
+``load``'s.
 """
 from __future__ import annotations
 
@@ -36,3 +38,10 @@ class Window(torch.utils.data.Sampler):
 
     def __len__(self) -> int:
         return self.n
+
+
+def same_batch(a, b) -> bool:
+    """Are batches ``a`` and ``b`` (tensors, or dicts of them) equal, key for key and element for element?"""
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same_batch(a[k], b[k]) for k in a)
+    return torch.equal(a, b)

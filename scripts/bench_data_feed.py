@@ -57,7 +57,7 @@ import torch
 
 from benchkit.one_device_cases import COMMON, HOST
 from benchkit.paired import balanced_orders, paired_ratio
-from benchkit.pieces import Pieces, Window
+from benchkit.pieces import Pieces, Window, same_batch
 from toolkit.plain_loop import PlainLoop
 
 WARM = 2  # untimed steps a round starts each way with
@@ -125,12 +125,6 @@ class Loader:
         del self.loader  # its workers exit
 
 
-def _same(a, b) -> bool:
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    return torch.equal(a, b)
-
-
 def bench_case(name: str, o) -> dict:
     """``{way: [seconds per step, per round]}`` of one case."""
     from recipes.registry import get
@@ -147,7 +141,7 @@ def bench_case(name: str, o) -> dict:
             ways[f"DataLoader {w}"] = Loader(loop.batches, w)
         want = loop.batches.load(0, 0)
         for way_name, way in ways.items():
-            if not _same(way.start(0, 1)(0), want):
+            if not same_batch(way.start(0, 1)(0), want):
                 raise AssertionError(f"{name}: {way_name}'s first batch is not load's")
         loop.feed = ways["in step"].start(0, 0)
         for i in range(3):  # the model's own warm-up

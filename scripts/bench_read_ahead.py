@@ -39,7 +39,7 @@ import time
 import torch
 
 from benchkit.paired import balanced_orders, paired_ratio
-from benchkit.pieces import Pieces, Window
+from benchkit.pieces import Pieces, Window, same_batch
 
 CASES = {
     "wide_deep": ["recipe=wide_deep", "trainer.micro_batch_size=16384", "trainer.global_batch_size=16384"],
@@ -103,12 +103,6 @@ class Loader:
         return list(self.loader)
 
 
-def _same(a, b) -> bool:
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    return torch.equal(a, b)
-
-
 def bench_case(name: str, o) -> dict:
     """``{way: [seconds per batch, per round]}`` of one case."""
     with tempfile.TemporaryDirectory(prefix="bench-read-ahead-") as root:
@@ -119,7 +113,7 @@ def bench_case(name: str, o) -> dict:
             ways[f"DataLoader {w}"] = Loader(batches, w, o.batches)
         want = InStep(batches).load(0, 1)[0]
         for way_name, way in ways.items():
-            if not _same(way.load(0, 1 if isinstance(way, (InStep, Ahead)) else o.batches)[0], want):
+            if not same_batch(way.load(0, 1 if isinstance(way, (InStep, Ahead)) else o.batches)[0], want):
                 raise AssertionError(f"{name}: {way_name}'s first batch is not load's")
         times = {w: [] for w in ways}
         orders = balanced_orders(list(ways))
