@@ -35,7 +35,10 @@ tree differ by about 0.03 in the ratio either way. Each way first runs
 of every way of a case in a carryover-balanced order
 (``benchkit.paired.balanced_orders``), timed from a synchronised start to a
 synchronised end (the loss read and ``torch.cuda.synchronize``), so every
-kernel a way queued is inside its time. Per case: the median step time of
+kernel a way queued is inside its time; ours' time also ends after the
+loads its read-ahead started in the round (``MicroBatches.settle``), so a
+round of ours counts as many loads as steps, and none of them runs beside
+the plain loop's steps, where its threads would take the GIL from them. Per case: the median step time of
 each way, and the paired ratio plain/ours (ours' throughput over the plain
 loop's; above 1 favours ours) with its 90% bootstrap interval.
 
@@ -47,7 +50,9 @@ thread, and where each synchronizing op was called; ``--trace-dir`` keeps
 each way's Chrome trace. Those steps are not in the ratios.
 
 Last line: ``gpu bench: gpt2 A.AAx eager, B.BBx compiled; insightface C.CCx;
-wide_deep D.DDx (512), E.EEx (16384)`` (``-`` where a case did not run).
+wide_deep D.DDx (512), E.EEx (16384)`` (``-`` where a case did not run). The
+same line follows every case but the last with what has run so far, so a
+run cut short by a time limit still ends with one.
 A case that raises prints its traceback and the next case runs; the exit
 status is then 1.
 """
@@ -79,6 +84,11 @@ class Ours:
     def step(self, i):
         return self.job.pipe.step(i)
 
+    def settle(self):
+        """Wait for the batches our read-ahead is loading for later steps: a round of ours ends when its
+        loads do, and none of its work runs in the plain loop's time."""
+        self.job.pipe.batches.settle()
+
 
 class Plain:
     def __init__(self, cfg, device, preload: int, compile: bool):
@@ -89,6 +99,9 @@ class Plain:
 
     def step(self, i):
         return self.loop.step(i)
+
+    def settle(self):
+        pass  # nothing of the plain loop's runs after its step
 
 
 def _clock(device):
@@ -122,6 +135,7 @@ def _case(name, overrides, o, root):
     for way in ways.values():
         for i in range(o.warmup):
             _sync(device, way.step(i))
+        way.settle()
     times = {w: [] for w in ways}
     orders = balanced_orders(list(ways))
     clock = _clock(device)
@@ -134,6 +148,7 @@ def _case(name, overrides, o, root):
             for i in range(first, first + o.steps):
                 value = ways[w].step(i)
             _sync(device, value)
+            ways[w].settle()
             times[w].append((clock() - start) / o.steps)
     first = o.warmup + o.rounds * o.steps
     for w in list(ways) if o.profile else []:
@@ -143,6 +158,8 @@ def _case(name, overrides, o, root):
         except Exception as e:  # the case's timings stand without its profile
             print(f"  {w:6s} profile failed: {type(e).__name__}: {e}", flush=True)
             continue
+        finally:
+            ways[w].settle()
         print("\n".join(prof.lines(w)), flush=True)
     return times
 
@@ -176,6 +193,8 @@ def bench(o) -> list:
             r = rows[-1]
             print(f"{name:18s} ours {r['ours_ms']:9.2f} ms  plain {r['plain_ms']:9.2f} ms  "
                   f"ours/plain throughput {med:.2f}x ({lo:.2f}-{hi:.2f})  [{r['seconds']:.0f} s]", flush=True)
+            if name != cases[-1][0]:  # main prints the last one
+                print(summary(rows), flush=True)
     return rows
 
 

@@ -58,3 +58,46 @@ def test_a_case_that_raises_is_reported_and_the_next_cases_still_run(monkeypatch
     lines = out.out.strip().splitlines()
     assert lines[-2] == "failed: insightface (tracebacks above)", lines
     assert lines[-1] == "gpu bench: gpt2 1.10x eager, - compiled; insightface -; wide_deep 1.10x (512), 1.10x (16384)"
+
+
+def test_a_round_of_ours_ends_after_its_read_ahead_loads_and_each_case_leaves_a_summary(monkeypatch, capsys):
+    """Our read-ahead's loads for later steps belong in ours' time, never in the plain loop's; and a run cut
+    short still ends with a summary line of the cases that ran."""
+    import scripts.bench_gpu as bench_gpu
+
+    events, ticks = [], iter(range(1 << 20))
+
+    class Way:
+        def __init__(self, name):
+            self.name = name
+
+        def step(self, i):
+            events.append((self.name, "step"))
+
+        def settle(self):
+            events.append((self.name, "settle"))
+
+    def clock():
+        events.append(("clock",))
+        return float(next(ticks))
+
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(bench_gpu, "Ours", lambda cfg: Way("ours"))
+    monkeypatch.setattr(bench_gpu, "Plain", lambda cfg, device, preload, compile: Way("plain"))
+    monkeypatch.setattr(bench_gpu, "_clock", lambda device: clock)
+    monkeypatch.setattr("toolkit.launcher.launch", lambda fn, o, n, device: fn(o))
+    try:
+        code = bench_gpu.main(["--host-only", "--no-compile", "--only", "gpt2,wide_deep_512", "--rounds", "2",
+                               "--steps", "2", "--warmup", "1"])
+    finally:
+        torch.set_num_threads(threads)
+    assert code == 0
+    marks = [i for i, e in enumerate(events) if e == ("clock",)]
+    assert len(marks) == 2 * 2 * 2 * 2  # a start and an end per way, round and case
+    for start, end in zip(marks[::2], marks[1::2]):
+        inside = events[start + 1:end]
+        way = inside[0][0]
+        assert inside == [(way, "step")] * 2 + [(way, "settle")], inside
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert "gpu bench: gpt2 1.00x eager, - compiled; insightface -; wide_deep - (512), - (16384)" in lines
+    assert lines[-1] == "gpu bench: gpt2 1.00x eager, - compiled; insightface -; wide_deep 1.00x (512), - (16384)"

@@ -104,6 +104,60 @@ def test_a_load_fails_at_the_get_of_its_piece():
         ahead.close()
 
 
+def test_settle_returns_once_every_piece_in_the_window_is_loaded_or_failed():
+    """What a bench waits for before it times another loop: nothing of the read-ahead runs after it."""
+    plain = _batches(Rows())
+    bad = int(plain.rows(2)[0])
+    gate = threading.Event()
+
+    class Slow(Rows):
+        def decode(self, rows):
+            if 0 not in rows.tolist() and int(plain.rows(0)[0]) not in rows.tolist():
+                gate.wait(20)  # every piece but the first waits until the test lets it go
+            return super().decode(rows)
+
+    ahead = ReadAhead(_batches(Slow(fail_at=bad)), pieces=3, workers=2)
+    try:
+        assert torch.equal(ahead.get(0)["x"], _want(plain, 0))
+        loading = list(ahead._loading.values())
+        assert len(loading) == 3 and not any(f.done() for f in loading)
+        threading.Timer(0.2, gate.set).start()
+        ahead.settle()
+        assert all(f.done() for f in loading)
+        assert torch.equal(ahead.get(1)["x"], _want(plain, 1))
+        with pytest.raises(RuntimeError, match=f"row {bad} is corrupt"):  # a failed load still fails its get
+            ahead.get(2)
+    finally:
+        gate.set()
+        ahead.close()
+
+
+def test_micro_batches_settle_the_read_aheads_their_stages_made():
+    gate = threading.Event()
+
+    class Slow(Rows):
+        def decode(self, rows):
+            gate.wait(20)
+            return super().decode(rows)
+
+    batches = _batches(Slow(), read_ahead=2)
+    ahead = batches.stages()[0].action.ahead
+    try:
+        threading.Timer(0.2, gate.set).start()
+        assert torch.equal(ahead.get(0)["x"], _want(_batches(Rows()), 0))
+        loading = list(ahead._loading.values())
+        assert len(loading) == 2
+        batches.for_step(5).settle()  # a step's copy knows the same read-aheads
+        assert all(f.done() for f in loading)
+    finally:
+        gate.set()
+        ahead.close()
+    made = _batches(Rows(), read_ahead=2)
+    other = made.stages()[0].action.ahead
+    assert len(made._aheads) == 1 and len(pickle.loads(pickle.dumps(made))._aheads) == 0  # not another process's
+    other.close()
+
+
 def test_the_actor_pipeline_reads_ahead_what_load_reads():
     accum, steps = 2, 3
     source = Rows()

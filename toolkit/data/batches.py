@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import copy
 import os
+import weakref
 
 import torch
 
@@ -83,6 +84,7 @@ class MicroBatches:
         self.accum, self.n_shards, self.shard = accum, n_shards, shard
         self.step = step
         self.read_ahead = read_ahead
+        self._aheads = weakref.WeakSet()  # the read-aheads ``stages`` made (shared with ``for_step``'s copies)
 
     @classmethod
     def from_prepared(cls, prepared, split: str, global_batch: int, seed: int = 0, accum: int = 1,
@@ -129,8 +131,25 @@ class MicroBatches:
             pieces = 2 * read_ahead_threads() if copies_to(device) else 0
         if not pieces:
             return data_stages(self.read, self.decode, self.collate, device, quota, prefix)
-        read = _ReadAhead(self, ReadAhead(self, pieces, min(pieces, read_ahead_threads()), device))
-        return [ActorSpec(f"{prefix}.read", read, queue="compute", quota=quota)]
+        ahead = ReadAhead(self, pieces, min(pieces, read_ahead_threads()), device)
+        self._aheads.add(ahead)
+        return [ActorSpec(f"{prefix}.read", _ReadAhead(self, ahead), queue="compute", quota=quota)]
+
+    def settle(self) -> None:
+        """Wait for every batch the read-aheads of ``stages`` are loading (``ReadAhead.settle``)."""
+        for ahead in list(self._aheads):
+            ahead.settle()
+
+    def __copy__(self) -> "MicroBatches":  # ``for_step``'s copies share the read-aheads (pickling drops them)
+        other = object.__new__(type(self))
+        other.__dict__.update(self.__dict__)
+        return other
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_aheads": None}  # a copy in another process has no read-ahead of this one's
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, _aheads=weakref.WeakSet())
 
     def __repr__(self) -> str:
         return (f"MicroBatches({self.source!r}, {self.sampler!r}, accum={self.accum}, "

@@ -56,7 +56,7 @@ from __future__ import annotations
 import queue
 import threading
 import weakref
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 
 import torch
 
@@ -144,6 +144,14 @@ class ReadAhead:
                     self._loading[k] = self._pool.submit(self._load, k)
             loading = self._loading.pop(q)
         return loading.result()
+
+    def settle(self) -> None:
+        """Wait until every piece loading now is loaded or has failed (its ``get`` still raises): a timing
+        that must not count this read-ahead's work beside another loop's steps (``scripts/bench_gpu.py``)
+        ends with it."""
+        with self._lock:
+            loading = list(self._loading.values())
+        wait(loading)
 
     def close(self) -> None:
         """Drop what is loading and let the worker threads end once their current load is done (a later
