@@ -12,7 +12,10 @@ inside a ``record_function`` span, then synchronizes the device. Per step:
   the steps queued (the span's end where nothing ran on a device);
 - ``busy``: the union of the device's kernel, memcpy and memset intervals
   in that window; ``wall - busy`` is the time the device waited for the
-  host, the gap a faster host loop closes;
+  host, the gap a faster host loop closes. Copies from pinned host memory
+  are left out of both: they are a read-ahead's batches for later steps
+  (``runtime.data_pipeline.to_device``), copied on a side stream beside
+  the kernels, so they fill no gap of the step's own work;
 - ``launches``: kernel launches (``cudaLaunchKernel``, ``cuLaunchKernel``,
   their ``Ex`` forms, ``cudaGraphLaunch``);
 - ``copies``: memcpy by direction (``HtoD``, ``DtoH``, ``DtoD``);
@@ -54,6 +57,7 @@ LAUNCHES = frozenset({"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel
                       "cudaGraphLaunch"})
 WAITS = frozenset({"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy"})
 SYNC_WARNING = "synchronizing CUDA operation"
+_AHEAD_COPY = "Memcpy HtoD (Pinned -> Device)"  # a read-ahead's copy of a later step's batch (see ``busy``)
 _VERSION = re.compile(r"_v\d+$")
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _SKIP = (_TORCH_DIR, os.path.abspath(__file__), os.path.dirname(warnings.__file__) + os.sep + "warnings.py")
@@ -125,8 +129,9 @@ def reduce(events: list, steps: int, sites: Counter | None = None) -> StepProfil
     sites = Counter(sites or {})
     if not device:
         return StepProfile(steps, (hi - lo) / 1e6 / steps, sites=sites)
-    end = max(hi, max(e.start_ns + e.dur_ns for e in device))
-    busy = _union_ns([(max(e.start_ns, lo), e.start_ns + e.dur_ns) for e in device])
+    work = [e for e in device if not e.name.startswith(_AHEAD_COPY)]
+    end = max([hi] + [e.start_ns + e.dur_ns for e in work])
+    busy = _union_ns([(max(e.start_ns, lo), e.start_ns + e.dur_ns) for e in work])
     copies = Counter()
     for e in device:
         for kind in ("HtoD", "DtoH", "DtoD"):
