@@ -214,6 +214,9 @@ def test_cuda_kernels_compute_shard_by_shard_what_they_compute_whole(backend, di
             part = [t.chunk(2, dim)[piece].clone().requires_grad_() for t in (q, k, v)]
             o = F.scaled_dot_product_attention(*part, is_causal=True)
             (o.float() * w.chunk(2, dim)[piece]).sum().backward()
-            torch.testing.assert_close(o, out.chunk(2, dim)[piece], rtol=0, atol=0)
+            # Flash and memory-efficient attention split their work by (batch, head), so a shard's output is
+            # the whole's bit for bit; cuDNN may pick another engine for the half shape: bf16's tolerance.
+            exact = {"rtol": 0, "atol": 0} if backend != "CUDNN_ATTENTION" else {}
+            torch.testing.assert_close(o, out.chunk(2, dim)[piece], **exact)
             for a, b in zip(part, whole):
                 torch.testing.assert_close(a.grad, b.grad.chunk(2, dim)[piece], rtol=2e-2, atol=2e-2)
