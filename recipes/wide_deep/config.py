@@ -19,7 +19,7 @@ Terabyte TSV files) or ``criteo_parquet``; ``path``: a file, a directory
 chunks of ``eval_batch``;
 ``max_wrong_columns``: TSV lines with a wrong column count tolerated per
 file; ``cache_dir``: the TSV files' line indexes and the synthetic rows
-(written once, about 200 bytes a row); synthetic: ``train_rows``,
+(encoded and written once, about 260 bytes a row); synthetic: ``train_rows``,
 ``val_rows``, ``seed``, ``max_cardinality``.
 """
 from __future__ import annotations

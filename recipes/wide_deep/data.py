@@ -8,8 +8,8 @@ malformed; ``bayes(rows)`` gives the planted model's true click
 probabilities of held-out rows (synthetic data only, else ``None``).
 
 - ``synthetic``: rows ``[0, train_rows)`` of the planted data set train,
-  the next ``val_rows`` are held out (written once under ``data.cache_dir``,
-  ``synthetic.ensure``);
+  the next ``val_rows`` are held out (encoded and written once under
+  ``data.cache_dir``, ``planted_cache.ensure``);
 - ``criteo_tsv`` / ``criteo_parquet``: the files of ``data.path`` (a file, a
   directory's files in name order, or a glob) in order; the last
   ``val_fraction`` of their well-formed rows is held out (Criteo is in time
@@ -27,14 +27,16 @@ import torch
 from .config import hasher
 from .criteo_parquet import CriteoParquet
 from .criteo_tsv import CriteoTSV
-from .features import Columns, Encoder
-from .synthetic import PlantedColumns, PlantedCriteo, ensure
+from .features import Encoder
+from .planted_cache import Encoded, ensure
+from .synthetic import PlantedCriteo
 
 
 class Rows:
-    """A view of ``source`` rows ``[start, stop)`` with the recipe's encoder as ``collate``."""
+    """A view of ``source`` rows ``[start, stop)``; ``collate`` is ``encoder``'s, or, without one (a source
+    whose rows are encoded already), the samples as they are."""
 
-    def __init__(self, source, encoder: Encoder, start: int, stop: int):
+    def __init__(self, source, encoder: Optional[Encoder], start: int, stop: int):
         self.source, self.encoder, self.start, self.stop = source, encoder, start, stop
 
     def __len__(self) -> int:
@@ -46,11 +48,11 @@ class Rows:
             raise IndexError(f"rows {int(rows.min())}..{int(rows.max())} outside this split's {len(self)} rows")
         return self.source.read(rows + self.start)
 
-    def decode(self, raw) -> list:
+    def decode(self, raw):
         return self.source.decode(raw)
 
-    def collate(self, samples: list) -> dict:
-        return self.encoder.collate(samples)
+    def collate(self, samples) -> dict:
+        return samples if self.encoder is None else self.encoder.collate(samples)
 
     def load(self, rows) -> dict:
         """``collate(decode(read(rows)))``: the batch of ``rows`` without actors (evaluation)."""
@@ -58,21 +60,21 @@ class Rows:
 
 
 class Synthetic:
-    """``PlantedCriteo``'s rows with the ``read``/``decode`` of the file readers: ``read`` gathers the rows
-    from the columns ``synthetic.ensure`` wrote once (memory-mapped), ``decode`` hands them on as columns
-    (the encoder takes columns: no Python tuple per row)."""
+    """The planted rows with the ``read``/``decode`` of the file readers: ``read`` gathers the rows from the
+    cache ``planted_cache.ensure`` wrote once (memory-mapped, encoded already), ``decode`` hands the batch
+    on."""
 
-    def __init__(self, columns: PlantedColumns):
-        self.columns = columns
+    def __init__(self, encoded: Encoded):
+        self.encoded = encoded
 
     def __len__(self) -> int:
-        return len(self.columns)
+        return len(self.encoded)
 
-    def read(self, rows) -> tuple:
-        return self.columns.read(rows)
+    def read(self, rows) -> dict:
+        return self.encoded.read(rows)
 
-    def decode(self, raw: tuple) -> Columns:
-        return Columns(*raw)
+    def decode(self, batch: dict) -> dict:
+        return batch
 
 
 @dataclass
@@ -103,12 +105,12 @@ def open_splits(data, model) -> Splits:
     if data.source == "synthetic":
         n_train, n_val = int(data.train_rows), int(data.val_rows)
         planted = PlantedCriteo(n_train + n_val, seed=int(data.seed), max_cardinality=int(data.max_cardinality))
-        source = Synthetic(PlantedColumns(ensure(planted, str(data.cache_dir))))
+        source = Synthetic(Encoded(ensure(planted, encoder, str(data.cache_dir))))
 
         def bayes(rows):
             return planted.generate(torch.as_tensor(rows) + n_train)["prob"]
 
-        return Splits(Rows(source, encoder, 0, n_train), Rows(source, encoder, n_train, n_train + n_val),
+        return Splits(Rows(source, None, 0, n_train), Rows(source, None, n_train, n_train + n_val),
                       "synthetic rows: none malformed", bayes)
     files = files_of(str(data.path))
     if data.source == "criteo_tsv":

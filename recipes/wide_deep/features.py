@@ -48,6 +48,12 @@ class Encoder:
     def __init__(self, hasher: FeatureHasher, n_dense: int = N_DENSE):
         self.hasher, self.n_dense = hasher, n_dense
 
+    def spec(self) -> dict:
+        """What the encoding of a sample depends on (a cache of encoded rows is keyed by it)."""
+        h = self.hasher
+        return {"n_dense": self.n_dense, "n_fields": h.n_fields, "sizes": h.sizes.tolist(),
+                "offsets": h.offsets.tolist(), "salts": h.salts.tolist()}
+
     def encode(self, label, dense, keys) -> dict:
         """Arrays ``[n]``, ``[n, n_dense]``, ``[n, n_fields]`` (uint64 keys or raw values) -> the batch."""
         return {"dense": dense_transform(torch.as_tensor(np.asarray(dense, dtype=np.float64)).reshape(-1, self.n_dense)),

@@ -23,30 +23,18 @@ linear in those (the wide part alone can represent it given enough rows
 and few hash collisions). ``prob`` is the true click probability, so the
 Bayes AUC of a held-out set is the AUC of ``prob`` against its labels.
 
-``ensure(planted, cache_dir)`` writes every row's columns once (``label``,
-``dense``, ``cats`` as ``.npy`` files under ``cache_dir/wide_deep``, keyed by
-the generator's arguments and ``VERSION``; ``toolkit.data.build_once``, so
-the ranks of a job, and later jobs, share one copy) and ``PlantedColumns``
-reads batches back from them. A batch is then three gathers, where
-generating it is about a hundred numpy and torch calls: a read-ahead thread
-that generated batches beside the step took the GIL from it at each call
-(``scripts/bench_data_feed.py``).
+Training reads the rows back from a cache written once
+(``planted_cache.py``), not from ``generate``.
 """
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import torch
-
-from toolkit.data.build_once import build_once, content_key
 
 from .hashing import splitmix64
 
 _UNIT = 2.0 ** -53
 VERSION = 1  # of the rows ``generate`` draws: a change of it makes new cache directories
-COLUMNS = ("label", "dense", "cats")
-_CHUNK = 1 << 16  # rows generated at once while writing the cache
 
 
 def _salt(seed: int, stream: int) -> np.uint64:
@@ -138,59 +126,6 @@ class PlantedCriteo:
         prob = torch.sigmoid(logit)
         label = (u[:, -1] < prob).to(torch.float32)
         return {"dense": counts, "cats": cats, "label": label, "prob": prob}
-
-
-def write_columns(planted: PlantedCriteo, directory: str) -> None:
-    """Every row of ``planted`` into ``directory``: ``label.npy`` float32 ``[n]``, ``dense.npy`` float64
-    ``[n, n_dense]`` counts, ``cats.npy`` int32 ``[n, n_fields]`` (each category is below its field's
-    cardinality, at most ``max_cardinality``); generated ``_CHUNK`` rows at a time."""
-    n = len(planted)
-    shapes = {"label": ((n,), np.float32), "dense": ((n, planted.n_dense), np.float64),
-              "cats": ((n, planted.n_fields), np.int32)}
-    out = {k: np.lib.format.open_memmap(os.path.join(directory, f"{k}.npy"), mode="w+", dtype=dt, shape=shape)
-           for k, (shape, dt) in shapes.items()}
-    for start in range(0, n, _CHUNK):
-        rows = torch.arange(start, min(start + _CHUNK, n))
-        got = planted.generate(rows)
-        for k in COLUMNS:
-            out[k][start:start + len(rows)] = got[k].numpy()
-    for m in out.values():
-        m.flush()
-
-
-def ensure(planted: PlantedCriteo, cache_dir: str) -> str:
-    """The directory of ``planted``'s columns under ``cache_dir``, written on first use (``write_columns``)."""
-    if planted.cardinality.max() >= 2 ** 31:
-        raise ValueError(f"max_cardinality={planted.params['max_cardinality']}: categories are stored as int32")
-    root = os.path.join(os.path.expanduser(cache_dir), "wide_deep",
-                        f"synthetic-{content_key({**planted.params, 'version': VERSION})}")
-    build_once(root, lambda tmp: write_columns(planted, tmp))
-    missing = [f"{k}.npy" for k in COLUMNS if not os.path.isfile(os.path.join(root, f"{k}.npy"))]
-    if missing:
-        raise FileNotFoundError(f"{root} lacks {missing}: remove the directory so it is written again")
-    return root
-
-
-class PlantedColumns:
-    """The rows ``ensure`` wrote, memory-mapped: ``read(rows)`` gathers them (label, dense, cats arrays)."""
-
-    def __init__(self, root: str):
-        self.root = root
-        self.columns = {k: np.load(os.path.join(root, f"{k}.npy"), mmap_mode="r") for k in COLUMNS}
-        n = {len(v) for v in self.columns.values()}
-        if len(n) != 1:
-            raise ValueError(f"{root}: its columns hold different numbers of rows {sorted(n)}: remove the "
-                             "directory so it is written again")
-        self.n_rows = n.pop()
-
-    def __len__(self) -> int:
-        return self.n_rows
-
-    def read(self, rows) -> tuple:
-        """``(label [n], dense [n, n_dense], cats [n, n_fields])`` numpy arrays of ``rows`` (in memory)."""
-        r = np.asarray(rows, dtype=np.int64)
-        c = self.columns
-        return c["label"][r], c["dense"][r], c["cats"][r]
 
 
 def bayes_logloss_floor(prob: torch.Tensor, label: torch.Tensor) -> float:

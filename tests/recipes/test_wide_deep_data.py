@@ -13,7 +13,8 @@ from recipes.wide_deep.criteo_tsv import CriteoTSV
 from recipes.wide_deep.features import Encoder
 from recipes.wide_deep.hashing import FeatureHasher
 from recipes.wide_deep.metrics import auc, logloss
-from recipes.wide_deep.synthetic import PlantedColumns, PlantedCriteo, ensure
+from recipes.wide_deep.planted_cache import Encoded, ensure
+from recipes.wide_deep.synthetic import PlantedCriteo
 
 
 def test_hashing_never_leaves_the_table():
@@ -76,23 +77,28 @@ def test_planted_rows_stay_the_rows_they_were():
                                                  rel=1e-12)
 
 
-def test_planted_columns_hold_the_generated_rows_written_once_per_generator(tmp_path):
+def test_the_planted_cache_holds_the_encoded_rows_once_per_generator_and_encoder(tmp_path):
+    from recipes.wide_deep.data import Synthetic
+
     planted = PlantedCriteo(70_000, seed=5, max_cardinality=300)  # more rows than one chunk of the writer
-    root = ensure(planted, str(tmp_path))
+    enc = Encoder(FeatureHasher(26, vocab_size=1000))
+    root = ensure(planted, enc, str(tmp_path))
     stamps = {f: os.stat(os.path.join(root, f)).st_mtime_ns for f in os.listdir(root)}
-    assert ensure(PlantedCriteo(70_000, seed=5, max_cardinality=300), str(tmp_path)) == root
+    assert ensure(PlantedCriteo(70_000, seed=5, max_cardinality=300), Encoder(FeatureHasher(26, vocab_size=1000)),
+                  str(tmp_path)) == root
     assert {f: os.stat(os.path.join(root, f)).st_mtime_ns for f in os.listdir(root)} == stamps  # not written again
-    assert ensure(PlantedCriteo(70_000, seed=6, max_cardinality=300), str(tmp_path)) != root
-    columns = PlantedColumns(root)
+    assert ensure(PlantedCriteo(70_000, seed=6, max_cardinality=300), enc, str(tmp_path)) != root
+    assert ensure(planted, Encoder(FeatureHasher(26, vocab_size=999)), str(tmp_path)) != root
+    source = Synthetic(Encoded(root))
     rows = torch.tensor([0, 65_535, 65_536, 69_999, 123, 123])
-    want = planted.generate(rows)
-    label, dense, cats = columns.read(rows)
-    assert len(columns) == 70_000 and cats.dtype == np.int32
-    assert np.array_equal(label, want["label"].numpy()) and np.array_equal(dense, want["dense"].numpy())
-    assert np.array_equal(cats, want["cats"].numpy())
-    os.remove(os.path.join(root, "cats.npy"))
-    with pytest.raises(FileNotFoundError, match="lacks.*cats.npy.*remove the directory"):
-        ensure(planted, str(tmp_path))
+    got = source.decode(source.read(rows))
+    raw = planted.generate(rows)
+    want = enc.collate(list(zip(raw["label"].tolist(), raw["dense"].tolist(), raw["cats"].tolist())))
+    assert len(source) == 70_000 and got.keys() == want.keys()
+    assert all(got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]) for k in want)
+    os.remove(os.path.join(root, "ids.npy"))
+    with pytest.raises(FileNotFoundError, match="lacks.*ids.npy.*remove the directory"):
+        ensure(planted, enc, str(tmp_path))
 
 
 def _line(label="1", counts=None, cats=None) -> str:
@@ -186,16 +192,12 @@ def test_splits_of_a_tsv_directory_hold_out_the_tail(tmp_path):
     assert splits.train.load(torch.tensor([7]))["label"].tolist() == [1.0]
 
 
-def test_columns_encode_as_the_same_samples_listed_row_by_row(tmp_path):
-    from recipes.wide_deep.data import Synthetic
+def test_columns_encode_as_the_same_samples_listed_row_by_row():
     from recipes.wide_deep.features import Columns
 
-    rows = torch.tensor([4, 4999, 0, 17])
-    raw = PlantedCriteo(5000, seed=3).generate(rows)
+    raw = PlantedCriteo(5000, seed=3).generate(torch.tensor([4, 4999, 0, 17]))
     listed = list(zip(raw["label"].tolist(), raw["dense"].tolist(), raw["cats"].tolist()))
-    source = Synthetic(PlantedColumns(ensure(PlantedCriteo(5000, seed=3), str(tmp_path))))
-    columns = source.decode(source.read(rows))  # read gathers the written rows, decode hands them on
-    assert isinstance(columns, Columns) and len(columns) == 4
+    columns = Columns(raw["label"].numpy(), raw["dense"].numpy(), raw["cats"].numpy())
     enc = Encoder(FeatureHasher(26, vocab_size=1000))
     a, b = enc.collate(listed), enc.collate(columns)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
