@@ -38,9 +38,10 @@ synchronised end (the loss read and ``torch.cuda.synchronize``), so every
 kernel a way queued is inside its time; ours' time also ends after the
 loads its read-ahead started in the round (``MicroBatches.settle``), so a
 round of ours counts as many loads as steps, and none of them runs beside
-the plain loop's steps, where its threads would take the GIL from them. Per case: the median step time of
-each way, and the paired ratio plain/ours (ours' throughput over the plain
-loop's; above 1 favours ours) with its 90% bootstrap interval.
+the plain loop's steps, where its threads would take the GIL from them.
+Per case: the median step time of each way, and the paired ratio
+plain/ours (ours' throughput over the plain loop's; above 1 favours ours)
+with its 90% bootstrap interval.
 
 ``--profile N`` then runs N more steps of each way under
 ``benchkit.device_profile`` and prints, per step, the wall time, how long

@@ -5,7 +5,7 @@
 the dense transform and the feature hashing) once, under
 ``cache_dir/wide_deep``, keyed by the generator's arguments, the encoder's
 tables and ``synthetic.VERSION`` (``toolkit.data.build_once``: the ranks of
-a job, and later jobs, share one copy; about 270 bytes a row). ``Encoded``
+a job, and later jobs, share one copy; about 260 bytes a row). ``Encoded``
 memory-maps it, and ``read(rows)`` is then the batch: three gathers.
 
 Why not generate each batch: a read-ahead thread works beside the step, and

@@ -106,9 +106,7 @@ class PlantedCriteo:
         Two passes of the hash over whole arrays: one over every draw a row
         makes before its categories are known (its dense normals, stream 2;
         missing flags, 3; categories, 4; click, 6), one over the categories'
-        weights (5). A read-ahead thread generates batches beside the step,
-        and each numpy or torch call of it may take the GIL from the step
-        between two of its ops: the fewer the calls, the less it slows the step."""
+        weights (5)."""
         rows = torch.as_tensor(rows, dtype=torch.int64)
         if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= self.n_rows):
             raise IndexError(f"rows {int(rows.min())}..{int(rows.max())} outside [0, {self.n_rows})")
