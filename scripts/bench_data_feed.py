@@ -34,8 +34,11 @@ Every way's first batch is checked equal to ``load``'s. Each round runs
 every way in a carryover-balanced order (``benchkit.paired``): two untimed
 steps (a loader refilling from the round's first piece), then ``--steps``
 timed steps, each way over its own pieces, from a synchronised start to
-the loss read. Times are wall clock: a step waiting for the GIL sleeps, so
-its process CPU time would not show the wait. torch runs on one thread.
+the loss read and, for ``ahead N``, the end of the loads its last steps
+started past the round (``ReadAhead.settle``; a ``DataLoader`` round's
+sampler ends with its pieces), so nothing of one way runs in another's
+time. Times are wall clock: a step waiting for the GIL sleeps, so its
+process CPU time would not show the wait. torch runs on one thread.
 Printed per case: each way's median milliseconds a step, the data's cost
 (the way's step less ``preloaded``'s), and each way's throughput against
 ``preloaded`` as a paired ratio with its 90% bootstrap interval (1.00: the
@@ -97,6 +100,9 @@ class Ahead:
 
     def start(self, q: int, n: int):
         return self.ahead.get  # a jump outside its window starts loading from q
+
+    def settle(self):
+        self.ahead.settle()  # the round's last gets started loads past it: they end in its time
 
     def close(self):
         self.ahead.close()
@@ -160,6 +166,8 @@ def bench_case(name: str, o) -> dict:
                     for i in range(step + WARM, step + WARM + o.steps):
                         value = loop.step(i)
                     float(value)
+                    if hasattr(ways[w], "settle"):
+                        ways[w].settle()
                     times[w].append((time.perf_counter() - t) / o.steps)
                     step += WARM + o.steps
         finally:
