@@ -104,19 +104,25 @@ def test_a_load_fails_at_the_get_of_its_piece():
         ahead.close()
 
 
+class _GatedAfterFirst(Rows):
+    """``Rows`` whose pieces after piece 0 (of ``_batches``' sampler) decode only once ``gate`` is set."""
+
+    def __init__(self, gate, fail_at=None):
+        super().__init__(fail_at=fail_at)
+        self.gate, self.first = gate, _batches(Rows()).rows(0).tolist()
+
+    def decode(self, rows):
+        if rows.tolist() != self.first:
+            self.gate.wait(20)
+        return super().decode(rows)
+
+
 def test_settle_returns_once_every_piece_in_the_window_is_loaded_or_failed():
     """What a bench waits for before it times another loop: nothing of the read-ahead runs after it."""
     plain = _batches(Rows())
     bad = int(plain.rows(2)[0])
     gate = threading.Event()
-
-    class Slow(Rows):
-        def decode(self, rows):
-            if 0 not in rows.tolist() and int(plain.rows(0)[0]) not in rows.tolist():
-                gate.wait(20)  # every piece but the first waits until the test lets it go
-            return super().decode(rows)
-
-    ahead = ReadAhead(_batches(Slow(fail_at=bad)), pieces=3, workers=2)
+    ahead = ReadAhead(_batches(_GatedAfterFirst(gate, fail_at=bad)), pieces=3, workers=2)
     try:
         assert torch.equal(ahead.get(0)["x"], _want(plain, 0))
         loading = list(ahead._loading.values())
@@ -134,19 +140,13 @@ def test_settle_returns_once_every_piece_in_the_window_is_loaded_or_failed():
 
 def test_micro_batches_settle_the_read_aheads_their_stages_made():
     gate = threading.Event()
-
-    class Slow(Rows):
-        def decode(self, rows):
-            gate.wait(20)
-            return super().decode(rows)
-
-    batches = _batches(Slow(), read_ahead=2)
+    batches = _batches(_GatedAfterFirst(gate), read_ahead=2)
     ahead = batches.stages()[0].action.ahead
     try:
-        threading.Timer(0.2, gate.set).start()
         assert torch.equal(ahead.get(0)["x"], _want(_batches(Rows()), 0))
         loading = list(ahead._loading.values())
-        assert len(loading) == 2
+        assert len(loading) == 2 and not any(f.done() for f in loading)
+        threading.Timer(0.2, gate.set).start()
         batches.for_step(5).settle()  # a step's copy knows the same read-aheads
         assert all(f.done() for f in loading)
     finally:
