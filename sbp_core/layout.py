@@ -102,9 +102,11 @@ def take_local(full: torch.Tensor, mesh_shape, sbp, coords) -> torch.Tensor:
 
 
 def reduce_rows(rows: torch.Tensor, op: str) -> torch.Tensor:
-    """Reduce a ``(p, ...)`` tensor of partial terms over dim 0 with ``op``, in row order."""
+    """Reduce a ``(p, ...)`` tensor of partial terms over dim 0 with ``op``, in row order; keeps the dtype
+    (torch sums integers and bools as int64)."""
     if op == "sum":
-        return rows.sum(0)
+        out = rows.sum(0)
+        return out if out.dtype == rows.dtype else out.to(rows.dtype)
     return rows.amax(0) if op == "max" else rows.amin(0)
 
 

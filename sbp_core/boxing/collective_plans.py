@@ -7,7 +7,8 @@ call. Even pieces on a group that orders its members as the mesh axis does
 ``p`` pieces of the split dim stacked along dim 0 (one copy; none when the
 split dim is 0), handed to the backend in that shape. Anything
 else runs the general functions of ``collectives.py``, whose ledger
-conventions and failure reporting these follow.
+conventions and failure reporting these follow; so does a reduction of a
+dtype the backends do not reduce as it is (``wire.reduces_as_is``).
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from ..layout import reduce_rows, shard_sizes
 from ..process_groups import group_of, world_rank
 from .collectives import (_REDUCE, _all_gather_flat, _failure, _group_order, _reduce_scatter_flat, all_gather,
                           all_reduce, all_to_all, reduce, reduce_scatter, sums_terms)
+from .wire import moved, reduces_as_is
 
 
 def _in_order(ranks) -> bool:
@@ -80,7 +82,7 @@ def plan_all_to_all(ranks, split_dim: int, cat_dim: int, local_shape, cat_length
             inp = torch.cat(local.chunk(p, split_dim))
         out = inp.new_empty(stacked)
         try:
-            dist.all_to_all_single(out, inp, group=group)
+            dist.all_to_all_single(moved(out), moved(inp), group=group)
         except RuntimeError as exc:
             raise _failure("all_to_all", ranks, exc) from exc
         return _joined(out, cat_dim, p)
@@ -109,7 +111,7 @@ def plan_all_gather(ranks, dim: int, local_shape, length: int):
         ledger.record("all_gather", p, sent * local.element_size(), ranks)
         buf = local.new_empty(stacked)
         try:
-            _all_gather_flat(buf, local.contiguous(), group=group)
+            _all_gather_flat(moved(buf), moved(local.contiguous()), group=group)
         except RuntimeError as exc:
             raise _failure("all_gather", ranks, exc) from exc
         return _joined(buf, dim, p)
@@ -135,6 +137,8 @@ def plan_reduce_scatter(ranks, dim: int, full_shape, op: str):
     by_terms = sums_terms(group)
 
     def run(full: torch.Tensor) -> torch.Tensor:
+        if not reduces_as_is(full.dtype, op):
+            return reduce_scatter(full, ranks, dim, op)
         ledger.record("reduce_scatter", p, sent * full.element_size(), ranks)
         inp = full.contiguous() if dim == 0 else full.reshape(view).permute(order).contiguous()
         out = inp.new_empty((p,) + piece if by_terms else piece)
@@ -150,11 +154,14 @@ def plan_reduce_scatter(ranks, dim: int, full_shape, op: str):
     return run
 
 
-def _planned_reduction(name: str, ranks, sent: int, collective):
-    """``t -> out``: record ``sent`` elements, run ``collective`` in place on a contiguous copy of ``t``."""
+def _planned_reduction(name: str, ranks, op: str, sent: int, collective, general):
+    """``t -> out``: record ``sent`` elements, run ``collective`` in place on a contiguous copy of ``t``
+    (``general(t)`` for a dtype the backends do not reduce with ``op`` as it is)."""
     p = len(ranks)
 
     def run(t: torch.Tensor) -> torch.Tensor:
+        if not reduces_as_is(t.dtype, op):
+            return general(t)
         ledger.record(name, p, sent * t.element_size(), ranks)
         out = t.clone(memory_format=torch.contiguous_format)
         try:
@@ -173,8 +180,9 @@ def plan_all_reduce(ranks, shape, op: str):
         return lambda t: all_reduce(t, ranks, op)
     numel = math.prod(shape)
     sent = numel + (p - 2) * shard_sizes(numel, p)[ranks.index(world_rank())]  # elements (ring)
-    return _planned_reduction("all_reduce", ranks, sent,
-                              functools.partial(dist.all_reduce, op=_REDUCE[op], group=group_of(ranks)))
+    return _planned_reduction("all_reduce", ranks, op, sent,
+                              functools.partial(dist.all_reduce, op=_REDUCE[op], group=group_of(ranks)),
+                              lambda t: all_reduce(t, ranks, op))
 
 
 def plan_reduce(ranks, shape, op: str):
@@ -183,5 +191,6 @@ def plan_reduce(ranks, shape, op: str):
     if p == 1:
         return lambda t: reduce(t, ranks, op)
     sent = 0 if ranks.index(world_rank()) == 0 else math.prod(shape)
-    return _planned_reduction("reduce", ranks, sent,
-                              functools.partial(dist.reduce, dst=ranks[0], op=_REDUCE[op], group=group_of(ranks)))
+    return _planned_reduction("reduce", ranks, op, sent,
+                              functools.partial(dist.reduce, dst=ranks[0], op=_REDUCE[op], group=group_of(ranks)),
+                              lambda t: reduce(t, ranks, op))

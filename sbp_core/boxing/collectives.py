@@ -14,6 +14,9 @@ communication ledger (see ``ledger.py`` for the byte convention):
 - all-to-all: every piece but its own;
 - point-to-point: the bytes of each send.
 
+Any dtype crosses: ``wire.py`` says how (bytes for transfers, a wider
+integer dtype for reductions of int16, uint16 and uint32).
+
 Uneven pieces (``torch.tensor_split`` sizes) use ``all_to_all_single`` with
 split sizes, so no padding is ever sent.
 """
@@ -31,6 +34,7 @@ from .. import ledger
 from ..layout import reduce_rows, reduce_terms, shard_sizes
 from ..process_groups import control_group, get_timeout, group_of, tensor_device, world_rank
 from ..torch_compat import all_gather_flat as _all_gather_flat, reduce_scatter_flat as _reduce_scatter_flat
+from .wire import moved, reduced, summable
 
 
 class CollectiveError(RuntimeError):
@@ -93,8 +97,8 @@ def _all_to_all_flat(send_pieces, recv_numels, ranks, dtype, device):
     inp = torch.cat([send_pieces[k].reshape(-1) for k in order]) if send_pieces else None
     out = torch.empty(sum(recv_numels), dtype=dtype, device=device)
     dist.all_to_all_single(
-        out,
-        inp,
+        moved(out),
+        moved(inp) if inp is not None else None,
         output_split_sizes=[recv_numels[k] for k in order],
         input_split_sizes=[send_pieces[k].numel() for k in order],
         group=group_of(ranks),
@@ -115,7 +119,7 @@ def all_gather(local: torch.Tensor, ranks, dim: int, length: int) -> torch.Tenso
     local = local.contiguous()
     if len(set(sizes)) == 1:
         buf = torch.empty((p,) + tuple(local.shape), dtype=local.dtype, device=local.device)
-        _all_gather_flat(buf.view(-1), local.view(-1), group=group_of(ranks))
+        _all_gather_flat(moved(buf.view(-1)), moved(local.view(-1)), group=group_of(ranks))
         order = _group_order(ranks)
         if order == list(range(p)):
             # buf[k] is piece k: along dim 0 the buffer already is the result (a view).
@@ -139,6 +143,8 @@ def all_gather(local: torch.Tensor, ranks, dim: int, length: int) -> torch.Tenso
 @_by_ranks
 def reduce_scatter(full: torch.Tensor, ranks, dim: int, op: str) -> torch.Tensor:
     """Reduce the ranks' ``full`` tensors with ``op``; rank ``k`` keeps piece ``k`` along ``dim``."""
+    if summable(full.dtype, op) != full.dtype:
+        return reduce_scatter(full.to(summable(full.dtype, op)), ranks, dim, op).to(full.dtype)
     p = len(ranks)
     me = ranks.index(world_rank())
     pieces = list(torch.tensor_split(full, p, dim))
@@ -152,7 +158,7 @@ def reduce_scatter(full: torch.Tensor, ranks, dim: int, op: str) -> torch.Tensor
         else:
             inp = torch.stack([pieces[k] for k in order])
         out = torch.empty(pieces[me].shape, dtype=full.dtype, device=full.device)
-        _reduce_scatter_flat(out.view(-1), inp.reshape(-1), op=_REDUCE[op], group=group_of(ranks))
+        _reduce_scatter_flat(reduced(out.view(-1)), reduced(inp.reshape(-1)), op=_REDUCE[op], group=group_of(ranks))
         return out
     mine = pieces[me]
     flat = _all_to_all_flat([t.contiguous() for t in pieces], [mine.numel()] * p, ranks, full.dtype, full.device)
@@ -164,13 +170,15 @@ def reduce_scatter(full: torch.Tensor, ranks, dim: int, op: str) -> torch.Tensor
 @_by_ranks
 def all_reduce(t: torch.Tensor, ranks, op: str) -> torch.Tensor:
     """Element-wise reduction of the ranks' tensors, returned as a new tensor on every rank."""
+    if summable(t.dtype, op) != t.dtype:
+        return all_reduce(t.to(summable(t.dtype, op)), ranks, op).to(t.dtype)
     p = len(ranks)
     me = ranks.index(world_rank())
     own = shard_sizes(t.numel(), p)[me] * t.element_size()
     ledger.record("all_reduce", p, _nbytes(t) + (p - 2) * own if p > 1 else 0, ranks)
     out = t.clone(memory_format=torch.contiguous_format)
     if p > 1:
-        dist.all_reduce(out, op=_REDUCE[op], group=group_of(ranks))
+        dist.all_reduce(reduced(out), op=_REDUCE[op], group=group_of(ranks))
     return out
 
 
@@ -217,10 +225,17 @@ def _done(value, ranks) -> Pending:
     return Pending(None, lambda: value, ranks)
 
 
+def _narrowed(pending: Pending, dtype: torch.dtype) -> Pending:
+    """``pending``'s result cast back to ``dtype``: a reduction run in a wider dtype (``wire.summable``)."""
+    return Pending(None, lambda: pending.wait().to(dtype), pending._ranks)
+
+
 @_by_ranks
 def reduce_scatter_start(chunks: torch.Tensor, ranks, op: str, record: bool = True) -> Pending:
     """Start a reduce-scatter of a flat buffer of ``p`` equal chunks (chunk ``k`` for ``ranks[k]``);
     ``wait()`` gives this rank's reduced chunk. Records what ``reduce_scatter`` records."""
+    if summable(chunks.dtype, op) != chunks.dtype:
+        return _narrowed(reduce_scatter_start(chunks.to(summable(chunks.dtype, op)), ranks, op, record), chunks.dtype)
     p = len(ranks)
     width = chunks.numel() // p
     if record:
@@ -234,7 +249,7 @@ def reduce_scatter_start(chunks: torch.Tensor, ranks, op: str, record: bool = Tr
     held = [inp]  # the input stays alive until the collective is done
     if sums_terms(group):
         got = torch.empty_like(inp)
-        work = dist.all_to_all_single(got, inp, group=group, async_op=True)
+        work = dist.all_to_all_single(moved(got), moved(inp), group=group, async_op=True)
 
         def finish_terms():
             held.clear()
@@ -243,7 +258,7 @@ def reduce_scatter_start(chunks: torch.Tensor, ranks, op: str, record: bool = Tr
 
         return Pending(work, finish_terms, ranks)
     out = torch.empty(width, dtype=chunks.dtype, device=chunks.device)
-    work = _reduce_scatter_flat(out, inp, op=_REDUCE[op], group=group, async_op=True)
+    work = _reduce_scatter_flat(reduced(out), reduced(inp), op=_REDUCE[op], group=group, async_op=True)
 
     def finish():
         held.clear()
@@ -261,7 +276,7 @@ def all_gather_start(mine: torch.Tensor, ranks, record: bool = True) -> Pending:
     if p == 1:
         return _done(mine.view(1, -1), ranks)
     out = torch.empty(p, mine.numel(), dtype=mine.dtype, device=mine.device)
-    work = _all_gather_flat(out.view(-1), mine.contiguous(), group=group_of(ranks), async_op=True)
+    work = _all_gather_flat(moved(out.view(-1)), moved(mine.contiguous()), group=group_of(ranks), async_op=True)
     order = _group_order(ranks)
 
     def finish():
@@ -288,6 +303,9 @@ def all_reduce_packed_start(packed: torch.Tensor, ranks, op: str, counts, owned:
     On two ranks the order question does not arise: one ``all_reduce`` of the buffer (in place when the
     caller hands it over, ``owned``).
     """
+    if summable(packed.dtype, op) != packed.dtype:
+        wide = all_reduce_packed_start(packed.to(summable(packed.dtype, op)), ranks, op, counts, owned=True)
+        return _narrowed(wide, packed.dtype)
     p = len(ranks)
     me = ranks.index(world_rank())
     es = packed.element_size()
@@ -298,7 +316,7 @@ def all_reduce_packed_start(packed: torch.Tensor, ranks, op: str, counts, owned:
         # Every element is a + b whatever the algorithm (IEEE addition commutes), so one all-reduce
         # is exact here, and on gloo 1.7x faster than the two halves (1 and 8 MiB, 2 ranks).
         out = packed if owned else packed.clone()
-        work = dist.all_reduce(out, op=_REDUCE[op], group=group_of(ranks), async_op=True)
+        work = dist.all_reduce(reduced(out), op=_REDUCE[op], group=group_of(ranks), async_op=True)
         return Pending(work, lambda: out.view(p, -1), ranks)
     first = reduce_scatter_start(packed, ranks, op, record=False)
     return Pending(first._work, first._finish, ranks,
@@ -311,12 +329,14 @@ def reduce(t: torch.Tensor, ranks, op: str) -> torch.Tensor:
 
     Returns the reduced tensor on ``ranks[0]``; elsewhere a buffer of no meaning.
     """
+    if summable(t.dtype, op) != t.dtype:
+        return reduce(t.to(summable(t.dtype, op)), ranks, op).to(t.dtype)
     p = len(ranks)
     me = ranks.index(world_rank())
     ledger.record("reduce", p, 0 if me == 0 else _nbytes(t), ranks)
     out = t.clone(memory_format=torch.contiguous_format)
     if p > 1:
-        dist.reduce(out, dst=ranks[0], op=_REDUCE[op], group=group_of(ranks))
+        dist.reduce(reduced(out), dst=ranks[0], op=_REDUCE[op], group=group_of(ranks))
     return out
 
 
@@ -353,7 +373,7 @@ def all_to_all(local: torch.Tensor, ranks, split_dim: int, cat_dim: int, cat_len
     recv = [int(torch.Size(s).numel()) for s in shapes]
     out = torch.empty(sum(recv), dtype=local.dtype, device=local.device)
     dist.all_to_all_single(
-        out, inp,
+        moved(out), moved(inp),
         output_split_sizes=[recv[k] for k in order],
         input_split_sizes=[send[k].numel() for k in order],
         group=group_of(ranks),
@@ -396,11 +416,11 @@ def exchange_start(sends, recvs) -> Pending:
     pair of ranks match in the order they are started, whatever runs between.
     """
     out = [torch.empty(shape, dtype=dtype, device=device) for _, shape, dtype, device in recvs]
-    ops = [dist.P2POp(dist.irecv, buf, src) for (src, *_), buf in zip(recvs, out)]
+    ops = [dist.P2POp(dist.irecv, moved(buf), src) for (src, *_), buf in zip(recvs, out)]
     payload = [t.contiguous() for _, t in sends]  # kept alive until the wait returns
     for (dst, _), t in zip(sends, payload):
         ledger.record("send", 2, _nbytes(t), (world_rank(), dst))
-        ops.append(dist.P2POp(dist.isend, t, dst))
+        ops.append(dist.P2POp(dist.isend, moved(t), dst))
     # One batch: NCCL runs a pair's transfers in the order they are posted, so two ranks that each
     # post a receive before their send to the other would wait on each other; a batch is one group.
     works = dist.batch_isend_irecv(ops) if ops else []
@@ -431,7 +451,8 @@ def all_gather_object(obj, ranks) -> list:
 
 
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-           torch.int16, torch.int8, torch.uint8, torch.bool]
+           torch.int16, torch.int8, torch.uint8, torch.bool, torch.uint16, torch.uint32, torch.uint64,
+           torch.complex64, torch.complex128, torch.float8_e4m3fn, torch.float8_e5m2]
 _HEADER = 16  # kind, dtype code, ndim, shape...
 
 
@@ -502,7 +523,7 @@ def send_object(obj, dst: int, group) -> None:
     dist.send(header, dst=dst, group=control)
     if payload.numel():
         with _settled(payload.device):
-            dist.send(payload, dst=dst, group=on)
+            dist.send(moved(payload), dst=dst, group=on)
 
 
 @_collective(lambda src, group, device=None: {src})
@@ -522,7 +543,7 @@ def recv_object(src: int, group, device=None):
     buf = torch.empty(shape, dtype=_DTYPES[code], device=tensor_device(group))
     if buf.numel():
         with _settled(buf.device):
-            dist.recv(buf, src=src, group=group)
+            dist.recv(moved(buf), src=src, group=group)
     return buf if device is None else buf.to(device)
 
 
@@ -537,9 +558,9 @@ def send_tensor(t: torch.Tensor, dst: int, group) -> None:
     when ``t`` lies elsewhere).
     """
     ledger.record("send", 2, _nbytes(t), (world_rank(), dst))
-    t = t.to(tensor_device(group))
+    t = t.to(tensor_device(group)).contiguous()
     with _settled(t.device):
-        dist.send(t, dst=dst, group=group)
+        dist.send(moved(t), dst=dst, group=group)
 
 
 @_collective(lambda shape, dtype, src, group, device=None: {src})
@@ -548,5 +569,5 @@ def recv_tensor(shape, dtype, src: int, group, device=None) -> torch.Tensor:
     ``dtype`` on ``device`` (``None``: where ``group``'s backend delivers it)."""
     buf = torch.empty(shape, dtype=dtype, device=tensor_device(group))
     with _settled(buf.device):
-        dist.recv(buf, src=src, group=group)
+        dist.recv(moved(buf), src=src, group=group)
     return buf if device is None else buf.to(device)

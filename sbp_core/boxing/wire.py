@@ -1,0 +1,62 @@
+"""How a tensor of any dtype crosses the backends: ``moved`` for transfers, ``summable`` and ``reduced`` for reductions.
+
+gloo and NCCL each take only some dtypes. Both take the ones in ``NATIVE``.
+gloo refuses int16, the unsigned 16-64 bit integers and the float8 types
+("Invalid scalar type"). NCCL has no 16-bit integer type, and torch hands it
+complex and float8 tensors only in some of its calls.
+
+- **Transfers** (all-gather, all-to-all, send/receive) change no value, so
+  any other dtype travels as its bytes. ``moved(t)`` is a ``uint8`` view that
+  shares ``t``'s memory: ``t``'s shape plus one trailing dim of
+  ``t.element_size()`` bytes. Dim-0 pieces and split sizes count what they
+  counted before, and a receive buffer filled through the view is filled in
+  its own dtype. The bytes sent are ``t``'s: the ledger's count holds.
+- **Reductions** (all-reduce, reduce-scatter, reduce) compute. ``summable(dtype)``
+  names the dtype a reduction runs in: the dtype itself when the backends
+  reduce it, else the next wider integer one (int16 and uint16 as int32,
+  uint32 as int64; bool sums as int32 too, since gloo adds its bytes into
+  values that are not bools). The result is cast back, so sums wrap as they
+  would in the narrow dtype and a bool sum is a logical or. A wider reduction sends the wider bytes, and the ledger
+  records those. A dtype with no such form (uint64, float8; complex for max
+  and min) is refused before anything is sent, with a ``TypeError`` that
+  names it. ``reduced(t)`` is what a reduction hands the backend: complex
+  tensors as their real and imaginary parts (``torch.view_as_real``, which
+  torch itself does in some calls and not in ``reduce`` or
+  ``reduce_scatter_tensor``).
+"""
+from __future__ import annotations
+
+import torch
+
+NATIVE = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16,
+                    torch.int8, torch.uint8, torch.int32, torch.int64, torch.bool})
+_WIDER = {torch.int16: torch.int32, torch.uint16: torch.int32, torch.uint32: torch.int64}
+
+
+def moved(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the backends move it: ``t`` itself, or a ``uint8`` view of its bytes (shares its memory;
+    ``t`` must have a unit last stride, as every contiguous tensor has)."""
+    return t if t.dtype in NATIVE else t.unsqueeze(-1).view(torch.uint8)
+
+
+def summable(dtype: torch.dtype, op: str) -> torch.dtype:
+    """The dtype a reduction with ``op`` of ``dtype`` runs in (see the module docstring); ``TypeError`` where none does."""
+    if dtype == torch.bool and op == "sum":
+        return torch.int32
+    if dtype in NATIVE or (dtype.is_complex and op == "sum"):
+        return dtype
+    if dtype in _WIDER:
+        return _WIDER[dtype]
+    raise TypeError(f"sbp_core cannot reduce {dtype} tensors across ranks with {op} (a partial value's "
+                    f"{op}): neither gloo nor NCCL reduces it, and it has no wider exact form. Cast the partial "
+                    f"value to a dtype they reduce (for example float32 or int64) first.")
+
+
+def reduces_as_is(dtype: torch.dtype, op: str) -> bool:
+    """Whether a reduction with ``op`` hands ``dtype`` to the backends as it is (no wider dtype, no real view)."""
+    return dtype in NATIVE and summable(dtype, op) == dtype
+
+
+def reduced(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a reduction hands it to the backend: ``t``, or its real view when complex (shares its memory)."""
+    return torch.view_as_real(t) if t.is_complex() else t
