@@ -34,7 +34,7 @@ from .. import ledger
 from ..layout import reduce_rows, reduce_terms, shard_sizes
 from ..process_groups import control_group, get_timeout, group_of, tensor_device, world_rank
 from ..torch_compat import all_gather_flat as _all_gather_flat, reduce_scatter_flat as _reduce_scatter_flat
-from .wire import moved, reduced, summable
+from .wire import dumps, moved, reduced, summable
 
 
 class CollectiveError(RuntimeError):
@@ -515,7 +515,7 @@ def send_object(obj, dst: int, group) -> None:
         header[0], header[1], header[2] = 0, _DTYPES.index(obj.dtype), obj.dim()
         header[3 : 3 + obj.dim()] = torch.tensor(obj.shape, dtype=torch.int64)
     else:
-        data = pickle.dumps(obj)
+        data = dumps(obj)
         payload = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
         on = control
         header[0], header[1], header[2], header[3] = 1, _DTYPES.index(torch.uint8), 1, len(data)

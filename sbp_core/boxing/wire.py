@@ -1,4 +1,5 @@
-"""How a tensor of any dtype crosses the backends: ``moved`` for transfers, ``summable`` and ``reduced`` for reductions.
+"""How a tensor of any dtype crosses the backends: ``moved`` for transfers, ``summable`` and ``reduced`` for
+reductions, ``dumps`` for host messages that hold tensors.
 
 gloo and NCCL each take only some dtypes. Both take the ones in ``NATIVE``.
 gloo refuses int16, the unsigned 16-64 bit integers and the float8 types
@@ -23,8 +24,15 @@ complex and float8 tensors only in some of its calls.
   tensors as their real and imaginary parts (``torch.view_as_real``, which
   torch itself does in some calls and not in ``reduce`` or
   ``reduce_scatter_tensor``).
+- **Host messages** are pickles. torch pickles uint16-64 and float8 tensors
+  but cannot unpickle them (its storage rebuild asks ``UntypedStorage`` for
+  a dtype; torch 2.11 and 2.13). ``dumps`` pickles those as their bytes, and
+  plain ``pickle.loads`` rebuilds them.
 """
 from __future__ import annotations
+
+import io
+import pickle
 
 import torch
 
@@ -60,3 +68,28 @@ def reduces_as_is(dtype: torch.dtype, op: str) -> bool:
 def reduced(t: torch.Tensor) -> torch.Tensor:
     """``t`` as a reduction hands it to the backend: ``t``, or its real view when complex (shares its memory)."""
     return torch.view_as_real(t) if t.is_complex() else t
+
+
+_UNPICKLED = frozenset({torch.uint16, torch.uint32, torch.uint64, torch.float8_e4m3fn, torch.float8_e5m2,
+                        torch.float8_e4m3fnuz, torch.float8_e5m2fnuz})
+
+
+def _from_bytes(data: bytes, dtype: str, shape, device: str) -> torch.Tensor:
+    flat = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    return flat.view(getattr(torch, dtype)).reshape(shape).to(device)
+
+
+class _Pickler(pickle.Pickler):
+    def reducer_override(self, obj):
+        if isinstance(obj, torch.Tensor) and obj.dtype in _UNPICKLED:
+            data = obj.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+            return _from_bytes, (data, str(obj.dtype).removeprefix("torch."), tuple(obj.shape), str(obj.device))
+        return NotImplemented
+
+
+def dumps(obj) -> bytes:
+    """``pickle.dumps(obj)``, with the tensors torch cannot unpickle (see above) carried as bytes, so
+    ``pickle.loads`` gives them back: same dtype, shape, values and device (not ``requires_grad``)."""
+    buf = io.BytesIO()
+    _Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return buf.getvalue()

@@ -5,8 +5,9 @@ compared byte for byte with the single-device tensor: the pieces laid out
 by the destination SBP, partial terms summed in int64 and cast back.
 Covers the planned collectives (even pieces on 2 ranks), the general ones
 (uneven pieces on 3 ranks), transfers across placements, the runtime's
-point-to-point channels, and the clear refusal of reductions no backend
-can run (``sbp_core/boxing/wire.py``).
+point-to-point channels (a tensor alone, and inside a pickled message),
+and the clear refusal of reductions no backend can run
+(``sbp_core/boxing/wire.py``).
 """
 import pytest
 import torch
@@ -139,15 +140,19 @@ def _channels():
         if me == 0:
             collectives.send_object(v, 1, group)
             collectives.send_tensor(v, 1, group)
+            collectives.send_object({"value": v[:, 1:], "step": 3}, 1, group)  # pickled, a tensor inside
         elif me == 1:
             got.append([_sent_back(collectives.recv_object(0, group)),
                         _sent_back(collectives.recv_tensor(v.shape, v.dtype, 0, group))])
+            message = collectives.recv_object(0, group)
+            got[-1].append((_sent_back(message["value"]), message["step"]))
     return got
 
 
-def test_the_runtime_channels_carry_every_dtype_as_a_tensor():
+def test_the_runtime_channels_carry_every_dtype_alone_and_inside_a_pickled_message():
     got = get_pool(WORLD).run(_channels)[1]
-    for dtype, (as_object, as_tensor) in zip(DTYPES, got):
+    for dtype, (as_object, as_tensor, (inside, step)) in zip(DTYPES, got):
         want = _as(torch.arange(12).reshape(3, 4) % 7, dtype)
         for have in (as_object, as_tensor):
             assert have[:2] == (dtype, (3, 4)) and torch.equal(have[2], _bytes(want)), dtype
+        assert inside[:2] == (dtype, (3, 3)) and torch.equal(inside[2], _bytes(want[:, 1:])) and step == 3, dtype
