@@ -14,7 +14,7 @@ import torch
 from recipes.insightface.data import synthetic
 from recipes.insightface.data.face_records import FaceRecords
 from recipes.insightface.data.image_folder import ImageFolder
-from recipes.insightface.data.images import encode_image
+from recipes.insightface.data.images import decode_image, encode_image, normalize
 from recipes.insightface.data.pairs import read_pairs, write_pairs
 from recipes.insightface.data.recordio import MAGIC, RecordIOError, RecordReader, RecordWriter, pack_image
 from recipes.insightface.data.verification import verification_metrics
@@ -80,6 +80,11 @@ def test_synthetic_faces_read_as_an_insightface_dataset(faces):
     assert batch["image"].shape == (5, 3, 16, 16) and batch["label"].tolist() == [0, 0, 1, 0, 4]
     assert -1.0 <= batch["image"].min() and batch["image"].max() <= 1.0
     assert torch.equal(batch["image"][3], batch["image"][0].flip(-1))  # row n + i is image i mirrored
+    raw = ds.read(torch.tensor([4, 15 + 4]))  # (index, mirrored, record, label, where) each
+    image = [decode_image(ds._label(index, record, where)[1], 16) for index, _, record, _, where in raw]
+    want = normalize(torch.stack([image[0], image[1].flip(-1)]))
+    got = ds.collate(ds.decode(raw))["image"]
+    assert got.is_contiguous() and torch.equal(got, want)  # a batch is its images, each decoded alone
     assert ds.collate([])["image"].shape == (0, 3, 16, 16)
     images, issame = read_pairs(os.path.join(faces, "val.bin"), 16)
     assert images.shape == (12, 3, 16, 16) and issame.tolist() == [True, False] * 3
