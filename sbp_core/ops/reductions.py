@@ -4,8 +4,16 @@
   kept dim -> ``S`` on its new index; ``B -> B``; ``P(sum) -> P(sum)``.
   ``mean`` runs locally as a sum divided by the *global* count, so shards
   of uneven size stay exact.
-- ``amax``/``amin``: a reduced split dim -> ``P(max)``/``P(min)``; partial
-  max stays partial max.
+- ``amax``/``amin`` and the whole-tensor ``max()``/``min()``: a reduced
+  split dim -> ``P(max)``/``P(min)``; partial max stays partial max.
+- ``any``/``all``: a reduced split dim -> ``P(max)``/``P(min)`` of the
+  bool result (or, and); a kept split dim -> ``S`` on its new index. A
+  partial input is boxed first: ``any`` of a sum is not the or of the terms'.
+- ``argmax``/``argmin`` over ``dim``: a split kept dim -> ``S`` on its new
+  index, else ``B -> B`` (an index over a split dim is global: the input is
+  boxed, by an all-to-all where another dim can be split instead).
+- ``cumsum`` along ``dim``: a split other dim -> ``S``; ``P(sum)`` stays
+  ``P(sum)`` (a prefix sum is linear); along a split dim the input is boxed.
 - vector norms (``norm.ScalarOpt_dim``, what ``F.normalize`` reaches, and
   ``linalg_vector_norm``): ``S(d)`` on a kept dim -> ``S`` on its new index;
   ``B -> B`` (a partial input is boxed first: a norm is not linear). Over a
@@ -42,12 +50,15 @@ def _keepdim(call) -> bool:
     return bool(call.arg(2, "keepdim", False))
 
 
-def _rule(partial):
+def _rule(partial, partial_in: bool = True):
+    """Reduce over ``_reduced_dims``: a reduced split dim -> ``partial``; with ``partial_in``, a ``partial``
+    input stays ``partial``."""
+
     def rule(call):
         m = call.metas[0]
         dims = _reduced_dims(call, m.ndim)
         keep = _keepdim(call)
-        sigs = [Sig((B,), (B,)), Sig((partial,), (partial,))]
+        sigs = [Sig((B,), (B,))] + ([Sig((partial,), (partial,))] if partial_in else [])
         for d in range(m.ndim):
             if d in dims:
                 sigs.append(Sig((Split(d),), (partial,)))
@@ -60,8 +71,29 @@ def _rule(partial):
 
 
 register(aten.sum.default, aten.sum.dim_IntList)(_rule(P))
-register(aten.amax.default)(_rule(PMAX))
-register(aten.amin.default)(_rule(PMIN))
+register(aten.amax.default, aten.max.default)(_rule(PMAX))
+register(aten.amin.default, aten.min.default)(_rule(PMIN))
+register(aten.any.default, aten.any.dim, aten.any.dims)(_rule(PMAX, partial_in=False))
+register(aten.all.default, aten.all.dim, aten.all.dims)(_rule(PMIN, partial_in=False))
+
+
+def _kept_splits(call, dim, keep: bool) -> list:
+    """``S(d) -> S(d')`` for every dim ``d`` but ``dim`` (``None``: no dim kept), ``d'`` its index after the op."""
+    m = call.metas[0]
+    if dim is None:
+        return []
+    dim %= max(m.ndim, 1)
+    return [Sig((Split(d),), (Split(d if keep or d < dim else d - 1),)) for d in range(m.ndim) if d != dim]
+
+
+@register(aten.argmax.default, aten.argmin.default)
+def _arg_extremum_rule(call):
+    return [Sig((B,), (B,))] + _kept_splits(call, call.arg(1, "dim", None), bool(call.arg(2, "keepdim", False)))
+
+
+@register(aten.cumsum.default)
+def _cumsum_rule(call):
+    return [Sig((B,), (B,)), Sig((P,), (P,))] + _kept_splits(call, call.arg(1, "dim"), True)
 
 
 def _mean_local(func, args, kwargs, ctx):

@@ -18,6 +18,9 @@ partial on the axis):
   Partial passes (masked entries are 0 in every term).
 - ``masked_fill.Tensor`` (value given as a tensor) follows the element-wise
   rule, like ``masked_fill.Scalar``.
+- ``flip`` (``cumsum``'s backward): ``S`` on a dim not flipped stays;
+  partial passes (a permutation of the entries). A flipped split dim is
+  boxed first.
 """
 from __future__ import annotations
 
@@ -65,6 +68,14 @@ def select(call):
     ax = axis_of(call)
     nd = call.metas[0].ndim
     return _keep_others(ax, nd, call.arg(1, "dim") % nd, -1)
+
+
+@register(aten.flip.default)
+def flip(call):
+    ax = axis_of(call)
+    nd = call.metas[0].ndim
+    flipped = {d % nd for d in call.arg(1, "dims")}
+    return [Sig((B,), (B,))] + [Sig((Split(i),), (Split(i),)) for i in range(nd) if i not in flipped] + passthrough(ax, 0)
 
 
 @register(aten.slice_backward.default, local=sized_local)

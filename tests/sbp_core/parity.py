@@ -4,8 +4,8 @@
 N-d SBP on ``sc.placement("cpu", ranks)``, runs ``fn`` on the global
 tensors and on the plain tensors, and compares every output and (for
 floating inputs) every input gradient of ``sum(out * W)`` with fixed random
-``W``, to ``rtol`` relative to each tensor's largest magnitude. Runs on the
-shared 5-rank pool; ``fn`` must be a module-level function.
+``W``, to ``rtol`` relative to each tensor's largest magnitude (and equal
+dtypes). Runs on the shared 5-rank pool; ``fn`` must be a module-level function.
 """
 from __future__ import annotations
 
@@ -52,12 +52,14 @@ def _worker(fn, inputs, layouts, ranks, grad):
 
 
 def _rel(got, want) -> float:
-    if got.shape != want.shape:
+    """Largest difference relative to ``want``'s largest magnitude; ``inf`` when shape or dtype differ."""
+    if got.shape != want.shape or got.dtype != want.dtype:
         return float("inf")
     if want.numel() == 0:
         return 0.0
+    got, want = got.double(), want.double()  # bool and integer outputs too
     scale = want.abs().max().clamp_min(1e-12)
-    return ((got.double() - want.double()).abs().max() / scale).item()
+    return ((got - want).abs().max() / scale).item()
 
 
 def check(fn, inputs, layouts, ranks, grad=True, rtol=1e-5):
