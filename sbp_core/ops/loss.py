@@ -26,6 +26,14 @@
 - ``nll_loss*_backward(g, x, t, w, total_weight)``: the same row / class
   splits -> ``grad_input`` laid out like ``x`` (``g`` ``B`` unless it is
   per-row; mean needs total_weight ``B``); ``g`` ``P`` -> ``P``; ``B`` -> ``B``.
+- ``logsumexp`` over ``dim``: ``S`` on a kept dim -> ``S``; ``B -> B``;
+  over a split dim decomposed like log-softmax (row max ``P(max)`` and
+  exp-sum ``P(sum)``, each boxed to ``B``; infinite maxima shift by 0, as
+  torch does).
+- ``mse_loss``, ``smooth_l1_loss``, ``huber_loss`` and their backwards:
+  element-wise signatures; with reduction sum or mean the loss is ``P``
+  (mean: the local sum over the *global* element count, and the backward
+  divides by that count too).
 - ``binary_cross_entropy_with_logits(x, t, w, pos_weight)`` (Wide&Deep):
   element-wise signatures (``S(d)`` with broadcast operands ``B``; ``B``)
   whose output is the same for reduction none and ``P`` for sum and mean
@@ -258,3 +266,76 @@ def _log_sigmoid(call):  # (out, buffer), reached by the pos_weight gradient and
 def _log_sigmoid_backward(call):
     grad_p = _partial_in(call)
     return split_or_broadcast(call) + ([Sig((P, B, B), (P,))] if grad_p else [])
+
+
+# -- logsumexp --------------------------------------------------------------------
+
+
+def _lse_dims(call) -> tuple:
+    nd = call.metas[0].ndim
+    dims = call.arg(1, "dim")
+    dims = [dims] if isinstance(dims, int) else list(dims)
+    return tuple(sorted(d % nd for d in dims)) if dims else tuple(range(nd))
+
+
+def _lse_rule(call):
+    dims, keep, nd = _lse_dims(call), bool(call.arg(2, "keepdim", False)), call.metas[0].ndim
+    return [Sig((B,), (B,))] + [Sig((Split(d),), (Split(d if keep else d - sum(1 for r in dims if r < d)),))
+                                for d in range(nd) if d not in dims]
+
+
+def _lse_over_split(call) -> bool:
+    dims = _lse_dims(call)
+    return any(s.is_split and s.axis in dims for s in call.sbps[0])
+
+
+def _logsumexp(x, dim, keepdim=False):
+    dims = [dim] if isinstance(dim, int) else list(dim) or list(range(x.dim()))
+    m = _row_stat(x.amax(dims, keepdim=True))
+    m = m.masked_fill(m.abs() == float("inf"), 0.0)
+    out = _row_stat((x - m).exp().sum(dims, keepdim=True)).log() + m
+    return out if keepdim else out.squeeze(dims)
+
+
+register(aten.logsumexp.default, decompose=_logsumexp, decompose_when=_lse_over_split)(_lse_rule)
+
+
+# -- regression losses ---------------------------------------------------------------
+
+
+def _with_sum(args, kwargs, at: int) -> tuple:
+    """``args``/``kwargs`` with the reduction (positional ``at`` or keyword) set to sum."""
+    if len(args) > at:
+        return args[:at] + (SUM,) + args[at + 1:], kwargs
+    return args, {**kwargs, "reduction": SUM}
+
+
+def _regression_rule(at: int, reduces: bool):
+    """Element-wise signatures; with ``reduces`` (a forward) and reduction sum or mean, a split input gives ``P``."""
+
+    def rule(call):
+        sigs = pointwise(call)
+        if not reduces or call.arg(at, "reduction", MEAN) == NONE:
+            return sigs
+        return [Sig(s.inputs, (B if s.outputs[0] == B else P,)) for s in sigs]
+
+    return rule
+
+
+def _regression_local(at: int, counted: int):
+    """Reduction mean: the op with reduction sum over input ``counted``'s *global* element count."""
+
+    def local(func, args, kwargs, ctx):
+        if Call(func, args, kwargs, []).arg(at, "reduction", MEAN) != MEAN:
+            return func(*args, **kwargs)
+        summed_args, summed_kwargs = _with_sum(tuple(args), dict(kwargs), at)
+        return func(*summed_args, **summed_kwargs) / ctx.in_layouts[counted].shape.numel()
+
+    return local
+
+
+for _fwd, _bwd in [(aten.mse_loss.default, aten.mse_loss_backward.default),
+                   (aten.smooth_l1_loss.default, aten.smooth_l1_loss_backward.default),
+                   (aten.huber_loss.default, aten.huber_loss_backward.default)]:
+    register(_fwd, local=_regression_local(2, 0))(_regression_rule(2, True))
+    register(_bwd, local=_regression_local(3, 1))(_regression_rule(3, False))

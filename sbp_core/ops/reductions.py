@@ -14,6 +14,13 @@
   boxed, by an all-to-all where another dim can be split instead).
 - ``cumsum`` along ``dim``: a split other dim -> ``S``; ``P(sum)`` stays
   ``P(sum)`` (a prefix sum is linear); along a split dim the input is boxed.
+- ``max``/``min`` over ``dim`` (values and indices), ``topk``, ``sort``: a
+  split kept dim -> ``S``; ``B -> B``; a split reduced or sorted dim is
+  boxed. (No rule for ``prod``: its backward builds a plain tensor.) ``count_nonzero``: a reduced split dim -> ``P(sum)``.
+- ``var``/``std``: a split kept dim -> ``S``; over a split reduced dim they
+  are *decomposed*: the global mean (a ``P(sum)`` row sum boxed to ``B``,
+  divided by the global count), then the squared deviations summed to
+  ``P(sum)`` (``std`` boxes that for its square root).
 - vector norms (``norm.ScalarOpt_dim``, what ``F.normalize`` reaches, and
   ``linalg_vector_norm``): ``S(d)`` on a kept dim -> ``S`` on its new index;
   ``B -> B`` (a partial input is boxed first: a norm is not linear). Over a
@@ -30,6 +37,7 @@ import torch
 
 from ..sbp import Split
 from .common import B, P, PMAX, PMIN
+from .loss import _row_stat
 from .registry import Call, Sig, register
 
 aten = torch.ops.aten
@@ -149,3 +157,68 @@ def _vector_norm(x, p=2, dim=None, keepdim=False, dtype=None):
 
 register(aten.norm.ScalarOpt_dim, aten.linalg_vector_norm.default, decompose=_vector_norm,
          decompose_when=_norm_over_split)(_norm_rule)
+
+
+def _kept_only(call, dims, keep: bool, n_out: int = 1) -> list:
+    """``B -> B`` and ``S(d) -> S(d')`` for each dim ``d`` not in ``dims`` (``n_out`` outputs laid out alike)."""
+    nd = call.metas[0].ndim
+    sigs = [Sig((B,), (B,) * n_out)]
+    for d in range(nd):
+        if d not in dims:
+            new = d if keep else d - sum(1 for r in dims if r < d)
+            sigs.append(Sig((Split(d),), (Split(new),) * n_out))
+    return sigs
+
+
+@register(aten.max.dim, aten.min.dim)
+def _extremum_dim_rule(call):
+    nd = call.metas[0].ndim
+    return _kept_only(call, (call.arg(1, "dim") % max(nd, 1),), bool(call.arg(2, "keepdim", False)), n_out=2)
+
+
+@register(aten.topk.default)
+def _topk_rule(call):
+    nd = call.metas[0].ndim
+    return _kept_only(call, (call.arg(2, "dim", -1) % max(nd, 1),), True, n_out=2)
+
+
+@register(aten.sort.default, aten.sort.stable)
+def _sort_rule(call):
+    nd = call.metas[0].ndim
+    dim = call.arg(1, "dim", -1) if call.func is aten.sort.default else call.kwargs.get("dim", -1)
+    return _kept_only(call, (dim % max(nd, 1),), True, n_out=2)
+
+
+register(aten.count_nonzero.default, aten.count_nonzero.dim_IntList)(_rule(P, partial_in=False))
+
+
+def _var_dims(x, dim) -> list:
+    if dim is None or (isinstance(dim, (list, tuple)) and not dim):
+        return list(range(x.dim()))
+    return [d % x.dim() for d in ([dim] if isinstance(dim, int) else dim)]
+
+
+def _var(x, dim=None, *, correction=None, keepdim=False):
+    """Variance over ``dim`` from global sums: the mean is boxed to ``B`` (one row per kept index), the
+    squared deviations' sum is left ``P(sum)``."""
+    dims = _var_dims(x, dim)
+    n = math.prod(x.shape[d] for d in dims)
+    mean = _row_stat(x.sum(dims, keepdim=True)) / n
+    return (x - mean).square().sum(dims, keepdim=keepdim) / max(n - (1 if correction is None else correction), 0)
+
+
+def _std(x, dim=None, *, correction=None, keepdim=False):
+    return _var(x, dim, correction=correction, keepdim=keepdim).sqrt()
+
+
+def _var_rule(call):
+    return _kept_only(call, _reduced_dims(call, call.metas[0].ndim), bool(call.arg(2, "keepdim", False)))
+
+
+def _reduces_split(call) -> bool:
+    dims = _reduced_dims(call, call.metas[0].ndim)
+    return any(s.is_split and s.axis in dims for s in call.sbps[0])
+
+
+register(aten.var.correction, decompose=_var, decompose_when=_reduces_split)(_var_rule)
+register(aten.std.correction, decompose=_std, decompose_when=_reduces_split)(_var_rule)

@@ -18,9 +18,12 @@ partial on the axis):
   Partial passes (masked entries are 0 in every term).
 - ``masked_fill.Tensor`` (value given as a tensor) follows the element-wise
   rule, like ``masked_fill.Scalar``.
-- ``flip`` (``cumsum``'s backward): ``S`` on a dim not flipped stays;
-  partial passes (a permutation of the entries). A flipped split dim is
-  boxed first.
+- ``flip`` (``cumsum``'s backward) and ``roll``: ``S`` on a dim not flipped
+  or rolled stays; partial passes (a permutation of the entries). A flipped
+  or rolled split dim is boxed first, and so is every split for a roll of
+  the flattened tensor.
+- ``repeat``: ``S`` on a dim repeated once stays (on its index among the
+  output's dims); partial passes (each term is repeated alike).
 """
 from __future__ import annotations
 
@@ -76,6 +79,26 @@ def flip(call):
     nd = call.metas[0].ndim
     flipped = {d % nd for d in call.arg(1, "dims")}
     return [Sig((B,), (B,))] + [Sig((Split(i),), (Split(i),)) for i in range(nd) if i not in flipped] + passthrough(ax, 0)
+
+
+@register(aten.roll.default)
+def roll(call):
+    ax = axis_of(call)
+    nd = call.metas[0].ndim
+    rolled = {d % nd for d in call.arg(2, "dims", [])}
+    if not rolled:  # the flattened tensor rolls: only a whole tensor can
+        return [Sig((B,), (B,))] + passthrough(ax, 0)
+    return [Sig((B,), (B,))] + [Sig((Split(i),), (Split(i),)) for i in range(nd) if i not in rolled] + passthrough(ax, 0)
+
+
+@register(aten.repeat.default)
+def repeat(call):
+    ax = axis_of(call)
+    nd = call.metas[0].ndim
+    repeats = list(call.arg(1, "repeats"))
+    lead = len(repeats) - nd
+    kept = [Sig((Split(i),), (Split(i + lead),)) for i in range(nd) if repeats[i + lead] == 1]
+    return [Sig((B,), (B,))] + kept + passthrough(ax, 0)
 
 
 @register(aten.slice_backward.default, local=sized_local)

@@ -52,14 +52,16 @@ def _worker(fn, inputs, layouts, ranks, grad):
 
 
 def _rel(got, want) -> float:
-    """Largest difference relative to ``want``'s largest magnitude; ``inf`` when shape or dtype differ."""
+    """Largest difference relative to ``want``'s largest finite magnitude; ``inf`` when shape or dtype differ."""
     if got.shape != want.shape or got.dtype != want.dtype:
         return float("inf")
     if want.numel() == 0:
         return 0.0
     got, want = got.double(), want.double()  # bool and integer outputs too
-    scale = want.abs().max().clamp_min(1e-12)
-    return ((got - want).abs().max() / scale).item()
+    diff = (got - want).abs().masked_fill(got == want, 0.0)  # equal infinities agree; NaN never does
+    finite = want[want.isfinite()]
+    scale = finite.abs().max().clamp_min(1e-12) if finite.numel() else 1.0
+    return (diff.max() / scale).item()
 
 
 def check(fn, inputs, layouts, ranks, grad=True, rtol=1e-5):

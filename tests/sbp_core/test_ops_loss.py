@@ -167,6 +167,51 @@ def test_binary_cross_entropy_with_logits():
     ])
 
 
+def mse(x, y):
+    return F.mse_loss(x, y)
+
+
+def mse_sum(x, y):
+    return F.mse_loss(x, y, reduction="sum")
+
+
+def smooth_l1(x, y):
+    return F.smooth_l1_loss(x, y, beta=0.5)
+
+
+def huber_none(x, y):
+    return F.huber_loss(x, y, reduction="none", delta=0.7)
+
+
+def logsumexp_rows(x):
+    return torch.logsumexp(x, 1), torch.logsumexp(x, (0, 1), keepdim=True)
+
+
+def logsumexp_of_partial(a, m):
+    return torch.logsumexp(a @ m, 0)
+
+
+def test_regression_losses_and_logsumexp():
+    x, y = rnd(7, 3), rnd(7, 3)
+    with_inf = rnd(7, 5)
+    with_inf[2] = float("-inf")  # a row whose max is infinite: shifted by 0, as torch shifts it
+    with_inf[4, 1] = float("-inf")
+    run([
+        (mse, [x, y], [S0, S0], R3, [P]),
+        (mse, [x, y], [(S0, S1), (S0, S1)], M22, [(P, P)]),
+        (mse_sum, [x, y], [S1, S1], R2, [P]),
+        (mse, [x, y], [B, B], R2, [B]),
+        (smooth_l1, [x, y], [S0, S0], R3, [P]),
+        (smooth_l1, [x, y], [S1, B], R2, None),
+        (huber_none, [x, y], [S0, S0], R3, [S0]),
+        (logsumexp_rows, [rnd(7, 5)], [S0], R3, [S0, B]),  # over every dim: decomposed
+        (logsumexp_rows, [rnd(7, 5)], [S1], R3, [B, B]),  # over the split dim: decomposed
+        (logsumexp_rows, [rnd(7, 5)], [(S0, S1)], M22, None),
+        (logsumexp_rows, [with_inf], [S1], R2, None, False),
+        (logsumexp_of_partial, [rnd(6, 4), rnd(4, 5)], [S1, S0], R2, None),
+    ])
+
+
 def _vocab_parallel_traffic(n, v):
     p = sc.placement("cpu", [0, 1, 2])
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""Reduction rules (``sbp_core/ops/reductions.py``) reproduce single-device torch.
+"""Reduction rules (``sbp_core/ops/reductions.py``) and ``roll``/``repeat``/``flip`` reproduce single-device torch.
 
 Values (exactly for bool and integer results: ``parity`` compares dtypes and
 values), input gradients to 1e-5 where the op has one, and the output
@@ -56,6 +56,34 @@ def count_over_rows(i):
     return i.cumsum(0), (i == 2).sum(), i.amax()
 
 
+def variance(x):
+    return x.var(0), x.std(1, correction=0, keepdim=True), x.var()
+
+
+def extremum_rows(x):
+    values, indices = x.max(1)
+    low, where = x.min(0, keepdim=True)
+    return values, indices, low, where
+
+
+def top_and_sorted(x):
+    top, at = x.topk(2, dim=1)
+    ordered, order = x.sort(0, descending=True)
+    return top, at, ordered, order
+
+
+def counts(x):
+    return torch.count_nonzero(x > 0, 0), torch.count_nonzero(x > 0)
+
+
+def rolled_and_repeated(x):
+    return x.roll(2, 1), x.roll(1), x.repeat(2, 1, 1), x.repeat(1, 3)
+
+
+def rolled_partial(a, m):
+    return (a @ m).roll(1, 0).repeat(2, 1)
+
+
 def test_reductions_match_one_device():
     x = torch.randn(7, 5, generator=g)
     a, m = torch.randn(6, 4, generator=g), torch.randn(4, 5, generator=g)
@@ -78,4 +106,24 @@ def test_reductions_match_one_device():
         (running_sum_of_partial, [a, m], [S1, S0], R2, [sbp.partial_sum]),
         (count_over_rows, [ints], [S1], R3, [S1, sbp.partial_sum, pmax], False),
         (count_over_rows, [ints], [S0], R3, None, False),
+    ])
+
+
+def test_variance_extrema_sorting_and_moves_match_one_device():
+    x = torch.randn(7, 5, generator=g)
+    a, m = torch.randn(6, 4, generator=g), torch.randn(4, 5, generator=g)
+    part = sbp.partial_sum
+    run([
+        (variance, [x], [S1], R3, [S0, None, part]),  # var over the split dim 0: decomposed, P(sum) left
+        (variance, [x], [S0], R3, None),  # std over rows of a split batch: S(0) kept
+        (variance, [x], [(S0, S1)], M22, None),
+        (extremum_rows, [x], [S0], R3, [S0, S0, None, None]),
+        (extremum_rows, [x], [S1], R2, None),
+        (top_and_sorted, [x], [S0], R3, [S0, S0, None, None]),
+        (top_and_sorted, [x], [S1], R3, None),
+        (counts, [x], [S0], R3, [part, part], False),
+        (counts, [x], [S1], R2, [sbp.split(0), part], False),
+        (rolled_and_repeated, [x], [S0], R3, [S0, None, sbp.split(1), None]),
+        (rolled_and_repeated, [x], [S1], R2, [None, None, None, None]),
+        (rolled_partial, [a, m], [S1, S0], R2, [part]),
     ])
