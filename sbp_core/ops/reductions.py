@@ -16,7 +16,10 @@
   ``P(sum)`` (a prefix sum is linear); along a split dim the input is boxed.
 - ``max``/``min`` over ``dim`` (values and indices), ``topk``, ``sort``: a
   split kept dim -> ``S``; ``B -> B``; a split reduced or sorted dim is
-  boxed. (No rule for ``prod``: its backward builds a plain tensor.) ``count_nonzero``: a reduced split dim -> ``P(sum)``.
+  boxed. Their backward scatters into ``grad.new_zeros`` from torch 2.13;
+  torch 2.11 scatters into a plain ``torch.zeros``, which the dispatcher
+  refuses to mix with a global gradient. (No rule for ``prod``: its
+  backward concatenates a plain tensor, torch 2.13.) ``count_nonzero``: a reduced split dim -> ``P(sum)``.
 - ``var``/``std``: a split kept dim -> ``S``; over a split reduced dim they
   are *decomposed*: the global mean (a ``P(sum)`` row sum boxed to ``B``,
   divided by the global count), then the squared deviations summed to
