@@ -18,8 +18,9 @@
   split kept dim -> ``S``; ``B -> B``; a split reduced or sorted dim is
   boxed. Their backward scatters into ``grad.new_zeros`` from torch 2.13;
   torch 2.11 scatters into a plain ``torch.zeros``, which the dispatcher
-  refuses to mix with a global gradient. (No rule for ``prod``: its
-  backward concatenates a plain tensor, torch 2.13.) ``count_nonzero``: a reduced split dim -> ``P(sum)``.
+  refuses to mix with a global gradient.
+- ``count_nonzero``: a reduced split dim -> ``P(sum)``. No rule for
+  ``prod``: its backward concatenates a plain tensor (torch 2.13).
 - ``var``/``std``: a split kept dim -> ``S``; over a split reduced dim they
   are *decomposed*: the global mean (a ``P(sum)`` row sum boxed to ``B``,
   divided by the global count), then the squared deviations summed to
@@ -88,23 +89,34 @@ register(aten.any.default, aten.any.dim, aten.any.dims)(_rule(PMAX, partial_in=F
 register(aten.all.default, aten.all.dim, aten.all.dims)(_rule(PMIN, partial_in=False))
 
 
-def _kept_splits(call, dim, keep: bool) -> list:
-    """``S(d) -> S(d')`` for every dim ``d`` but ``dim`` (``None``: no dim kept), ``d'`` its index after the op."""
-    m = call.metas[0]
-    if dim is None:
-        return []
-    dim %= max(m.ndim, 1)
-    return [Sig((Split(d),), (Split(d if keep or d < dim else d - 1),)) for d in range(m.ndim) if d != dim]
+def _kept_only(call, dims, keep: bool, n_out: int = 1) -> list:
+    """``B -> B`` and ``S(d) -> S(d')`` for each dim ``d`` not in ``dims`` (``n_out`` outputs laid out alike)."""
+    nd = call.metas[0].ndim
+    sigs = [Sig((B,), (B,) * n_out)]
+    for d in range(nd):
+        if d not in dims:
+            new = d if keep else d - sum(1 for r in dims if r < d)
+            sigs.append(Sig((Split(d),), (Split(new),) * n_out))
+    return sigs
+
+
+def _dim(call, index: int, default=None):
+    """The op's one ``dim`` argument, non-negative (``None`` when absent and no default)."""
+    dim = call.arg(index, "dim", default)
+    return None if dim is None else dim % max(call.metas[0].ndim, 1)
 
 
 @register(aten.argmax.default, aten.argmin.default)
 def _arg_extremum_rule(call):
-    return [Sig((B,), (B,))] + _kept_splits(call, call.arg(1, "dim", None), bool(call.arg(2, "keepdim", False)))
+    dim = _dim(call, 1)
+    if dim is None:  # an index into the flattened tensor
+        return [Sig((B,), (B,))]
+    return _kept_only(call, (dim,), bool(call.arg(2, "keepdim", False)))
 
 
 @register(aten.cumsum.default)
 def _cumsum_rule(call):
-    return [Sig((B,), (B,)), Sig((P,), (P,))] + _kept_splits(call, call.arg(1, "dim"), True)
+    return _kept_only(call, (_dim(call, 1),), True) + [Sig((P,), (P,))]
 
 
 def _mean_local(func, args, kwargs, ctx):
@@ -162,34 +174,19 @@ register(aten.norm.ScalarOpt_dim, aten.linalg_vector_norm.default, decompose=_ve
          decompose_when=_norm_over_split)(_norm_rule)
 
 
-def _kept_only(call, dims, keep: bool, n_out: int = 1) -> list:
-    """``B -> B`` and ``S(d) -> S(d')`` for each dim ``d`` not in ``dims`` (``n_out`` outputs laid out alike)."""
-    nd = call.metas[0].ndim
-    sigs = [Sig((B,), (B,) * n_out)]
-    for d in range(nd):
-        if d not in dims:
-            new = d if keep else d - sum(1 for r in dims if r < d)
-            sigs.append(Sig((Split(d),), (Split(new),) * n_out))
-    return sigs
-
-
 @register(aten.max.dim, aten.min.dim)
 def _extremum_dim_rule(call):
-    nd = call.metas[0].ndim
-    return _kept_only(call, (call.arg(1, "dim") % max(nd, 1),), bool(call.arg(2, "keepdim", False)), n_out=2)
+    return _kept_only(call, (_dim(call, 1),), bool(call.arg(2, "keepdim", False)), n_out=2)
 
 
 @register(aten.topk.default)
 def _topk_rule(call):
-    nd = call.metas[0].ndim
-    return _kept_only(call, (call.arg(2, "dim", -1) % max(nd, 1),), True, n_out=2)
+    return _kept_only(call, (_dim(call, 2, -1),), True, n_out=2)
 
 
 @register(aten.sort.default, aten.sort.stable)
-def _sort_rule(call):
-    nd = call.metas[0].ndim
-    dim = call.arg(1, "dim", -1) if call.func is aten.sort.default else call.kwargs.get("dim", -1)
-    return _kept_only(call, (dim % max(nd, 1),), True, n_out=2)
+def _sort_rule(call):  # sort.stable's dim is keyword-only: _dim finds it there
+    return _kept_only(call, (_dim(call, 1, -1),), True, n_out=2)
 
 
 register(aten.count_nonzero.default, aten.count_nonzero.dim_IntList)(_rule(P, partial_in=False))
