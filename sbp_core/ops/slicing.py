@@ -73,22 +73,23 @@ def select(call):
     return _keep_others(ax, nd, call.arg(1, "dim") % nd, -1)
 
 
+def _moved_along(call, dims) -> list:
+    """``B``; ``S(i) -> S(i)`` for each dim ``i`` the op does not move entries along; partial passes."""
+    nd = call.metas[0].ndim
+    moved = {d % nd for d in dims}
+    kept = [Sig((Split(i),), (Split(i),)) for i in range(nd) if i not in moved]
+    return [Sig((B,), (B,))] + kept + passthrough(axis_of(call), 0)
+
+
 @register(aten.flip.default)
 def flip(call):
-    ax = axis_of(call)
-    nd = call.metas[0].ndim
-    flipped = {d % nd for d in call.arg(1, "dims")}
-    return [Sig((B,), (B,))] + [Sig((Split(i),), (Split(i),)) for i in range(nd) if i not in flipped] + passthrough(ax, 0)
+    return _moved_along(call, call.arg(1, "dims"))
 
 
 @register(aten.roll.default)
 def roll(call):
-    ax = axis_of(call)
-    nd = call.metas[0].ndim
-    rolled = {d % nd for d in call.arg(2, "dims", [])}
-    if not rolled:  # the flattened tensor rolls: only a whole tensor can
-        return [Sig((B,), (B,))] + passthrough(ax, 0)
-    return [Sig((B,), (B,))] + [Sig((Split(i),), (Split(i),)) for i in range(nd) if i not in rolled] + passthrough(ax, 0)
+    dims = call.arg(2, "dims", [])
+    return _moved_along(call, dims or range(call.metas[0].ndim))  # no dims: the flattened tensor rolls
 
 
 @register(aten.repeat.default)
