@@ -12,12 +12,13 @@ complex and float8 tensors only in some of its calls.
   ``t.element_size()`` bytes. Dim-0 pieces and split sizes count what they
   counted before, and a receive buffer filled through the view is filled in
   its own dtype. The bytes sent are ``t``'s: the ledger's count holds.
-- **Reductions** (all-reduce, reduce-scatter, reduce) compute. ``summable(dtype)``
-  names the dtype a reduction runs in: the dtype itself when the backends
-  reduce it, else the next wider integer one (int16 and uint16 as int32,
-  uint32 as int64; bool sums as int32 too, since gloo adds its bytes into
-  values that are not bools). The result is cast back, so sums wrap as they
-  would in the narrow dtype and a bool sum is a logical or. A wider reduction sends the wider bytes, and the ledger
+- **Reductions** (all-reduce, reduce-scatter, reduce) compute.
+  ``summable(dtype, op)`` names the dtype a reduction runs in: the dtype
+  itself when the backends reduce it, else the next wider integer one
+  (int16 and uint16 as int32, uint32 as int64; bool sums as int32 too,
+  since gloo adds its bytes into values that are not bools). The result is
+  cast back, so sums wrap as they would in the narrow dtype and a bool sum
+  is a logical or. A wider reduction sends the wider bytes, and the ledger
   records those. A dtype with no such form (uint64, float8; complex for max
   and min) is refused before anything is sent, with a ``TypeError`` that
   names it. ``reduced(t)`` is what a reduction hands the backend: complex
