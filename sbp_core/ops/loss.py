@@ -26,10 +26,6 @@
 - ``nll_loss*_backward(g, x, t, w, total_weight)``: the same row / class
   splits -> ``grad_input`` laid out like ``x`` (``g`` ``B`` unless it is
   per-row; mean needs total_weight ``B``); ``g`` ``P`` -> ``P``; ``B`` -> ``B``.
-- ``logsumexp`` over ``dim``: ``S`` on a kept dim -> ``S``; ``B -> B``;
-  over a split dim decomposed like log-softmax (row max ``P(max)`` and
-  exp-sum ``P(sum)``, each boxed to ``B``; infinite maxima shift by 0, as
-  torch does).
 - ``mse_loss``, ``smooth_l1_loss``, ``huber_loss`` and their backwards:
   element-wise signatures; with reduction sum or mean the loss is ``P``
   (mean: the local sum over the *global* element count, and the backward
@@ -266,38 +262,6 @@ def _log_sigmoid(call):  # (out, buffer), reached by the pos_weight gradient and
 def _log_sigmoid_backward(call):
     grad_p = _partial_in(call)
     return split_or_broadcast(call) + ([Sig((P, B, B), (P,))] if grad_p else [])
-
-
-# -- logsumexp --------------------------------------------------------------------
-
-
-def _lse_dims(call) -> tuple:
-    nd = call.metas[0].ndim
-    dims = call.arg(1, "dim")
-    dims = [dims] if isinstance(dims, int) else list(dims)
-    return tuple(sorted(d % nd for d in dims)) if dims else tuple(range(nd))
-
-
-def _lse_rule(call):
-    dims, keep, nd = _lse_dims(call), bool(call.arg(2, "keepdim", False)), call.metas[0].ndim
-    return [Sig((B,), (B,))] + [Sig((Split(d),), (Split(d if keep else d - sum(1 for r in dims if r < d)),))
-                                for d in range(nd) if d not in dims]
-
-
-def _lse_over_split(call) -> bool:
-    dims = _lse_dims(call)
-    return any(s.is_split and s.axis in dims for s in call.sbps[0])
-
-
-def _logsumexp(x, dim, keepdim=False):
-    dims = [dim] if isinstance(dim, int) else list(dim) or list(range(x.dim()))
-    m = _row_stat(x.amax(dims, keepdim=True))
-    m = m.masked_fill(m.abs() == float("inf"), 0.0)
-    out = _row_stat((x - m).exp().sum(dims, keepdim=True)).log() + m
-    return out if keepdim else out.squeeze(dims)
-
-
-register(aten.logsumexp.default, decompose=_logsumexp, decompose_when=_lse_over_split)(_lse_rule)
 
 
 # -- regression losses ---------------------------------------------------------------

@@ -21,10 +21,12 @@
   refuses to mix with a global gradient.
 - ``count_nonzero``: a reduced split dim -> ``P(sum)``. No rule for
   ``prod``: its backward concatenates a plain tensor (torch 2.13).
-- ``var``/``std``: a split kept dim -> ``S``; over a split reduced dim they
-  are *decomposed*: the global mean (a ``P(sum)`` row sum boxed to ``B``,
-  divided by the global count), then the squared deviations summed to
-  ``P(sum)`` (``std`` boxes that for its square root).
+- ``var``/``std``/``logsumexp``: a split kept dim -> ``S``; over a split
+  reduced dim they are *decomposed*. ``var``: the global mean (a ``P(sum)``
+  row sum boxed to ``B``, divided by the global count), then the squared
+  deviations summed to ``P(sum)`` (``std`` boxes that for its square root).
+  ``logsumexp``: like log-softmax, the row max (``P(max)``) and exp-sum
+  (``P(sum)``) each boxed to ``B``; infinite maxima shift by 0, as torch does.
 - vector norms (``norm.ScalarOpt_dim``, what ``F.normalize`` reaches, and
   ``linalg_vector_norm``): ``S(d)`` on a kept dim -> ``S`` on its new index;
   ``B -> B`` (a partial input is boxed first: a norm is not linear). Over a
@@ -192,7 +194,8 @@ def _sort_rule(call):  # sort.stable's dim is keyword-only: _dim finds it there
 register(aten.count_nonzero.default, aten.count_nonzero.dim_IntList)(_rule(P, partial_in=False))
 
 
-def _var_dims(x, dim) -> list:
+def _dims_of(x, dim) -> list:
+    """``dim`` (an int, a list, or ``None``/empty for every dim) as non-negative dims of ``x``."""
     if dim is None or (isinstance(dim, (list, tuple)) and not dim):
         return list(range(x.dim()))
     return [d % x.dim() for d in ([dim] if isinstance(dim, int) else dim)]
@@ -201,7 +204,7 @@ def _var_dims(x, dim) -> list:
 def _var(x, dim=None, *, correction=None, keepdim=False):
     """Variance over ``dim`` from global sums: the mean is boxed to ``B`` (one row per kept index), the
     squared deviations' sum is left ``P(sum)``."""
-    dims = _var_dims(x, dim)
+    dims = _dims_of(x, dim)
     n = math.prod(x.shape[d] for d in dims)
     mean = _row_stat(x.sum(dims, keepdim=True)) / n
     return (x - mean).square().sum(dims, keepdim=keepdim) / max(n - (1 if correction is None else correction), 0)
@@ -211,7 +214,15 @@ def _std(x, dim=None, *, correction=None, keepdim=False):
     return _var(x, dim, correction=correction, keepdim=keepdim).sqrt()
 
 
-def _var_rule(call):
+def _logsumexp(x, dim, keepdim=False):
+    dims = _dims_of(x, dim)
+    m = _row_stat(x.amax(dims, keepdim=True))
+    m = m.masked_fill(m.abs() == float("inf"), 0.0)
+    out = _row_stat((x - m).exp().sum(dims, keepdim=True)).log() + m
+    return out if keepdim else out.squeeze(dims)
+
+
+def _kept_dims_rule(call):
     return _kept_only(call, _reduced_dims(call, call.metas[0].ndim), bool(call.arg(2, "keepdim", False)))
 
 
@@ -220,5 +231,6 @@ def _reduces_split(call) -> bool:
     return any(s.is_split and s.axis in dims for s in call.sbps[0])
 
 
-register(aten.var.correction, decompose=_var, decompose_when=_reduces_split)(_var_rule)
-register(aten.std.correction, decompose=_std, decompose_when=_reduces_split)(_var_rule)
+register(aten.var.correction, decompose=_var, decompose_when=_reduces_split)(_kept_dims_rule)
+register(aten.std.correction, decompose=_std, decompose_when=_reduces_split)(_kept_dims_rule)
+register(aten.logsumexp.default, decompose=_logsumexp, decompose_when=_reduces_split)(_kept_dims_rule)
