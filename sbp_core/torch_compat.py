@@ -1,7 +1,9 @@
 """The torch APIs sbp_core uses that are newer than the oldest torch it runs on (2.11), with fallbacks.
 
 Each name here is read from torch when the running release has it, and
-otherwise computed from what 2.11 has, with the same meaning.
+otherwise computed from what 2.11 has, with the same meaning. One aten
+kernel, the backward of the value-selecting reductions, is replaced by 2.13's
+on releases whose kernel builds plain zeros (a probe at import says which).
 """
 from __future__ import annotations
 
@@ -36,3 +38,47 @@ def is_inplace(func) -> bool:
 def _holds_tensors(kind) -> bool:
     return isinstance(kind, torch.TensorType) or (
         isinstance(kind, torch.ListType) and isinstance(kind.getElementType(), torch.TensorType))
+
+
+def _selection_backward_uses_new_zeros() -> bool:
+    """Whether this torch's backward of ``max(dim)`` builds its zeros with ``grad.new_zeros`` (2.13 does)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.add(func)
+            return func(*args, **(kwargs or {}))
+
+    x = torch.zeros(2, 2, requires_grad=True)
+    values = x.max(0)[0]
+    with _Seen() as seen:
+        values.sum().backward()
+    return torch.ops.aten.new_zeros.default in seen.ops
+
+
+def _value_selecting_reduction_backward(grad, dim, indices, sizes, keepdim):
+    """torch 2.13's backward of ``max``/``min`` over a dim, ``topk``, ``sort``, ``kthvalue``, ``median``, ``mode``.
+
+    Scatters ``grad`` at ``indices`` into zeros of the input's ``sizes``.
+    Older releases make those zeros with ``torch.zeros``: a plain tensor,
+    which a global gradient cannot be scattered into. ``grad.new_zeros`` makes
+    them global (the dispatcher's ``new_zeros`` rule), as 2.13 does.
+    """
+    if not keepdim and len(sizes) > 0:
+        grad, indices = grad.unsqueeze(dim), indices.unsqueeze(dim)
+    return grad.new_zeros(sizes).scatter(dim, indices, grad)
+
+
+_aten_overrides = None  # the Library that holds the kernels below, kept alive: its registrations end with it
+if not _selection_backward_uses_new_zeros():
+    import warnings
+
+    _aten_overrides = torch.library.Library("aten", "IMPL")
+    with warnings.catch_warnings():  # "Overriding a previously registered kernel": the override is the point
+        warnings.simplefilter("ignore")
+        _aten_overrides.impl("value_selecting_reduction_backward", _value_selecting_reduction_backward,
+                             "CompositeImplicitAutograd")
