@@ -249,13 +249,23 @@ _MISSING = object()
 _VIEWS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -> its _LocalView
 
 
+def _may_step_locals(optimizer) -> bool:
+    """Can a later ``step_on_locals`` step ``optimizer`` on its locals (gradients in layout permitting)?"""
+    return steps_on_locals(optimizer) and not any(
+        type(p) is GlobalTensor and any(s.is_partial for s in p._layout.sbp)
+        for g in optimizer.param_groups for p in g["params"])
+
+
 def _dispatched_step(optimizer) -> None:
     """``optimizer.step()`` on the global parameters, with any ``fused`` kernel switched off for it.
 
     A fused step is one aten op over lists of tensors, which has no SBP rule;
     its single-tensor ops (the same update) do. Those keep a new ``step``
-    count on the host, where a later fused step on the locals would hand it
-    to a CUDA kernel: it moves to its parameter's device, as fused state is.
+    count on the host. Where a later step may run fused on the locals
+    (``steps_on_locals``, no partial parameter), which hands it to a CUDA
+    kernel, it moves to its parameter's device, as fused state is; an
+    optimizer that always takes this path keeps it on the host, where the
+    single-tensor ops read it without waiting for the device.
     A ``found_inf`` flag on the optimizer (fp16's overflow, ``LossScaler``),
     which only the fused kernels read, is read here: a step that overflowed
     is skipped.
@@ -271,6 +281,7 @@ def _dispatched_step(optimizer) -> None:
     finally:
         for g in fused:
             g["fused"] = True
+        for g in fused if _may_step_locals(optimizer) else ():
             for p in g["params"]:
                 step = optimizer.state.get(p, {}).get("step")
                 if isinstance(step, torch.Tensor) and step.device != p.device:

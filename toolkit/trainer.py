@@ -124,9 +124,9 @@ class Job:
                                                 bucket_bytes=bucket_bytes)
         else:
             sc.distribute_module(self.module, mesh, plan, bucket_bytes)
+        # With ZeRO the step syncs the masters' gradients and refreshes the compute copies itself
+        # (PipelineStep): no optimizer hooks, which would make the step dispatch per op on global tensors.
         self.optimizer = recipe.build_optimizer(self.module, cfg)
-        if self.zero is not None:
-            self.zero.attach(self.optimizer)
         self.scheduler = build_scheduler(self.optimizer, tr)
         if v > 1:  # each stage's forward runs a view of the rank's module (made last: it shares what came before)
             self.chunks = chunk_views(self.module, split, ranges, stages)

@@ -57,8 +57,9 @@ on each of its ranks ``r``:
   unscaling the gradients and the job-wide overflow check
   (``sc.LossScaler``: every rank skips the same steps); global-norm
   clipping over all stages, the optimizer step (on the parameters' local tensors when it is
-  element-wise, ``sc.step_on_locals``), the LR scheduler step,
-  ``zero_grad``; returns the step's mean loss on the last stage.
+  element-wise, ``sc.step_on_locals``), ZeRO's ``refresh`` of its compute
+  copies, the LR scheduler step, ``zero_grad``; returns the step's mean
+  loss on the last stage.
 
 Nothing here orders forwards and backwards: with the stash full a stage can
 only run a backward, and a backward wins when both are ready, so stage
@@ -239,8 +240,10 @@ class PipelineStep:
     skips the step (``skipped``) where any rank's overflowed. ``zero``: the
     ZeRO strategy that distributed ``module`` (``toolkit.zero.Zero``), or
     ``None``: it keeps gradients in its masters' layout (``reduce`` calls
-    its ``sync_grads`` instead of boxing them) and its stages stay on the
-    dispatched path (its cast module keeps masters and compute copies apart).
+    its ``sync_grads`` instead of boxing them), ``update`` calls its
+    ``refresh`` after the optimizer step (``optimizer`` has no ZeRO hooks),
+    and its stages stay on the dispatched path (its cast module keeps
+    masters and compute copies apart).
     """
 
     def __init__(self, cfg: PipelineConfig, module, optimizer, forward: Callable, batches: Callable,
@@ -514,6 +517,8 @@ class PipelineStep:
                 self.optimizer.found_inf = None
         elif not self.skipped:
             sc.step_on_locals(self.optimizer)
+        if self.zero is not None and (found is not None or not self.skipped):
+            self.zero.refresh()  # the compute copies from the stepped masters
         if self.scheduler is not None:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -291,3 +291,24 @@ def test_plan_rewrite_shards_a_dim_no_other_axis_splits():
     assert master_sbp((S0,), (256, 64), 0, 4) == (S0,)  # already split on dp: kept
     assert master_sbp((B,), (), 0, 4) == (B,)  # a scalar: kept
     assert rewrite_plan({"w": ((8, 4), (B, S0)), "b": ((4,), (B, B))}, 0, 2) == {"w": (S1, S0), "b": (S0, B)}
+
+
+def _trainer_steps_masters_locals():
+    import tempfile
+
+    from recipes.registry import get
+    from toolkit.config import compose
+    from toolkit.trainer import Job
+
+    cfg = compose(["parallel=dp2_zero2", "model.n_layer=2", "model.n_embd=32", "model.n_head=4",
+                   "model.vocab_size=512", "model.n_positions=32", "data.max_bytes=200000",
+                   "trainer.micro_batch_size=4", "trainer.global_batch_size=8", "logger=none",
+                   "trainer.eval_every=0", "trainer.save_every=0", "device=cpu"], run_dir=tempfile.mkdtemp())
+    job = Job(cfg, get("gpt2"))
+    return sc.steps_on_locals(job.optimizer)
+
+
+def test_the_trainers_zero_optimizer_steps_the_masters_locals():
+    """The trainer's step syncs and refreshes ZeRO itself: no optimizer hooks, which would make every update a
+    dispatched step over global tensors (on CUDA also a host read of each parameter's step count)."""
+    assert get_pool(2).run(_trainer_steps_masters_locals) == [True, True]

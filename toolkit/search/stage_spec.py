@@ -69,8 +69,7 @@ def stage_spec(recipe, cfg, strategy: Strategy, stage: int, layers=None) -> Stag
         z = None
         if strategy.zero and strategy.dp > 1:
             module, z = apply_zero(module, placement, plan, stage=strategy.zero, dp_axis=0)
-            optimizer = recipe.build_optimizer(module, cfg)
-            z.attach(optimizer)
+            optimizer = recipe.build_optimizer(module, cfg)  # no ZeRO hooks: the step refreshes, as the trainer's
         else:
             sc.distribute_module(module, placement, plan)
             optimizer = recipe.build_optimizer(module, cfg)

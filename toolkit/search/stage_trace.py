@@ -156,6 +156,8 @@ def trace_stage(spec: StageSpec) -> StageTrace:
 
                 clip_grad_norm_([p for p in module.parameters() if p.grad is not None], spec.grad_clip)
             step_on_locals(optimizer)  # as runtime.pipeline.step: locals for an element-wise optimizer
+            if zero is not None:
+                zero.refresh()
         out.phases["update"] = up
         params = list(module.parameters())
         out.param_bytes = _local_bytes(params)
