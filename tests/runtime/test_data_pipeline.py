@@ -87,6 +87,10 @@ def test_to_device_on_cuda_moves_every_tensor_on_the_copy_stream():
 
     batch = {"input_ids": torch.arange(6).view(2, 3), "extra": (torch.ones(1), [torch.ones(2)])}
     compute = torch.cuda.current_stream()
+    # First pinned and device allocations (and the copy stream) outside the timed call: allocating can
+    # synchronise the device.
+    to_device(batch, "cuda")
+    torch.cuda.synchronize()
     # Keep the compute stream busy: the copy must not queue behind it, and must be done on return.
     big = torch.randn(4096, 4096, device="cuda")
     for _ in range(20):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from .running import ROOT
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 def test_each_chosen_step_runs_and_the_exit_status_counts_the_failed_ones(tmp_path):
     out = subprocess.run([os.path.join(ROOT, ".ci", "gpu"), str(tmp_path), "gpu_check", "cuda_tests"],
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHON": sys.executable})
     assert out.returncode == 1, out.stdout + out.stderr  # gpu_check has no GPU here; the CUDA tests all skip
     assert sorted(os.listdir(tmp_path)) == ["cuda_tests.txt", "gpu_check.txt"]
     check = (tmp_path / "gpu_check.txt").read_text()
