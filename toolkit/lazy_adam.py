@@ -226,8 +226,9 @@ class LazyAdamW(torch.optim.Optimizer):
             # An element-wise update of tensors sharing one layout is their locals' update
             # (sbp_core.local_step): no op dispatch per parameter.
             tensors = [[t._local if isinstance(t, GlobalTensor) else t for t in ts] for ts in tensors]
-        on_cuda = tensors[0][0].device.type == "cuda"
-        adam(*tensors, [], steps, foreach=on_cuda, decoupled_weight_decay=True, amsgrad=False,
+        # foreach on CUDA for plain tensors only: its _foreach_* ops have no SBP rule.
+        foreach = tensors[0][0].device.type == "cuda" and not any(isinstance(t, GlobalTensor) for t in tensors[0])
+        adam(*tensors, [], steps, foreach=foreach, decoupled_weight_decay=True, amsgrad=False,
              beta1=b1, beta2=b2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
              maximize=False)
 
