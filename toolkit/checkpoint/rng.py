@@ -1,10 +1,11 @@
 """Random-number generator states as checkpointable values (one per rank: ``save``'s ``per_rank``).
 
 ``rng_state()`` gives torch's CPU generator (a ``uint8`` tensor), the CUDA
-generator of this rank's device (``torch.cuda.current_device()``: one GPU
-per rank, so a job resumed on another machine or node count restores each
-rank's own), Python's ``random`` and numpy's global generator as tensors and
-plain data; ``set_rng_state`` restores them.
+generator of this rank's device where the job uses CUDA
+(``torch.cuda.current_device()``: one GPU per rank, so a job resumed on
+another machine or node count restores each rank's own), Python's
+``random`` and numpy's global generator as tensors and plain data;
+``set_rng_state`` restores them.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 
 def rng_state() -> dict:
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
+    if torch.cuda.is_initialized():  # a job that uses CUDA (a CPU job on a GPU host opens no context for it)
         state["cuda"] = torch.cuda.get_rng_state(torch.cuda.current_device())
     try:
         import numpy as np
@@ -31,7 +32,7 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
-    if state.get("cuda") is not None and torch.cuda.is_available():
+    if state.get("cuda") is not None and torch.cuda.is_initialized():
         torch.cuda.set_rng_state(state["cuda"], torch.cuda.current_device())
     if "numpy" in state:
         import numpy as np
