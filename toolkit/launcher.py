@@ -23,7 +23,8 @@
   process group, so the code path equals the multi-rank one; the environment
   variables it sets are restored afterwards.
 
-On CUDA each rank owns one GPU, ``LOCAL_RANK`` (``torch.cuda.set_device``
+On CUDA each rank owns one GPU, ``LOCAL_RANK``, or the only one visible
+where the launcher shows each task its own (``torch.cuda.set_device``
 before anything is allocated, and NCCL bound to it). A collective that
 times out raises on gloo; on NCCL torch's watchdog aborts the rank's
 process after the same timeout. Either way the launcher (or torchrun) sees
@@ -58,7 +59,7 @@ from typing import Any, Callable, Optional
 
 from runtime.host_memory import keep_freed_host_memory
 from toolkit import child
-from toolkit.config.environment import ClusterEnv, cluster_env, resolve_device
+from toolkit.config.environment import ClusterEnv, cluster_env, device_index, resolve_device
 from toolkit.config.errors import ConfigError
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -210,7 +211,7 @@ def _run_launched(main, cfg, nprocs: int, env: ClusterEnv, device: str, timeout:
     _require_no_group()
     kind = resolve_device(device, env.local_world_size or 1)
     if kind == "cuda":
-        torch.cuda.set_device(env.local_rank)
+        torch.cuda.set_device(device_index(env.local_rank, torch.cuda.device_count()))
     if env.kind == "slurm":  # torchrun already set these; Slurm names them its own way
         os.environ.update(_rank_env(env.rank, env.world_size, env.local_rank, env.local_world_size or 1,
                                     env.master_addr, env.master_port, timeout))

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from toolkit.config import ConfigError, cluster_env, resolve_device
-from toolkit.config.environment import first_host
+from toolkit.config.environment import device_index, first_host
 
 TORCHRUN = dict(RANK="3", WORLD_SIZE="8", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2", MASTER_ADDR="10.0.0.1",
                 MASTER_PORT="29400")
@@ -32,6 +32,17 @@ def test_srun():
     assert (env.kind, env.rank, env.world_size, env.local_rank, env.local_world_size) == ("slurm", 5, 8, 1, 2)
     assert env.master_addr == "gpu07"
     assert env.master_port == 20000 + 123456 % 10000
+
+
+def test_srun_tasks_per_node_in_slurms_repeated_form():
+    assert cluster_env({**SRUN, "SLURM_NTASKS_PER_NODE": "2(x4)"}).local_world_size == 2
+    assert cluster_env({**SRUN, "SLURM_NTASKS_PER_NODE": "2,1"}).local_world_size is None  # uneven nodes
+
+
+def test_a_launched_ranks_device_is_its_local_rank_or_the_one_it_sees():
+    assert device_index(3, 8) == 3 and device_index(3, 1) == 0  # --gpus-per-task=1 shows each task one
+    with pytest.raises(ConfigError, match="local rank 3 has no CUDA device of its own: 2 visible"):
+        device_index(3, 2)
 
 
 def test_srun_master_from_environment():

@@ -100,9 +100,9 @@ def cluster_env(env: Mapping[str, str] | None = None) -> Optional[ClusterEnv]:
         else:
             port = 20000 + _int(env, "SLURM_JOB_ID") % 10000 if "SLURM_JOB_ID" in env else 29500
         local_ws = None
-        per_node = env.get("SLURM_NTASKS_PER_NODE", "")
-        if per_node.isdigit():
-            local_ws = int(per_node)
+        per_node = re.fullmatch(r"(\d+)(?:\(x\d+\))?", env.get("SLURM_NTASKS_PER_NODE", ""))
+        if per_node:  # "4", or "4(x2)": 4 tasks on each of 2 nodes
+            local_ws = int(per_node.group(1))
         return ClusterEnv("slurm", _int(env, "SLURM_PROCID"), _int(env, "SLURM_STEP_NUM_TASKS"),
                           _int(env, "SLURM_LOCALID"), local_ws, addr, port)
     return None
@@ -113,6 +113,17 @@ def cuda_device_count() -> int:
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def device_index(local_rank: int, visible: int) -> int:
+    """The CUDA device of a launched rank: its local rank, or 0 where the launcher shows each task one
+    device (Slurm's ``--gpus-per-task=1``)."""
+    if visible == 1:
+        return 0
+    if 0 <= local_rank < visible:
+        return local_rank
+    raise ConfigError(f"local rank {local_rank} has no CUDA device of its own: {visible} visible; valid: "
+                      f"at most {visible} ranks per node, or one visible device per task")
 
 
 def resolve_device(device: str, local_ranks: int) -> str:
