@@ -160,6 +160,13 @@ class Job:
         tr = self.cfg.trainer
         return lr_at(step, float(tr.lr), float(tr.min_lr), int(tr.warmup_steps), int(tr.max_steps))
 
+    def close(self) -> None:
+        """Stop the batches read ahead for steps that will not run (``MicroBatches.close``)."""
+        for batches in (self.train_batches, self.val_batches):
+            close = getattr(batches, "close", None)
+            if close is not None:
+                close()
+
     def evaluate_loss(self) -> float | None:
         """Mean loss over ``trainer.eval_steps`` validation global batches, forward only (known on rank 0)."""
         n = int(self.cfg.trainer.eval_steps) * self.layout.accumulation
@@ -232,35 +239,38 @@ def train(cfg, recipe, layout=None):
     per_item = recipe.flops_per_item(cfg, job.n_params)
     throughput = f"{recipe.throughput_unit}_per_s"
     last = None
-    with MetricsLogger(cfg.run_dir, cfg, enabled=job.rank == 0, flops_per_item=per_item, peak_tflops=peak.tflops,
-                       n_devices=lay.world_size, throughput_key=throughput) as logger, \
-            _progress(int(tr.max_steps), job.step, job.rank == 0) as bar:
-        window, steps_in_window = time.perf_counter(), 0
-        for step in range(job.step, int(tr.max_steps)):
-            lr = job.lr(step)
-            loss = job.pipe.step(step)  # a device tensor: the step queues its work and returns
-            job.step = step + 1
-            steps_in_window += 1
-            if bar is not None:
-                bar.update(1)
-            if job.step % int(tr.log_every) == 0 or job.step == 1 or job.step == int(tr.max_steps):
-                # The host waits for the device here only: reading the loss, every log_every steps.
-                loss = None if loss is None or job.rank != 0 else float(loss)
-                _synchronize(lay.device)
-                seconds = (time.perf_counter() - window) / steps_in_window
+    try:
+        with MetricsLogger(cfg.run_dir, cfg, enabled=job.rank == 0, flops_per_item=per_item, peak_tflops=peak.tflops,
+                           n_devices=lay.world_size, throughput_key=throughput) as logger, \
+                _progress(int(tr.max_steps), job.step, job.rank == 0) as bar:
+            window, steps_in_window = time.perf_counter(), 0
+            for step in range(job.step, int(tr.max_steps)):
+                lr = job.lr(step)
+                loss = job.pipe.step(step)  # a device tensor: the step queues its work and returns
+                job.step = step + 1
+                steps_in_window += 1
                 if bar is not None:
-                    bar.set_postfix(loss=f"{loss:.4f}" if loss is not None else "?")
-                scale = {} if job.pipe.loss_scale is None else \
-                    {"loss_scale": job.pipe.loss_scale.scale, "skipped": bool(job.pipe.skipped)}
-                last = logger.log(job.step, loss=loss, lr=lr, grad_norm=job.pipe.grad_norm, **scale,
-                                  **{throughput: lay.items_per_step / seconds}) or last
-                window, steps_in_window = time.perf_counter(), 0
-            if tr.eval_every and (job.step % int(tr.eval_every) == 0 or job.step == int(tr.max_steps)):
-                metrics = recipe.evaluate(job)
-                if job.rank == 0 and metrics:
-                    last = {**(last or {}), **logger.log_eval(job.step, **metrics)}
-                window, steps_in_window = time.perf_counter(), 0
-            if (tr.save_every and job.step % int(tr.save_every) == 0) or job.step == int(tr.max_steps):
-                run_state.save(job, job.step)
-                window, steps_in_window = time.perf_counter(), 0
+                    bar.update(1)
+                if job.step % int(tr.log_every) == 0 or job.step == 1 or job.step == int(tr.max_steps):
+                    # The host waits for the device here only: reading the loss, every log_every steps.
+                    loss = None if loss is None or job.rank != 0 else float(loss)
+                    _synchronize(lay.device)
+                    seconds = (time.perf_counter() - window) / steps_in_window
+                    if bar is not None:
+                        bar.set_postfix(loss=f"{loss:.4f}" if loss is not None else "?")
+                    scale = {} if job.pipe.loss_scale is None else \
+                        {"loss_scale": job.pipe.loss_scale.scale, "skipped": bool(job.pipe.skipped)}
+                    last = logger.log(job.step, loss=loss, lr=lr, grad_norm=job.pipe.grad_norm, **scale,
+                                      **{throughput: lay.items_per_step / seconds}) or last
+                    window, steps_in_window = time.perf_counter(), 0
+                if tr.eval_every and (job.step % int(tr.eval_every) == 0 or job.step == int(tr.max_steps)):
+                    metrics = recipe.evaluate(job)
+                    if job.rank == 0 and metrics:
+                        last = {**(last or {}), **logger.log_eval(job.step, **metrics)}
+                    window, steps_in_window = time.perf_counter(), 0
+                if (tr.save_every and job.step % int(tr.save_every) == 0) or job.step == int(tr.max_steps):
+                    run_state.save(job, job.step)
+                    window, steps_in_window = time.perf_counter(), 0
+    finally:
+        job.close()  # nothing keeps loading behind the caller's back
     return last if job.rank == 0 else None

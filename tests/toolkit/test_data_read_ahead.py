@@ -138,7 +138,7 @@ def test_settle_returns_once_every_piece_in_the_window_is_loaded_or_failed():
         ahead.close()
 
 
-def test_micro_batches_settle_the_read_aheads_their_stages_made():
+def test_micro_batches_settle_and_close_the_read_aheads_their_stages_made():
     gate = threading.Event()
     batches = _batches(_GatedAfterFirst(gate), read_ahead=2)
     ahead = batches.stages()[0].action.ahead
@@ -155,7 +155,10 @@ def test_micro_batches_settle_the_read_aheads_their_stages_made():
     made = _batches(Rows(), read_ahead=2)
     other = made.stages()[0].action.ahead
     assert len(made._aheads) == 1 and len(pickle.loads(pickle.dumps(made))._aheads) == 0  # not another process's
-    other.close()
+    other.get(0)
+    assert other._pool is not None and other._loading
+    made.for_step(3).close()  # a job's end: its read-aheads load nothing more
+    assert other._pool is None and not other._loading
 
 
 def test_the_actor_pipeline_reads_ahead_what_load_reads():

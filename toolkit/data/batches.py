@@ -140,6 +140,11 @@ class MicroBatches:
         for ahead in list(self._aheads):
             ahead.settle()
 
+    def close(self) -> None:
+        """Stop the read-aheads of ``stages`` (``ReadAhead.close``): a job that is done loads nothing more."""
+        for ahead in list(self._aheads):
+            ahead.close()
+
     def __copy__(self) -> "MicroBatches":  # ``for_step``'s copies share the read-aheads (pickling drops them)
         other = object.__new__(type(self))
         other.__dict__.update(self.__dict__)
