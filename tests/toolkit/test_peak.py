@@ -13,6 +13,8 @@ from toolkit.metrics import MetricsLogger
 @pytest.mark.parametrize("name,precision,want", [
     ("NVIDIA H100 80GB HBM3", "bf16", 989.4),
     ("NVIDIA H100 PCIe", "bf16", 756.5),
+    ("NVIDIA H100 NVL", "bf16", 835.5),
+    ("NVIDIA H200 NVL", "tf32", 417.5),
     ("NVIDIA H200", "fp16", 989.4),
     ("NVIDIA A100-SXM4-80GB", "tf32", 156.0),
     ("NVIDIA A10", "bf16", 125.0),
