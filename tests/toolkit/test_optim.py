@@ -123,22 +123,34 @@ def test_cpu_parameters_keep_torch_default_kernels():
     assert not build_optimizer(torch.nn.Linear(4, 3), TRAINER).defaults.get("fused")
 
 
-def test_a_dispatched_step_runs_without_the_fused_kernel_and_restores_it():
+@pytest.mark.parametrize("hooked", [False, True])
+def test_a_dispatched_step_runs_without_the_fused_kernel_and_restores_it(hooked):
+    """The step count moves where a later fused step on the locals reads it, only where one can follow: an
+    optimizer with step hooks always dispatches, and its single-tensor steps read the count on the host."""
     from sbp_core.local_step import _dispatched_step
 
     p = torch.nn.Parameter(torch.empty(3, device="meta"))  # stands for a parameter on a GPU
 
-    class Probe:
-        param_groups = [{"fused": True, "params": [p]}, {"fused": None, "params": []}]
-        state = {}
+    class Probe(torch.optim.SGD):
+        elementwise = True  # steps on locals (sbp_core.steps_on_locals) unless hooked
         seen = None
+
+        def __init__(self):  # not torch's: meta parameters
+            self.param_groups = [{"fused": True, "params": [p]}, {"fused": None, "params": []}]
+            self.state = {}
+            self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks = {}, {}
 
         def step(self):
             Probe.seen = [g["fused"] for g in self.param_groups]
             self.state[p] = {"step": torch.tensor(1.0, dtype=torch.float64)}  # a single-tensor step's host count
 
     opt = Probe()
+    if hooked:
+        opt._optimizer_step_pre_hooks[0] = lambda *a: None
     _dispatched_step(opt)
     assert Probe.seen == [False, None] and [g["fused"] for g in opt.param_groups] == [True, None]
-    step = opt.state[p]["step"]  # where the next fused step's kernel reads it
-    assert step.device == p.device and step.dtype == torch.float32
+    step = opt.state[p]["step"]
+    if hooked:
+        assert step.device.type == "cpu" and step.dtype == torch.float64
+    else:  # where the next fused step's kernel reads it
+        assert step.device == p.device and step.dtype == torch.float32
