@@ -472,7 +472,7 @@ _P2P = threading.local()
 
 
 @contextlib.contextmanager
-def _settled(device: torch.device):
+def _settled(device: torch.device, after_current: bool = True):
     """Run the block's transfers on a stream of this thread's own, and return once they are done.
 
     Under NCCL a transfer's ``wait`` only makes the current stream wait for
@@ -481,9 +481,12 @@ def _settled(device: torch.device):
     default one; every kernel queued there later, the work that produces the
     data included, would wait behind such a receive: a deadlock. On a stream
     of its own a transfer holds up nothing else, and the calling thread
-    blocks until it is done, as under gloo. The stream first waits for what
-    the thread's current stream has queued (a send's producer, a receive
-    buffer's allocation). Anything not CUDA: nothing to do.
+    blocks until it is done, as under gloo. ``after_current``: the stream
+    first waits for what the thread's current stream has queued (a send's
+    producer). A receive passes ``False``: its buffer is allocated inside the
+    block, on the transfer's stream, so the receive need not wait for the
+    device to drain the compute queued so far (``_received`` then hands the
+    buffer to the current stream). Anything not CUDA: nothing to do.
     """
     if device.type != "cuda":
         yield
@@ -492,10 +495,19 @@ def _settled(device: torch.device):
     if device not in streams:
         streams[device] = torch.cuda.Stream(device)
     stream = streams[device]
-    stream.wait_stream(torch.cuda.current_stream(device))
+    if after_current:
+        stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
         yield
     stream.synchronize()
+
+
+def _received(buf: torch.Tensor) -> torch.Tensor:
+    """``buf``, filled by a transfer ``_settled`` has waited for, handed to the current stream: the caching
+    allocator must not give its memory to the next transfer before the kernels queued there read it."""
+    if buf.is_cuda:
+        buf.record_stream(torch.cuda.current_stream(buf.device))
+    return buf
 
 
 @_collective(lambda obj, dst, group: {dst})
@@ -540,10 +552,12 @@ def recv_object(src: int, group, device=None):
         if buf.numel():
             dist.recv(buf, src=src, group=control)
         return pickle.loads(buf.numpy().tobytes())
-    buf = torch.empty(shape, dtype=_DTYPES[code], device=tensor_device(group))
-    if buf.numel():
-        with _settled(buf.device):
+    on = tensor_device(group)
+    with _settled(on, after_current=False):
+        buf = torch.empty(shape, dtype=_DTYPES[code], device=on)
+        if buf.numel():
             dist.recv(moved(buf), src=src, group=group)
+    buf = _received(buf)
     return buf if device is None else buf.to(device)
 
 
@@ -567,7 +581,9 @@ def send_tensor(t: torch.Tensor, dst: int, group) -> None:
 def recv_tensor(shape, dtype, src: int, group, device=None) -> torch.Tensor:
     """Receive what ``send_tensor`` sent from ``src`` on ``group``, into a new tensor of ``shape`` and
     ``dtype`` on ``device`` (``None``: where ``group``'s backend delivers it)."""
-    buf = torch.empty(shape, dtype=dtype, device=tensor_device(group))
-    with _settled(buf.device):
+    on = tensor_device(group)
+    with _settled(on, after_current=False):
+        buf = torch.empty(shape, dtype=dtype, device=on)
         dist.recv(moved(buf), src=src, group=group)
+    buf = _received(buf)
     return buf if device is None else buf.to(device)
