@@ -11,7 +11,7 @@ from toolkit.rank_pool import get_pool
 WORLD = 5
 
 
-def _clip(norm_type):
+def _clip(norm_type, max_norm=1.0):
     p = sc.placement("cpu", [[0, 1], [2, 3]])
     torch.manual_seed(0)
     values = [torch.randn(6, 5) for _ in range(4)]
@@ -20,13 +20,13 @@ def _clip(norm_type):
     ref = [torch.nn.Parameter(v.clone()) for v in values]
     for r, g in zip(ref, grads):
         r.grad = g.clone()
-    want_norm = torch.nn.utils.clip_grad_norm_(ref, max_norm=1.0, norm_type=norm_type)
+    want_norm = torch.nn.utils.clip_grad_norm_(ref, max_norm=max_norm, norm_type=norm_type)
     params = []
     for v, g, s in zip(values, grads, layouts):
         q = torch.nn.Parameter(sc.distribute(v, p, s))
         q.grad = sc.distribute(g, p, s)
         params.append(q)
-    norm = sc.clip_grad_norm_(params, max_norm=1.0, norm_type=norm_type)
+    norm = sc.clip_grad_norm_(params, max_norm=max_norm, norm_type=norm_type)
     got = [q.grad.full_tensor() for q in params]
     n = norm.full_tensor()
     if torch.distributed.get_rank() not in p:
@@ -34,11 +34,37 @@ def _clip(norm_type):
     return (n - want_norm).abs().item() / want_norm.item(), max((a - r.grad).abs().max().item() for a, r in zip(got, ref))
 
 
+@pytest.mark.parametrize("max_norm", [1.0, 1e6])  # 1e6: above the norm, the gradients stay as they are
 @pytest.mark.parametrize("norm_type", [2.0, float("inf")])
-def test_clip_grad_norm_mixed_layouts(norm_type):
-    for res in get_pool(WORLD).run(_clip, norm_type)[:4]:
+def test_clip_grad_norm_mixed_layouts(norm_type, max_norm):
+    for res in get_pool(WORLD).run(_clip, norm_type, max_norm)[:4]:
         norm_err, grad_err = res
         assert norm_err < 1e-6 and grad_err < 1e-6
+
+
+def _clip_two_stages(norm_type):
+    """Stage 0's gradients on ranks 0-1, stage 1's on 2-3: every rank clips by the norm over both."""
+    stages = [sc.placement("cpu", [0, 1]), sc.placement("cpu", [2, 3])]
+    torch.manual_seed(1)
+    grads = [torch.randn(4, 3) * 3, torch.randn(5) * 4]  # one per stage
+    ref = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for r, g in zip(ref, grads):
+        r.grad = g.clone()
+    want = torch.nn.utils.clip_grad_norm_(ref, max_norm=1.0, norm_type=norm_type)
+    me = torch.distributed.get_rank()
+    if me > 3:
+        return None
+    k = me // 2
+    q = torch.nn.Parameter(sc.distribute(torch.zeros_like(grads[k]), stages[k], sbp.split(0)))
+    q.grad = sc.distribute(grads[k].clone(), stages[k], sbp.split(0))
+    norm = sc.clip_grad_norm_([q], max_norm=1.0, norm_type=norm_type, stages=stages)
+    return norm.full_tensor().item(), want.item(), (q.grad.full_tensor() - ref[k].grad).abs().max().item()
+
+
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
+def test_clip_grad_norm_over_pipeline_stages(norm_type):
+    for got, want, grad_err in get_pool(WORLD).run(_clip_two_stages, norm_type)[:4]:
+        assert abs(got - want) <= 1e-6 * want and grad_err < 1e-6
 
 
 @pytest.mark.parametrize("norm_type", [2.0, float("inf")])
