@@ -146,3 +146,30 @@ def test_a_state_changed_between_local_steps_is_what_the_next_one_reads():
 
     want, got = run(False), run(True)
     assert len(want) == len(got) and all(torch.equal(a, b) for a, b in zip(want, got))
+
+
+def _partial_parameters_refused():
+    """A parameter laid out partial never steps its terms: each way to step it raises, naming why."""
+    from toolkit.lazy_adam import LazyAdamW
+
+    p = sc.placement("cpu", [0, 1])
+    out = []
+    for step in ("lazy_adam", "local_grads"):
+        part = torch.nn.Parameter(sc.to_global(torch.ones(4, 2), placement=p, sbp=(sbp.partial_sum,)))
+        grad = sc.to_global(torch.ones(4, 2), placement=p, sbp=(sbp.partial_sum,))
+        try:
+            if step == "lazy_adam":  # its dense step over global tensors: no rule runs Adam's in-place ops on P
+                part.grad = grad
+                LazyAdamW([part], lr=0.1).step()
+            else:  # a one-device step's local gradients
+                sc.step_on_locals(torch.optim.SGD([part], lr=0.1), grads={id(part): grad._local})
+            out.append("stepped")
+        except ValueError as exc:
+            out.append(str(exc))
+    return out
+
+
+def test_a_partial_parameter_is_refused_by_lazy_adam_and_with_local_gradients():
+    for lazy, local in get_pool(WORLD).run(_partial_parameters_refused)[:2]:
+        assert "cannot run with inputs" in lazy, lazy
+        assert "laid out partial" in local, local
