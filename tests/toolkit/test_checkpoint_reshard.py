@@ -279,3 +279,18 @@ def test_wrong_shape_is_refused_on_every_rank(saved):
     for o in outcomes:
         assert not o.ok and o.exc_type == "CheckpointError"
         assert "model/transformer.wpe.weight" in o.message and "[32, 64]" in o.message
+
+
+def _save_per_rank(root):
+    ckpt.save(root, 1, {"rng": {"rank": dist.get_rank()}, "step": 1}, per_rank=("rng",))
+
+
+def _load_per_rank(root):
+    return ckpt.load(root)["rng"]["rank"]
+
+
+def test_a_larger_world_takes_each_ranks_state_from_rank_modulo_the_saved_world(tmp_path):
+    """Saved by 2 ranks, loaded by 4: ranks 2 and 3 resume ranks 0's and 1's per-rank state (RNG, sampler)."""
+    root = str(tmp_path / "ckpt")
+    get_pool(2).run(_save_per_rank, root)
+    assert get_pool(WORLD).run(_load_per_rank, root) == [0, 1, 0, 1]
