@@ -53,10 +53,11 @@ def _selection_backward_uses_new_zeros() -> bool:
             self.ops.add(func)
             return func(*args, **(kwargs or {}))
 
-    x = torch.zeros(2, 2, requires_grad=True)
-    values = x.max(0)[0]
-    with _Seen() as seen:
-        values.sum().backward()
+    with torch.inference_mode(False), torch.enable_grad():  # whatever the importing code runs under
+        x = torch.zeros(2, 2, device="cpu", requires_grad=True)
+        values = x.max(0)[0]
+        with _Seen() as seen:
+            values.sum().backward()
     return torch.ops.aten.new_zeros.default in seen.ops
 
 
