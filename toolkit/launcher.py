@@ -209,7 +209,7 @@ def _run_launched(main, cfg, nprocs: int, env: ClusterEnv, device: str, timeout:
                           f"nprocs={nprocs}; valid: launch {nprocs} processes, or choose a layout whose "
                           f"dp*tp*pp is {env.world_size}")
     _require_no_group()
-    kind = resolve_device(device, env.local_world_size or 1)
+    kind = resolve_device(device, env.sharing_devices(env.world_size))
     if kind == "cuda":
         torch.cuda.set_device(device_index(env.local_rank, torch.cuda.device_count()))
     if env.kind == "slurm":  # torchrun already set these; Slurm names them its own way

@@ -39,6 +39,13 @@ def test_srun_tasks_per_node_in_slurms_repeated_form():
     assert cluster_env({**SRUN, "SLURM_NTASKS_PER_NODE": "2,1"}).local_world_size is None  # uneven nodes
 
 
+def test_srun_gpus_per_task_gives_each_task_its_own_devices():
+    assert not cluster_env(SRUN).gpu_per_task and cluster_env(SRUN).sharing_devices(8) == 2
+    bound = cluster_env({**SRUN, "SLURM_GPUS_PER_TASK": "1"})
+    assert bound.gpu_per_task and bound.sharing_devices(8) == 1
+    assert cluster_env({**SRUN, "SLURM_NTASKS_PER_NODE": "2,1"}).sharing_devices(8) == 8  # not said: all
+
+
 def test_a_launched_ranks_device_is_its_local_rank_or_the_one_it_sees():
     assert device_index(3, 8) == 3 and device_index(3, 1) == 0  # --gpus-per-task=1 shows each task one
     with pytest.raises(ConfigError, match="local rank 3 has no CUDA device of its own: 2 visible"):

@@ -18,6 +18,8 @@ The master is ``MASTER_ADDR`` if set, else the first host of
 ``SLURM_STEP_NODELIST`` / ``SLURM_JOB_NODELIST`` / ``SLURM_NODELIST``; the
 port is ``MASTER_PORT`` if set, else ``20000 + SLURM_JOB_ID % 10000`` (the
 same on every task of a job, different between most concurrent jobs).
+With ``--gpus-per-task`` (``SLURM_GPUS_PER_TASK``) each task sees only its
+own devices, so a rank needs one visible device, not one per local rank.
 """
 from __future__ import annotations
 
@@ -43,6 +45,13 @@ class ClusterEnv:
     local_world_size: Optional[int]  # None when the launcher does not say
     master_addr: str
     master_port: int
+    gpu_per_task: bool = False  # Slurm binds devices to each task (--gpus-per-task): a rank sees its own only
+
+    def sharing_devices(self, world: int) -> int:
+        """How many ranks need a device of their own among those this process sees: 1 where Slurm binds
+        devices to each task, else the node's ranks (``world`` where the launcher does not say).
+        ``validate`` and the launcher both resolve ``device=auto`` with it, so they agree."""
+        return 1 if self.gpu_per_task else self.local_world_size or world
 
 
 def _int(env: Mapping[str, str], key: str) -> int:
@@ -104,7 +113,7 @@ def cluster_env(env: Mapping[str, str] | None = None) -> Optional[ClusterEnv]:
         if per_node:  # "4", or "4(x2)": 4 tasks on each of 2 nodes
             local_ws = int(per_node.group(1))
         return ClusterEnv("slurm", _int(env, "SLURM_PROCID"), _int(env, "SLURM_STEP_NUM_TASKS"),
-                          _int(env, "SLURM_LOCALID"), local_ws, addr, port)
+                          _int(env, "SLURM_LOCALID"), local_ws, addr, port, "SLURM_GPUS_PER_TASK" in env)
     return None
 
 

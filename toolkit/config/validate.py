@@ -200,7 +200,7 @@ def _check_device(p: list, cfg, env, world: int) -> str:
     """``cpu`` or ``cuda``: what ``cfg.device`` resolves to for this host's ranks."""
     device = "cpu"
     if cfg.device in S.DEVICES and world:
-        local = (env.local_world_size or world) if env is not None else world
+        local = env.sharing_devices(world) if env is not None else world
         try:
             device = resolve_device(cfg.device, local)
         except ConfigError as err:
