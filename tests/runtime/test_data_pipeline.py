@@ -10,6 +10,7 @@ from benchkit.token_file import TokenFile, write_tokens
 from runtime.data_pipeline import data_stages, to_device
 from runtime.executor import RuntimeFailure, run
 from runtime.plan import ActorSpec, Plan
+from runtime.data_pipeline import _tensors_mapped
 
 
 @pytest.fixture
@@ -107,3 +108,9 @@ def test_a_short_file_is_refused(tmp_path):
     write_tokens(path, torch.zeros(3, 8, dtype=torch.int64))
     with pytest.raises(ValueError, match="fewer than one batch of 4"):
         TokenFile(path, seq_len=8, batch_size=4)
+
+
+def test_a_batchs_containers_keep_their_types_on_the_way_to_the_device():
+    t = torch.ones(2)
+    out = _tensors_mapped({"a": (t, [t])}, lambda x: x * 2)
+    assert type(out["a"]) is tuple and type(out["a"][1]) is list and torch.equal(out["a"][0], t * 2)

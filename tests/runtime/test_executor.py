@@ -5,6 +5,7 @@ import time
 from unittest import mock
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -12,6 +13,7 @@ from runtime.executor import RuntimeFailure, run, thread_homes
 from runtime.ids import actor_id, index_of, rank_of, thread_of
 from runtime.plan import QUEUES, ActorSpec, Plan, PlanError
 from runtime.trace import Trace
+from toolkit.rank_pool import get_pool
 
 
 def _recorder(name, delay):
@@ -291,3 +293,22 @@ def test_a_gloo_job_is_host_only_on_a_machine_with_gpus_too():
             mock.patch("torch.distributed.get_backend", return_value="nccl"), \
             mock.patch("torch.cuda.current_device", return_value=0):
         assert not executor.host_only()
+
+
+def test_pieces_not_a_multiple_of_every_are_refused():
+    plan = Plan([ActorSpec("a", lambda k: k), ActorSpec("b", lambda k, xs: xs, inputs=("a",), every=2)])
+    with pytest.raises(PlanError, match="not a multiple of every"):
+        run(plan, 3, timeout=5)
+
+
+def _send_transposed():
+    plan = Plan([
+        ActorSpec("load", lambda k: torch.full((3, 2), float(k)).t(), rank=0, out=((2, 3), torch.float32)),
+        ActorSpec("sum", lambda k, x: float(x.sum()), inputs=("load",), rank=1),
+    ])
+    return run(plan, 2, timeout=30).outputs.get("sum")
+
+
+def test_a_declared_channel_refuses_a_non_contiguous_value():
+    outs = get_pool(2, timeout=5.0).outcomes(_send_transposed)
+    assert not outs[0].ok and "not contiguous" in outs[0].message, outs[0].message

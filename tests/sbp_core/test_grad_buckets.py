@@ -77,3 +77,13 @@ def test_buckets_overlap_backward_and_match_one_device(bucket_bytes):
             assert r["buckets"] == 8 and r["started_before_first_layer"] >= 1, r
         else:
             assert r["buckets"] == 1, r
+
+
+def test_buckets_fill_from_the_last_leaf_with_a_small_first_bucket():
+    """Backward reaches the last leaves first: they fill the first bucket, capped at ``first_bucket_bytes``."""
+    from sbp_core.grad_buckets import GradBuckets
+
+    leaves = [torch.zeros(100, requires_grad=True) for _ in range(4)]  # 400 bytes each
+    gb = GradBuckets(leaves, [None] * 4, lambda leaf, g: None, bucket_bytes=1000, first_bucket_bytes=100)
+    got = [[next(i for i, leaf in enumerate(leaves) if leaf is r()) for r in bucket] for bucket in gb.buckets]
+    assert got == [[3], [2, 1], [0]], got

@@ -5,7 +5,9 @@ matmul, a scalar, a non-zero fill) must add it to one term only, or box
 first; ops that read a ``P(max)`` value's terms (``any``) must not see the
 identity the other ranks hold (``-inf``, which is non-zero). Values and
 gradients against one device, and the layouts that keep partial values
-lazy where that is exact. 2 and 3 ranks.
+lazy where that is exact. Partial inputs made inside the function (a sum
+over a split dim) give every rank a real term, where ``distribute``'s
+partial inputs leave zeros (or ``-inf``) beside the value. 2 and 3 ranks.
 """
 from __future__ import annotations
 
@@ -41,6 +43,49 @@ def filled(x, m):
 
 def any_nonzero(x):
     return x.any(1), x.any()
+
+
+def made_from(x):
+    return x + x.new_ones(x.shape) + x.new_full(x.shape, 0.5)  # new tensors of a partial value are not partial
+
+
+def zeros_like_split(x):
+    return x.new_zeros(x.shape)
+
+
+def joined_with_legacy_empty(x, e):
+    return torch.cat([x, e], 0)
+
+
+def joined_with_partial(a, b):
+    return torch.cat([a, b], 1)
+
+
+def index_add_of_maxima(a, i, s):
+    return a.amax(2).index_add(0, i, s.amax(2))  # P(max) terms that are not the identity elsewhere
+
+
+def scattered_fill(x, idx):
+    return x.scatter(1, idx, 1.5)
+
+
+def pooled_sum(a):
+    return F.max_pool2d(a.sum(0), 2)  # every rank's term is non-zero
+
+
+def test_new_tensors_joins_scatters_and_pools_of_partial_values():
+    x = torch.randn(4, 6, generator=g)
+    idx = torch.stack([torch.randperm(6, generator=g)[:3] for _ in range(4)])
+    run([
+        (made_from, [torch.randn(4, 3, generator=g)], [P], R2, None, False),
+        (zeros_like_split, [torch.randn(4, 3, generator=g)], [S0], R3, [S0], False),  # autograd's buffers stay split
+        (joined_with_legacy_empty, [torch.randn(3, 4, generator=g), torch.empty(0)], [S1, B], R2, [S1], False),
+        (joined_with_partial, [torch.randn(3, 4, generator=g), torch.randn(3, 2, generator=g)], [B, P], R2, [P]),
+        (index_add_of_maxima, [torch.randn(5, 4, 3, generator=g), torch.tensor([4, 0, 2]),
+                               torch.randn(3, 4, 3, generator=g)], [S2, B, S2], R3, None, False),
+        (scattered_fill, [x, idx], [P, B], R2, None, False),
+        (pooled_sum, [torch.randn(3, 2, 2, 4, 4, generator=g)], [S0], R3, None, False),
+    ])
 
 
 def test_partial_terms_count_once():

@@ -271,3 +271,15 @@ def test_save_killed_mid_write_keeps_previous_latest(pool, tmp_path):
     # The next save (here by this process, a world of one) clears the stale .tmp directory.
     assert ckpt.save(root, 3, {"step": 3}) == os.path.join(root, "step_3")
     assert sorted(os.listdir(root)) == ["latest", "step_1", "step_3"]
+
+
+def test_pruning_never_removes_the_checkpoint_just_saved(tmp_path):
+    """A re-saved step can be the oldest by its manifest's time; ``keep`` still survives ``keep_last=1``."""
+    from toolkit.checkpoint import directory, manifest
+
+    for step, mtime in (("step_1", 2_000_000_000), ("step_5", 2_000_000_100)):
+        os.makedirs(tmp_path / step)
+        (tmp_path / step / manifest.NAME).write_text("{}")
+        os.utime(tmp_path / step / manifest.NAME, (mtime, mtime))
+    assert directory.prune(str(tmp_path), 1, keep="step_1") == []
+    assert (tmp_path / "step_1" / manifest.NAME).exists()

@@ -86,3 +86,14 @@ def test_bad_share_arguments(args, message):
     accum, micro, dp, rank = args
     with pytest.raises(ValueError, match=message):
         micro_batch_rows(torch.arange(8), accum, micro, dp, rank)
+
+
+def test_one_global_batch_per_epoch_is_allowed():
+    s = GlobalBatchSampler(8, 8, seed=3)
+    assert s.steps_per_epoch == 1 and sorted(s.rows(0).tolist()) == list(range(8))
+
+
+def test_a_state_of_another_global_batch_is_refused():
+    saved = GlobalBatchSampler(100, 10, seed=1, step=4).state_dict()
+    with pytest.raises(ValueError, match="global_batch"):
+        GlobalBatchSampler(100, 20, seed=1).load_state_dict(saved)

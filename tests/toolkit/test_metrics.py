@@ -108,3 +108,11 @@ def test_wandb_offline_run(tmp_path, monkeypatch):
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and any(runs[0].glob("*.wandb"))
     assert init_s < 20, f"wandb.init took {init_s:.1f} s"
+
+
+def test_an_explicit_mfu_or_tflops_is_kept(tmp_path):
+    log = MetricsLogger(tmp_path, {"logger": {"backend": "none"}}, enabled=True, flops_per_item=1e6,
+                        peak_tflops=1.0, console=False)
+    row = log.log(1, tokens_per_s=1000.0, mfu=0.5, mem=0)
+    assert row["mfu"] == 0.5 and row["tflops"] == pytest.approx(1e-3)
+    assert log.log(2, tokens_per_s=1000.0, tflops=7.0, mem=0)["tflops"] == 7.0
