@@ -33,7 +33,8 @@ def _ranks(ranks):
 
 @pytest.mark.parametrize(
     "ranks,words",
-    [([0, 1, 1], "repeat rank(s) [1]"), ([0, 7], "[7] are not in the world: valid ranks are 0..4"), ([[0, 1], [2]], "rectangular")],
+    [([0, 1, 1], "repeat rank(s) [1]"), ([0, 7], "[7] are not in the world: valid ranks are 0..4"),
+     ([0, 5], "[5] are not in the world"), ([[0, 1], [2]], "rectangular")],
 )
 def test_bad_placement_ranks(ranks, words):
     for o in _errors(_ranks, ranks):
@@ -112,3 +113,19 @@ def test_a_failed_point_to_point_send_names_the_peer(send):
     with mock.patch.object(collectives.dist, "send", lost), pytest.raises(collectives.CollectiveError) as err:
         getattr(collectives, send)(torch.zeros(3), 1, None)
     assert f"{send} with ranks [1] failed on rank 0" in str(err.value) and "Connection closed" in str(err.value)
+
+
+def _cast(kind):
+    p = sc.placement("cpu", [0, 1])
+    if kind == "truncating":
+        sc.cast(sc.distribute(torch.ones(4), p, sbp.broadcast), dtype=torch.int32)
+    else:  # the gradient of a cast out of a partial max has no defined layout
+        x = sc.distribute(torch.randn(4, 2), p, sbp.partial_max, requires_grad=True)
+        sc.cast_group([x], [(sbp.broadcast,)])[0].sum().backward()
+
+
+@pytest.mark.parametrize("kind,words", [("truncating", "would truncate a torch.float32 tensor"),
+                                        ("partial_max_gradient", "(a partial max/min) is not defined")])
+def test_casts_that_lose_values_or_have_no_gradient_are_refused(kind, words):
+    outcomes = _errors(_cast, kind)
+    assert all(o.exc_type == "ValueError" and words in o.message for o in outcomes[:2]), outcomes
