@@ -89,10 +89,15 @@ def updates_locally(p) -> bool:
     A plain tensor is its own local: yes."""
     if not isinstance(p, GlobalTensor):
         return True
-    if any(s.is_partial for s in p._layout.sbp):
+    if _laid_out_partial(p):
         return False
     g = p.grad
     return g is None or _in_layout_of(g, p)
+
+
+def _laid_out_partial(p) -> bool:
+    """Is global tensor ``p`` a partial value on some mesh axis?"""
+    return any(s.is_partial for s in p._layout.sbp)
 
 
 def _in_layout_of(g, p) -> bool:
@@ -175,7 +180,7 @@ class _LocalView:
         self.locals = [[p._local if isinstance(p, GlobalTensor) else p for p in ps] for ps in self.members]
         self.pairs = [(p, p._local) for ps in self.members for p in ps if isinstance(p, GlobalTensor)]
         self.plain = [p for ps in self.members for p in ps if not isinstance(p, GlobalTensor)]
-        self.partial = any(s.is_partial for p, _ in self.pairs for s in p._layout.sbp)  # (updates_locally)
+        self.partial = any(_laid_out_partial(p) for p, _ in self.pairs)  # (updates_locally)
         self.local_state = local_state = defaultdict(dict)  # as torch keeps it: a step creates entries by lookup
         for ps in self.members:
             for p in ps:
@@ -252,8 +257,7 @@ _VIEWS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -
 def _may_step_locals(optimizer) -> bool:
     """Can a later ``step_on_locals`` step ``optimizer`` on its locals (gradients in layout permitting)?"""
     return steps_on_locals(optimizer) and not any(
-        type(p) is GlobalTensor and any(s.is_partial for s in p._layout.sbp)
-        for g in optimizer.param_groups for p in g["params"])
+        type(p) is GlobalTensor and _laid_out_partial(p) for g in optimizer.param_groups for p in g["params"])
 
 
 def _dispatched_step(optimizer) -> None:
