@@ -246,12 +246,13 @@ def train(cfg, recipe, layout=None):
             window, steps_in_window = time.perf_counter(), 0
             for step in range(job.step, int(tr.max_steps)):
                 lr = job.lr(step)
-                loss = job.pipe.step(step)  # a device tensor: the step queues its work and returns
+                logging = (step + 1) % int(tr.log_every) == 0 or step == 0 or step + 1 == int(tr.max_steps)
+                loss = job.pipe.step(step, report=logging)  # a device tensor: the step queues its work, returns
                 job.step = step + 1
                 steps_in_window += 1
                 if bar is not None:
                     bar.update(1)
-                if job.step % int(tr.log_every) == 0 or job.step == 1 or job.step == int(tr.max_steps):
+                if logging:
                     # The host waits for the device here only: reading the loss, every log_every steps.
                     loss = None if loss is None or job.rank != 0 else float(loss)
                     _synchronize(lay.device)

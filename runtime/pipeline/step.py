@@ -302,6 +302,7 @@ class PipelineStep:
         self._losses = []
         self.last_trace, self.last_loss, self.grad_norm = None, None, None
         self.plan = self._plan(self.batches, cfg.micro_batches, train=True)
+        self._quiet_plan = None  # the step's plan without the loss's trip to rank 0 (step(report=False))
         self._eval_plans: dict = {}
 
     # -- actions ---------------------------------------------------------------------------
@@ -570,8 +571,9 @@ class PipelineStep:
                         bwd_in[(s, r)] = bwd_in.get((s, r), ()) + (name,)
         return actors, fwd_in, bwd_in
 
-    def _plan(self, batches, m: int, train: bool) -> Plan:
-        """The actors of one training step (``train``) or one forward-only evaluation of ``m`` micro-batches."""
+    def _plan(self, batches, m: int, train: bool, report: bool = True) -> Plan:
+        """The actors of one training step (``train``) or one forward-only evaluation of ``m`` micro-batches;
+        ``report``: the loss is sent to rank 0 where rank 0 is not on the last stage."""
         cfg, n, v, where = self.cfg, self.pp, self.cfg.virtual, self.where
         device = cfg.placements[0].device()
         actors, fwd_in, bwd_in = self._boundaries(train, device)
@@ -624,7 +626,7 @@ class PipelineStep:
         if train:
             actors += self._step_actors(m)
         last_leader = cfg.stage_placement(n - 1).ranks[0]
-        if 0 not in cfg.stage_placement(n - 1):
+        if report and 0 not in cfg.stage_placement(n - 1):
             # The loss is known after reduce: rank 0 need not wait for the last stage's optimizer step.
             final = f"s{self._rank_first_stage(n - 1)}.reduce@{last_leader}" if train else \
                 f"s{n - 1}.loss@{last_leader}"
@@ -701,13 +703,21 @@ class PipelineStep:
         finally:
             self.step_index = saved
 
-    def step(self, index: int | None = None):
+    def step(self, index: int | None = None, report: bool = True):
         """One optimizer step over ``micro_batches`` micro-batches; the mean loss where known, else ``None``.
 
         The loss (and ``grad_norm``) is a 0-d tensor on the stage's device: nothing in a step waits
-        for the device, so reading it (``float``) is the caller's synchronisation, when it wants one."""
+        for the device, so reading it (``float``) is the caller's synchronisation, when it wants one.
+        ``report=False``: the loss stays on the last stage's ranks (rank 0 gets ``None`` unless it is one
+        of them), sparing rank 0 a message that waits for the last stage's reduce. Every rank must pass
+        the same ``report`` (the two plans differ in a channel)."""
         if index is not None:
             self.step_index = index
-        loss = self._run(self.plan, self.cfg.micro_batches, self.batches, train=True)
+        plan = self.plan
+        if not report:
+            if self._quiet_plan is None:
+                self._quiet_plan = self._plan(self.batches, self.cfg.micro_batches, train=True, report=False)
+            plan = self._quiet_plan
+        loss = self._run(plan, self.cfg.micro_batches, self.batches, train=True)
         self.step_index += 1
         return loss

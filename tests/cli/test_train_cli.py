@@ -47,6 +47,14 @@ def test_layout_losses_equal_single(layout, single, sbp_cache, tmp_path):
         assert abs(a - b) <= 1e-4 * abs(b), (layout, losses, single)
 
 
+def test_steps_between_log_steps_keep_the_loss_on_the_last_stage(single, sbp_cache, tmp_path):
+    """pp2, logging steps 1 and 3: step 2 does not send its loss to rank 0; the logged losses are single's."""
+    losses = train_pooled([*TINY, "parallel=pp2", "trainer.log_every=3"], tmp_path, sbp_cache)
+    assert len(losses) == 2
+    for a, b in zip(losses, single[::2]):
+        assert abs(a - b) <= 1e-4 * abs(b), (losses, single)
+
+
 def test_sixteen_processes_from_the_command_line(single, sbp_cache, tmp_path):
     """``python train.py parallel=dp2_tp4_pp2``: train.py spawns 16 ranks itself; losses equal single's."""
     out = _train([*TINY, "parallel=dp2_tp4_pp2", f"hydra.run.dir={tmp_path}"], sbp_cache)

@@ -58,6 +58,32 @@ def test_one_device_stages_run_on_plain_tensors_unless_explained():
     assert res[0][1] is not None and res[1][1] is not None
 
 
+def _quiet_steps():
+    """tp2_pp2 (rank 0 on the first stage only): steps reporting and not, against steps that all report."""
+    from benchkit.pipeline_parity import build
+
+    losses = {}
+    for way, reports in (("quiet", (True, False, False, True)), ("loud", (True,) * 4)):
+        step, module = build(1, 2, 2, max_grad_norm=0.05)
+        got = [step.step(i, report=r) for i, r in enumerate(reports)]
+        losses[way] = [None if x is None else float(x) for x in got]
+        params = {n: q.full_tensor() for n, q in module.named_parameters()} if module is not None else None
+        losses[way + "_params"] = params
+    return losses
+
+
+def test_a_step_that_does_not_report_keeps_the_loss_on_the_last_stage():
+    res = get_pool(8).run(_quiet_steps)
+    first, last = res[0], res[2]  # rank 0: the first stage's; rank 2: the last stage's leader
+    assert first["quiet"][1] is None and first["quiet"][2] is None  # not sent to rank 0
+    assert None not in first["loud"] and None not in last["quiet"]
+    assert first["quiet"][0] == first["loud"][0] and first["quiet"][3] == first["loud"][3]
+    assert last["quiet"] == last["loud"] == first["loud"]  # the same steps: bit for bit, reported or not
+    for r in res[:4]:
+        for n, q in r["quiet_params"].items():
+            assert torch.equal(q, r["loud_params"][n]), n
+
+
 def _one_device_one_stage():
     """pp1 on rank 0 (the other ranks hold no stage): three clipped steps with the global clip forbidden."""
     from unittest import mock
