@@ -288,16 +288,20 @@ def _local_specs(plan: Plan, me: int) -> list:
             if ranks[src] != s.rank and ch not in channels:
                 channels.append(ch)
     local = [s for s in plan.actors if s.rank == me]
+    # On a GPU each local producer with a consumer elsewhere marks its value's kernels (``_marking``), so
+    # its sends wait for them alone, not for the compute its thread queued after them.
+    device = None if host_only() else world_device()
+    marks = {src: {} for src, a, _ in channels if a == me and device is not None and device.type == "cuda"}
+    local = [replace(s, action=_marking(s.action, marks[s.name], device)) if s.name in marks else s for s in local]
     for c, (src, a, b) in enumerate(channels):
         group = channel_group(f"{src}:{a}->{b}", (a, b))
         queue_name = f"network:{c}"
         every, out = plan.by_name()[src].every, plan.by_name()[src].out
         if me == a:
-            local.append(ActorSpec(f"send:{src}->{b}", _sender(src, b, group, out), inputs=(src,), queue=queue_name,
-                                   quota=1, every=every))
+            local.append(ActorSpec(f"send:{src}->{b}", _sender(src, b, group, out, marks.get(src)), inputs=(src,),
+                                   queue=queue_name, quota=1, every=every))
         if me == b:
             recv = f"recv:{src}"
-            device = None if host_only() else world_device()
             local.append(ActorSpec(recv, _receiver(a, group, device, out), queue=queue_name, quota=RECEIVE_QUOTA,
                                    every=every))
             local = [
@@ -309,11 +313,24 @@ def _local_specs(plan: Plan, me: int) -> list:
     return local
 
 
-def _sender(producer: str, dst: int, group, out):
-    """The send action of a channel: the data alone when the producer declares its ``out``, else a header first."""
+def _marking(action, marks: dict, device):
+    """``action``, then a ``collectives.ready_mark`` of what it queued, kept in ``marks`` under its piece
+    for the sends of its value (a producer and each of its senders count the same pieces in order)."""
+
+    def act(piece, *values):
+        out = action(piece, *values)
+        marks[piece] = collectives.ready_mark(device)
+        return out
+
+    return act
+
+
+def _sender(producer: str, dst: int, group, out, marks=None):
+    """The send action of a channel: the data alone when the producer declares its ``out``, else a header
+    first; ``marks``: the producer's ``_marking`` (its value's ready mark per piece), or ``None``."""
     if out is None:
         def send(piece, value):
-            collectives.send_object(value, dst, group)
+            collectives.send_object(value, dst, group, None if marks is None else marks.get(piece))
 
         return send
     shape, dtype = torch.Size(out[0]), out[1]
@@ -324,7 +341,7 @@ def _sender(producer: str, dst: int, group, out):
             got = (f"{tuple(value.shape)} {value.dtype}{'' if value.is_contiguous() else ' not contiguous'}"
                    if isinstance(value, torch.Tensor) else type(value).__name__)
             raise TypeError(f"actor {producer!r} declares out {tuple(shape)} {dtype} but produced {got}")
-        collectives.send_tensor(value.detach(), dst, group)
+        collectives.send_tensor(value.detach(), dst, group, None if marks is None else marks.get(piece))
 
     return send_data
 

@@ -471,8 +471,19 @@ def broadcast_ints(values, src: int, group) -> list:
 _P2P = threading.local()
 
 
+def ready_mark(device: torch.device):
+    """What a send from another thread waits for in place of everything queued so far (``send_tensor``'s
+    and ``send_object``'s ``ready``): on CUDA an event recorded on this thread's current stream, right
+    after the work that produced the value; anything not CUDA: ``None`` (nothing to wait for)."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
 @contextlib.contextmanager
-def _settled(device: torch.device, after_current: bool = True):
+def _settled(device: torch.device, after_current: bool = True, ready=None):
     """Run the block's transfers on a stream of this thread's own, and return once they are done.
 
     Under NCCL a transfer's ``wait`` only makes the current stream wait for
@@ -486,7 +497,10 @@ def _settled(device: torch.device, after_current: bool = True):
     producer). A receive passes ``False``: its buffer is allocated inside the
     block, on the transfer's stream, so the receive need not wait for the
     device to drain the compute queued so far (``_received`` then hands the
-    buffer to the current stream). Anything not CUDA: nothing to do.
+    buffer to the current stream). ``ready`` (a ``ready_mark`` of the producer's thread): the stream
+    waits for that event in place of the current stream, so a send leaves as soon as its producer's
+    kernels are done, not behind the compute its thread queued after them. Anything not CUDA: nothing
+    to do.
     """
     if device.type != "cuda":
         yield
@@ -495,7 +509,9 @@ def _settled(device: torch.device, after_current: bool = True):
     if device not in streams:
         streams[device] = torch.cuda.Stream(device)
     stream = streams[device]
-    if after_current:
+    if ready is not None:
+        stream.wait_event(ready)
+    elif after_current:
         stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
         yield
@@ -510,20 +526,24 @@ def _received(buf: torch.Tensor) -> torch.Tensor:
     return buf
 
 
-@_collective(lambda obj, dst, group: {dst})
-def send_object(obj, dst: int, group) -> None:
+@_collective(lambda obj, dst, group, ready=None: {dst})
+def send_object(obj, dst: int, group, ready=None) -> None:
     """Send a tensor (header, then its data) or any picklable object to ``dst`` on ``group``.
 
     Blocking (on a GPU too: ``_settled``); for the runtime's channels, each on a group and thread of its
     own. The header and a pickled object travel on the host over ``group``'s
     control group (gloo); a tensor's data travels on ``group`` from the device
     its backend needs (``tensor_device``: this rank's GPU under NCCL), copied
-    there first when it lies elsewhere.
+    there first when it lies elsewhere. ``ready``: ``ready_mark`` of the
+    thread that produced ``obj`` (``None``: wait for this thread's current
+    stream); not used when the data had to be copied first.
     """
     header = torch.zeros(_HEADER, dtype=torch.int64)
     control = control_group(group)
     if isinstance(obj, torch.Tensor) and obj.dtype in _DTYPES and obj.dim() <= _HEADER - 3:
         payload, on = obj.detach().to(tensor_device(group)).contiguous(), group
+        if payload.data_ptr() != obj.data_ptr() or payload.device != obj.device:
+            ready = None  # the copy was queued on this thread's stream
         header[0], header[1], header[2] = 0, _DTYPES.index(obj.dtype), obj.dim()
         header[3 : 3 + obj.dim()] = torch.tensor(obj.shape, dtype=torch.int64)
     else:
@@ -534,7 +554,7 @@ def send_object(obj, dst: int, group) -> None:
     ledger.record("send", 2, _nbytes(payload), (world_rank(), dst))
     dist.send(header, dst=dst, group=control)
     if payload.numel():
-        with _settled(payload.device):
+        with _settled(payload.device, ready=ready):
             dist.send(moved(payload), dst=dst, group=on)
 
 
@@ -561,19 +581,22 @@ def recv_object(src: int, group, device=None):
     return buf if device is None else buf.to(device)
 
 
-@_collective(lambda t, dst, group: {dst})
-def send_tensor(t: torch.Tensor, dst: int, group) -> None:
+@_collective(lambda t, dst, group, ready=None: {dst})
+def send_tensor(t: torch.Tensor, dst: int, group, ready=None) -> None:
     """Send a contiguous tensor's data alone to ``dst`` on ``group``; blocking.
 
     For a channel whose every value has one shape and dtype that both ends
     know (``recv_tensor``): one transfer per value, where ``send_object``
     sends a header first and the receiver waits for it before it can post
     the data's receive. Sent from ``tensor_device(group)`` (copied there first
-    when ``t`` lies elsewhere).
+    when ``t`` lies elsewhere). ``ready``: as ``send_object``'s.
     """
     ledger.record("send", 2, _nbytes(t), (world_rank(), dst))
-    t = t.to(tensor_device(group)).contiguous()
-    with _settled(t.device):
+    u = t.to(tensor_device(group)).contiguous()
+    if u.data_ptr() != t.data_ptr() or u.device != t.device:
+        ready = None  # the copy was queued on this thread's stream
+    t = u
+    with _settled(t.device, ready=ready):
         dist.send(moved(t), dst=dst, group=group)
 
 

@@ -312,3 +312,36 @@ def _send_transposed():
 def test_a_declared_channel_refuses_a_non_contiguous_value():
     outs = get_pool(2, timeout=5.0).outcomes(_send_transposed)
     assert not outs[0].ok and "not contiguous" in outs[0].message, outs[0].message
+
+
+def test_on_a_gpu_each_send_waits_for_its_own_pieces_ready_mark():
+    """A producer with consumers on two other ranks marks each value it makes; each of its sends passes the
+    mark of the piece it sends (a stand-in mark on this CPU host, where the real one is a CUDA event)."""
+    from runtime import executor
+
+    plan = Plan([ActorSpec("p", lambda k: torch.full((2,), float(k)), out=((2,), torch.float32)),
+                 ActorSpec("c1", lambda k, x: x, inputs=("p",), rank=1),
+                 ActorSpec("c2", lambda k, x: x, inputs=("p",), rank=2)])
+    marks, sent = iter(range(100, 200)), []
+    with mock.patch.object(executor, "host_only", return_value=False), \
+            mock.patch.object(executor, "world_device", return_value=torch.device("cuda", 0)), \
+            mock.patch.object(executor, "channel_group", return_value=None), \
+            mock.patch.object(executor.collectives, "ready_mark", side_effect=lambda device: next(marks)), \
+            mock.patch.object(executor.collectives, "send_tensor",
+                              side_effect=lambda t, dst, group, ready: sent.append((float(t[0]), dst, ready))):
+        specs = {s.name: s for s in executor._local_specs(plan, 0)}
+        values = [specs["p"].action(k) for k in range(3)]  # three pieces, marked 100, 101, 102
+        for k in (0, 1, 2):
+            specs["send:p->2"].action(k, values[k])
+        for k in (0, 1, 2):
+            specs["send:p->1"].action(k, values[k])
+    assert sent == [(0.0, 2, 100), (1.0, 2, 101), (2.0, 2, 102), (0.0, 1, 100), (1.0, 1, 101), (2.0, 1, 102)]
+
+
+def test_on_a_host_only_rank_producers_are_left_unwrapped():
+    plan = Plan([ActorSpec("p", lambda k: k), ActorSpec("c", lambda k, x: x, inputs=("p",), rank=1)])
+    from runtime import executor
+
+    with mock.patch.object(executor, "channel_group", return_value=None):
+        specs = {s.name: s for s in executor._local_specs(plan, 0)}
+    assert specs["p"].action is plan.actors[0].action

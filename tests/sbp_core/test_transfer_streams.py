@@ -4,7 +4,8 @@ Under NCCL a transfer's ``wait`` only makes the current stream wait, so a
 receive posted ahead of its data on the default stream would hold up every
 kernel queued after it (``collectives._settled``). Two GPUs would show the
 deadlock itself; one shows the contract: inside the block the current
-stream is the thread's own, and on return what the block queued is done.
+stream is the thread's own, and on return what the block queued is done;
+given a producer's ready mark, the transfer waits for that alone.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import threading
 import pytest
 import torch
 
-from sbp_core.boxing.collectives import _settled
+from sbp_core.boxing.collectives import _settled, ready_mark
 
 
 def test_a_transfer_off_cuda_runs_on_the_current_stream_unchanged():
@@ -44,3 +45,34 @@ def test_a_transfer_on_cuda_has_its_threads_own_stream_and_is_done_on_return():
     assert seen["main done"] and seen["other done"]
     assert torch.cuda.current_stream(device) == default
     torch.testing.assert_close(seen["main y"], seen["other y"])
+
+
+def test_off_cuda_a_value_has_no_ready_mark():
+    assert ready_mark(torch.device("cpu")) is None
+
+
+@pytest.mark.cuda
+def test_a_send_waits_for_its_producers_mark_not_for_compute_queued_after_it():
+    """The producer's thread marks its value, then queues a long kernel: a transfer given the mark leaves
+    while that kernel runs; one without waits for everything the current stream queued."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    x = torch.randn(1024, device=device)
+    torch.cuda.synchronize(device)
+    cycles = 2_000_000_000  # about a second on any current GPU
+    current = torch.cuda.current_stream(device)
+
+    y = x * 2  # the producer's value
+    mark = ready_mark(device)
+    torch.cuda._sleep(cycles)  # compute its thread queued after it
+    with _settled(device, ready=mark):
+        sent = y + 1  # stands for the transfer: it reads the producer's value
+    assert not current.query()  # returned while the later kernel still runs
+    torch.testing.assert_close(sent, x * 2 + 1)
+    torch.cuda.synchronize(device)
+
+    y = x * 3
+    torch.cuda._sleep(cycles)
+    with _settled(device):
+        sent = y + 1
+    assert current.query()  # without a mark the transfer waited for the sleep as well
+    torch.testing.assert_close(sent, x * 3 + 1)
