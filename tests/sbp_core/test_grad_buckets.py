@@ -87,3 +87,39 @@ def test_buckets_fill_from_the_last_leaf_with_a_small_first_bucket():
     gb = GradBuckets(leaves, [None] * 4, lambda leaf, g: None, bucket_bytes=1000, first_bucket_bytes=100)
     got = [[next(i for i, leaf in enumerate(leaves) if leaf is r()) for r in bucket] for bucket in gb.buckets]
     assert got == [[3], [2, 1], [0]], got
+
+
+def _deferred_backward(always: bool):
+    """Worker: ZeRO-2's use, two weights' partial gradients reduce-scattered to S(0) by buckets made with
+    ``always``, backward run under ``defer_grad_boxing``; what ``on_done`` received."""
+    from sbp_core.grad_buckets import GradBuckets
+
+    gen = torch.Generator().manual_seed(2)
+    x, w1, w2 = torch.randn(6, 8, generator=gen), torch.randn(8, 4, generator=gen), torch.randn(4, 2, generator=gen)
+    ref = [w1.clone().requires_grad_(), w2.clone().requires_grad_()]
+    (torch.tanh(x @ ref[0]) @ ref[1]).square().sum().backward()
+    p = sc.placement("cpu", [0, 1])
+    leaves = [sc.distribute(w, p, sc.sbp.broadcast, requires_grad=True) for w in (w1, w2)]
+    got = []
+    buckets = GradBuckets(leaves, [S0, S0], lambda leaf, boxed: got.append((leaf, boxed)), bucket_bytes=1,
+                          always=always)
+    with sc.defer_grad_boxing():
+        (torch.tanh(sc.distribute(x, p, S0) @ leaves[0]) @ leaves[1]).square().sum().backward()
+    del buckets
+    got = [(next(i for i, leaf in enumerate(leaves) if leaf is g), boxed.sbp, boxed.full_tensor()) for g, boxed in got]
+    if torch.distributed.get_rank() not in p:
+        return None
+    return [leaf.grad.sbp for leaf in leaves], got, [r.grad for r in ref]
+
+
+def test_always_buckets_box_under_defer_grad_boxing():
+    """``always=True`` (ZeRO-2: every micro-batch reduce-scattered) boxes even inside ``defer_grad_boxing``,
+    to the single-device gradient; without it the deferred gradients are left partial, nothing received."""
+    pool = get_pool(WORLD)
+    for grad_sbps, got, _ in pool.run(_deferred_backward, False)[:2]:
+        assert got == [] and grad_sbps == [(sc.sbp.partial_sum,)] * 2, (grad_sbps, got)
+    for _, got, ref in pool.run(_deferred_backward, True)[:2]:
+        assert sorted(i for i, _, _ in got) == [0, 1], got
+        for i, sbp, full in got:
+            assert sbp == S0, (i, sbp)
+            assert (full - ref[i]).abs().max().item() <= 1e-5 * ref[i].abs().max().item(), i

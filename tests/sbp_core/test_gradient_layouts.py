@@ -98,3 +98,34 @@ def test_cross_placement_backward_sends_grads_back():
     assert total == 6 * 5 * 4  # every element's gradient crosses back once
     for rank in (0, 1):
         assert torch.equal(out[rank][1], torch.full((6, [3, 2][rank]), 2.0))
+
+
+def _layer_norm_then_column_parallel(x, w, b, m):
+    return torch.nn.functional.layer_norm(x, (8,), w, b) @ m
+
+
+def _layer_norm_backward_of_partial():
+    """Megatron's layer norm before a column-parallel linear: replicated input, its gradient arrives partial."""
+    p = sc.placement("cpu", [0, 1])
+    me = torch.distributed.get_rank()
+    gen = torch.Generator().manual_seed(2)
+    x, w, b, m, wo = (torch.randn(*s, generator=gen) for s in [(6, 8), (8,), (8,), (8, 4), (6, 4)])
+    ref = [t.clone().requires_grad_() for t in (x, w, b)]
+    (_layer_norm_then_column_parallel(*ref, m) * wo).sum().backward()
+    glob = [sc.distribute(t, p, sbp.broadcast, requires_grad=True) for t in (x, w, b)]
+    out = _layer_norm_then_column_parallel(*glob, sc.distribute(m, p, sbp.split(1)))
+    with sc.comm_ledger() as ledger:
+        (out * sc.distribute(wo, p, sbp.split(1))).sum().backward()
+    if me not in p:
+        return None
+    return ([(g.grad.sbp, g.grad.full_tensor(), r.grad) for g, r in zip(glob, ref)], ledger.by_op())
+
+
+def test_layer_norm_backward_reduces_a_partial_gradient_once():
+    """With weight and bias gradients, layer norm's backward all-reduces the incoming partial gradient
+    once (the input was replicated): all three gradients come out ``B``, not split nor partial."""
+    for grads, ops in get_pool(WORLD).run(_layer_norm_backward_of_partial)[:2]:
+        for name, (got_sbp, got, want) in zip(("x", "weight", "bias"), grads):
+            assert got_sbp == (sbp.broadcast,), (name, got_sbp)
+            assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item(), name
+        assert set(ops) == {"all_reduce"}, ops

@@ -6,9 +6,11 @@ split, sequence split, replicated, a 2x2 mesh, masks, a partial incoming
 gradient) every rank builds the same global inputs for the CPU kernel and for
 each CUDA kernel (flash, memory-efficient, cuDNN; forward and backward) and
 asks the dispatcher to decide: the layouts it boxes each named input to and
-the layouts of the attention's outputs must equal the CPU kernel's. The CPU
-kernel's values are checked against one device in ``test_ops_nn``; the CUDA
-kernels' values, shard by shard, in the ``cuda`` test at the end.
+the layouts of the attention's outputs must equal the ones written out for
+the case (``EXPECTED``), for the CPU kernel and each CUDA kernel alike. The
+CPU kernel's values are checked against one device in ``test_ops_nn`` and,
+for grouped-query attention (heads not split), here; the CUDA kernels'
+values, shard by shard, in the ``cuda`` test at the end.
 """
 from __future__ import annotations
 
@@ -144,6 +146,36 @@ CASES = [  # (q shape, kv heads, ranks, activations' SBP, mask shape, mask SBP, 
 ]
 
 
+# What each case must decide, written out (not read from the CPU kernel's decision): the layout every
+# activation is boxed to, the mask's, and the incoming gradient's (None: the activations'); the outputs
+# (attention and log-sum-exp forward, the three gradients backward) take the gradient's layout.
+REFUSED = "refused"
+EXPECTED = [  # (activations, mask, grad_out), one per case of CASES
+    ((S0,), None, None),
+    ((S1,), None, None),
+    ((B,), None, None),
+    ((S0,), None, None),  # the sequence split is boxed to a batch split
+    ((S0, S1), None, None),
+    ((S1,), (B,), None),
+    ((S0,), (S0,), None),
+    ((S0, S1), (S0, S1), None),
+    ((S0,), None, None),  # grouped-query: heads are not offered, the batch split is
+    ((B,), None, (P,)),
+    REFUSED,
+]
+
+
+def _expected(which, act, mask, grad):
+    names = ["query", "key", "value"] + (["grad_out", "out", "logsumexp"] if which == "backward" else [])
+    req = {n: act for n in names}
+    if mask is not None:
+        req["attn_mask"] = mask
+    if which == "forward":
+        return req, [act, act]
+    req["grad_out"] = grad or act
+    return req, [grad or act] * 3
+
+
 def test_cuda_kernels_decide_as_the_cpu_kernel():
     results = get_pool(parity.WORLD).run(_decide_all, CASES)
     bad, compared = [], 0
@@ -152,15 +184,19 @@ def test_cuda_kernels_decide_as_the_cpu_kernel():
             if per_rank is None or per_rank[c] is None:
                 continue
             per = per_rank[c]
+            kernels = {kernel for kernel, _ in per}
+            if kernels != ({"cpu", "efficient", "cudnn"} if case[4] else set(FORWARD)):
+                bad.append(f"case {c} rank {rank}: decided for {sorted(kernels)}")
             for (kernel, which), got in per.items():
-                want = per[("cpu", which)]
-                if case[-1]:
+                if EXPECTED[c] is REFUSED:
+                    want = "ValueError: ... dropout_p ..."
                     ok = isinstance(got, str) and "dropout_p" in got
                 else:
-                    ok = got == want and not isinstance(got, str)
+                    want = _expected(which, *EXPECTED[c])
+                    ok = got == want
                 compared += 1
                 if not ok:
-                    bad.append(f"case {c} {case[2:4]} rank {rank} {kernel} {which}: {got}, cpu: {want}")
+                    bad.append(f"case {c} {case[2:4]} rank {rank} {kernel} {which}: {got}, expected: {want}")
     assert compared >= 150 and not bad, "\n".join(bad)
 
 
@@ -178,6 +214,22 @@ def test_cuda_kernel_decisions_keep_heads_and_batch_splits():
         assert req["query"] in ((S0,), (S1,), (B,)) and req["query"] != (S2,), (kernel, req)
         req, outs = partial[(kernel, "backward")]
         assert req["grad_out"] == (P,) and outs == [(P,)] * 3, (kernel, req, outs)
+
+
+def gqa_attention(q, k, v):
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+def test_grouped_query_attention_is_not_split_on_heads():
+    """12 query heads share 4 key/value heads (3 each): splitting both on heads over 3 ranks would pair
+    query heads 0-3 with key/value heads 0-1, not 0-0-0-1. The heads split is boxed away (to the batch)."""
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(3, 12, 5, 4, generator=g)
+    k, v = (torch.randn(3, 4, 5, 4, generator=g) for _ in range(2))
+    parity.check_cases([
+        (gqa_attention, [q, k, v], [S1, S1, S1], R3, [S0]),
+        (gqa_attention, [q, k, v], [S1, B, B], R3, [S0]),
+    ])
 
 
 def test_asking_for_the_bias_gradient_is_refused():

@@ -121,3 +121,38 @@ def test_cast_and_cast_group_gradients():
                         assert by_op.get("all_gather", 0) > 0, (how, by_op)  # gathered again for backward
                     else:
                         assert "all_gather" not in by_op, (how, by_op)
+
+
+def _remat_after_in_place(modify: bool):
+    """Worker: a remat cast_group's product, its first input scaled in place (or not) before backward."""
+    p = sc.placement("cpu", list(range(WORLD)))
+    torch.manual_seed(0)
+    fulls = [torch.randn(s) for s in [(10, 3), (5, 2)]]
+    xs = [sc.distribute(f, p, (S0,), requires_grad=True) for f in fulls]
+    with remat_saved():
+        outs = cast_group(xs, [(B,)] * len(xs), remat=True)
+        loss = sum((o * o).sum() for o in outs)  # saves handles of the gathered copies
+    del outs
+    if modify:
+        with torch.no_grad():
+            xs[0].mul_(2.0)  # an optimizer step before backward
+    try:
+        loss.backward()
+    except RuntimeError as exc:
+        return str(exc)
+    return [(x.grad.full_tensor(), x.grad.sbp) for x in xs]
+
+
+def test_remat_cast_group_refuses_an_input_modified_in_place():
+    """Rebuilding the gathered copies from an input changed since forward would give the gradient of
+    another forward, silently: backward raises instead. Unchanged: the gradient of sum(x * x), 2 x."""
+    pool = get_pool(WORLD)
+    torch.manual_seed(0)
+    fulls = [torch.randn(s) for s in [(10, 3), (5, 2)]]
+    for grads in pool.run(_remat_after_in_place, False):
+        for (got, got_sbp), full in zip(grads, fulls):
+            assert got_sbp == (S0,)
+            assert (got - 2 * full).abs().max().item() <= 1e-6 * full.abs().max().item()
+    for msg in pool.run(_remat_after_in_place, True):
+        assert isinstance(msg, str), "backward ran on the modified input without an error"
+        assert "modified in place" in msg, msg
