@@ -35,6 +35,7 @@ stages (``check`` refuses ``pp > 1``).
 """
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from functools import partial
 from typing import Any
@@ -187,8 +188,16 @@ class Recipe(ABC):
 
     # -- run files -----------------------------------------------------------------------------
 
+    def weights_path(self, init_from: str) -> str | None:
+        """The local path ``trainer.init_from`` names (our checkpoint, or a directory ``init_weights`` reads),
+        or ``None`` when there is none: the job is refused before any process starts. Only paths here; a
+        recipe may also resolve names (GPT-2: a Hugging Face model in the local hub cache)."""
+        path = os.path.expanduser(init_from)
+        return path if os.path.exists(path) else None
+
     def init_weights(self, model, path: str, cfg) -> bool:
-        """Load ``trainer.init_from`` weights of a foreign format into the full ``model``; ``False`` if not one."""
+        """Load ``trainer.init_from`` weights of a foreign format into the full ``model`` (``path``: what
+        ``weights_path`` resolved); ``False`` if not one."""
         return False
 
     def extra_state(self, cfg) -> dict:

@@ -100,7 +100,7 @@ class Job:
         cfg, recipe, lay, tr = self.cfg, self.recipe, self.layout, self.cfg.trainer
         torch.manual_seed(int(tr.seed))
         model = recipe.build_model(cfg.model)
-        init = str(tr.init_from) if tr.init_from else None
+        init = recipe.weights_path(str(tr.init_from)) if tr.init_from else None
         if init and recipe.init_weights(model, init, cfg):
             init = None  # a foreign format, read into the full model
         names = model_names(model)

@@ -7,6 +7,7 @@ and ``data.vocab_size`` to ``${model.vocab_size}``.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, fields
 from typing import Any, Optional
 
@@ -109,6 +110,12 @@ def problems(cfg, layout) -> list:
     elif data.source == "text" and data.path is None:
         p.append("data.path=None: data.source=text needs a path; valid: a .txt/.jsonl/.parquet file "
                  "or a directory of them")
+    elif data.source == "text" and not os.path.exists(os.path.expanduser(str(data.path))):
+        p.append(f"data.path={data.path!r}: no such file or directory; valid: a .txt/.jsonl/.parquet file "
+                 "or a directory of them")
+    if data.tokenizer is not None and not os.path.isfile(os.path.expanduser(str(data.tokenizer))):
+        p.append(f"data.tokenizer={data.tokenizer!r}: no such file; valid: a tokenizer.json, or null to train "
+                 "one on the corpus")
     seq_len = data.seq_len
     if seq_len < 2:
         p.append(f"data.seq_len={seq_len!r}: must be >= 2 (next-token targets)")
@@ -135,7 +142,8 @@ def problems(cfg, layout) -> list:
             p.append(f"trainer.init_from={tr.init_from!r}: the checkpoint has "
                      f"{ {k: want[k] for k in wrong} } but the model has {wrong}; valid: "
                      f"model={tr.init_from}")
-        if m.vocab_size < 50257:
+        if m.vocab_size != 50257:
             p.append(f"trainer.init_from={tr.init_from!r}: the checkpoint has 50257 tokens, "
-                     f"model.vocab_size={m.vocab_size} is smaller; valid: >= 50257")
+                     f"model.vocab_size={m.vocab_size}; valid: 50257 (its rows are not padded on load, so "
+                     "parallel.tp must divide 50257 = 29 x 1733: tp=1)")
     return p

@@ -171,6 +171,19 @@ def write_hf_dir(path: str, config: dict, hf_sd: dict) -> None:
         json.dump(config, f, indent=2, sort_keys=True)
 
 
+def hub_dir(name: str) -> str | None:
+    """The directory of Hugging Face hub model ``name`` in this machine's hub cache (``HF_HOME``,
+    ``HF_HUB_CACHE``), or ``None`` when it is not there: nothing is downloaded (jobs run offline; fetch
+    it once with ``huggingface-cli download <name>``)."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        path = snapshot_download(name, local_files_only=True)
+    except Exception:  # not cached (LocalEntryNotFoundError), or not a valid repo id
+        return None
+    return path if is_hf_dir(path) else None
+
+
 def is_hf_dir(path: str) -> bool:
     return os.path.isfile(os.path.join(path, "config.json")) and not os.path.isfile(os.path.join(path, "manifest.json"))
 

@@ -80,6 +80,15 @@ class GPT2Recipe(Recipe):
     def flops_per_item(self, cfg, n_params: int) -> float:
         return flops.model_flops_per_token(cfg.model, int(cfg.data.seq_len), n_params=n_params)
 
+    def weights_path(self, init_from: str) -> str | None:
+        """A path, or a published GPT-2's name (``gpt2``, ``gpt2-medium``, ...) in the local hub cache."""
+        from recipes.gpt2.hf import hub_dir
+
+        path = super().weights_path(init_from)
+        if path is None and init_from in config.HF_GPT2_DIMS:
+            path = hub_dir(f"openai-community/{init_from}") or hub_dir(init_from)
+        return path
+
     def init_weights(self, model, path: str, cfg) -> bool:
         from recipes.gpt2.hf import is_hf_dir, load_hf_into
 

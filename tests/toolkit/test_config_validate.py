@@ -206,8 +206,48 @@ def test_text_data_needs_a_path():
     assert validate(cfg_of("data.val_fraction=0", "trainer.eval_every=0")).world_size == 1
 
 
-def test_init_from_matching_preset_is_valid():
+def test_missing_data_tokenizer_and_weights_paths_are_refused(tmp_path):
+    missing = str(tmp_path / "nothing")
+    text = problems("data=text", f"data.path={missing}", f"data.tokenizer={missing}/tokenizer.json",
+                    f"trainer.init_from={missing}")
+    assert f"data.path={missing!r}: no such file or directory" in text
+    assert f"data.tokenizer='{missing}/tokenizer.json': no such file" in text
+    assert f"trainer.init_from={missing!r}: no such file or directory;" in text
+    (tmp_path / "corpus.txt").write_text("some text")
+    (tmp_path / "tokenizer.json").write_text("{}")
+    assert validate(cfg_of("data=text", f"data.path={tmp_path}/corpus.txt",
+                           f"data.tokenizer={tmp_path}/tokenizer.json")).world_size == 1
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch):
+    """An empty Hugging Face hub cache; ``add(name)`` puts a snapshot of ``name`` with a config.json in it."""
+    import huggingface_hub.constants
+
+    cache = tmp_path / "hub"
+    cache.mkdir()
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+
+    def add(name):
+        repo = cache / ("models--" + name.replace("/", "--"))
+        (repo / "refs").mkdir(parents=True)
+        (repo / "refs" / "main").write_text("0" * 40)
+        snap = repo / "snapshots" / ("0" * 40)
+        snap.mkdir(parents=True)
+        (snap / "config.json").write_text("{}")
+        return str(snap)
+
+    return add
+
+
+def test_a_published_gpt2_name_resolves_to_the_local_hub_cache(hub_cache):
+    text = problems("model=gpt2", "trainer.init_from=gpt2")
+    assert "trainer.init_from='gpt2': no such file or directory (nor a name recipe gpt2 resolves)" in text
+    snap = hub_cache("openai-community/gpt2")
     assert validate(cfg_of("model=gpt2", "trainer.init_from=gpt2")).world_size == 1
+    assert GPT2.weights_path("gpt2") == snap
+    assert GPT2.weights_path("gpt2-medium") is None
+    assert "trainer.init_from='gpt2'" in problems("model=gpt2", "trainer.init_from=gpt2", "model.vocab_size=50304")
 
 
 def test_all_problems_are_reported_at_once():

@@ -129,7 +129,9 @@ class TrainerConfig:
     (``toolkit.trainer.compiled_forward``). ``resume: auto`` continues
     from the newest checkpoint in the run directory if any. ``init_from``:
     ``None`` (random init), a checkpoint path, or what the recipe's
-    ``init_weights`` reads (GPT-2: a Hugging Face GPT-2 name or directory).
+    ``init_weights`` reads (GPT-2: a Hugging Face GPT-2 directory, or a
+    published GPT-2's name in the local hub cache); ``Recipe.weights_path``
+    resolves it, and a value it cannot resolve is refused before any process starts.
     ``lr``, ``min_lr`` and ``warmup_steps`` have no default here: the
     recipe's trainer group (``configs/trainer/<name>.yaml``) sets them.
     """

@@ -35,6 +35,7 @@ stage, device).
 from __future__ import annotations
 
 import math
+import os
 import re
 import warnings
 from dataclasses import dataclass, replace
@@ -310,6 +311,10 @@ def validate(cfg: Any, recipe, world_size: Optional[int] = None) -> JobLayout:
                        pp_virtual=par.pp_virtual, stage_layers=stage_layers, micro_batch_size=mb,
                        global_batch_size=gb, accumulation=accumulation, data_shards=shards, items_per_step=0,
                        device=device, launched=env.kind if env is not None else None)
+    if tr.init_from and recipe.weights_path(str(tr.init_from)) is None:
+        p.append(f"trainer.init_from={tr.init_from!r}: no such file or directory"
+                 + (f" (nor a name recipe {recipe.name} resolves)" if os.sep not in str(tr.init_from) else "")
+                 + "; valid: a checkpoint directory (<run>/checkpoints/step_<N>) or what the recipe's docs list")
     if degrees_ok:
         try:
             p.extend(recipe.check(cfg, layout))
