@@ -8,7 +8,9 @@ running it:
 - ``train.py``: the overrides compose with Hydra and pass ``validate`` for
   their recipe, as ``train.py`` does before it starts a process (a
   ``-m`` sweep is checked value by value; ``device=cuda`` is checked as the
-  config it is, on a machine without CUDA too);
+  config it is, on a machine without CUDA too; a user's absolute
+  ``data.path``, ``data.tokenizer`` or ``trainer.init_from`` that is not on
+  this machine by a stand-in file or directory);
 - a script: its argument parser accepts the options (the script's ``main``
   runs up to ``parse_args`` and stops there).
 
@@ -89,7 +91,26 @@ def _check_script(module_name: str, argv: list) -> None:
         sys.argv = saved
 
 
-def _check_train(overrides: list) -> None:
+# Paths the docs show as a user's own files: checked as stand-ins of the kind each key needs.
+_STAND_INS = {"data.path": "corpus.txt", "data.tokenizer": "tokenizer.json", "trainer.init_from": "hf_dir/"}
+
+
+def _stand_in(override: str, tmp) -> str:
+    """``key=/a/users/path`` -> ``key=<a stand-in under tmp>`` where the path does not exist here."""
+    key, _, value = override.partition("=")
+    if key not in _STAND_INS or not value.startswith("/") or pathlib.Path(value).exists():
+        return override
+    kind = _STAND_INS[key]
+    path = tmp / kind.rstrip("/")
+    if kind.endswith("/"):
+        path.mkdir(exist_ok=True)
+        (path / "config.json").write_text("{}")
+    else:
+        path.write_text("text")
+    return f"{key}={path}"
+
+
+def _check_train(overrides: list, tmp) -> None:
     from recipes.registry import get
     from toolkit.config import compose, validate
 
@@ -103,7 +124,7 @@ def _check_train(overrides: list) -> None:
     for v in variants:
         if any(o.startswith("hydra.searchpath") for o in v):
             pytest.skip("needs the tutorial's files: tests/test_writing_a_recipe.py runs it")
-        cfg = compose([o.replace("device=cuda", "device=cpu") for o in v if not o.startswith("hydra.")],
+        cfg = compose([_stand_in(o.replace("device=cuda", "device=cpu"), tmp) for o in v if not o.startswith("hydra.")],
                       run_dir="/tmp/doc-command")
         if cfg.parallel.auto:
             continue  # the search picks the layout at run time; composing is what can be checked here
@@ -111,9 +132,9 @@ def _check_train(overrides: list) -> None:
 
 
 @pytest.mark.parametrize("doc, words", COMMANDS, ids=[f"{d}: {' '.join(w)[:70]}" for d, w in COMMANDS])
-def test_documented_command_is_accepted(doc, words):
+def test_documented_command_is_accepted(doc, words, tmp_path):
     if words[0] == "train.py":
-        _check_train(words[1:])
+        _check_train(words[1:], tmp_path)
     elif words[0] == "-m":
         _check_script(words[1] + ".__main__" if words[1] == "scripts.reproduce" else words[1], words[2:])
     else:

@@ -42,9 +42,15 @@ def save(job, step: int) -> str:
 
 
 def resume(job) -> int:
-    """Every rank: load the newest checkpoint of the run (if any); returns the step to continue from."""
-    path = ckpt.latest(checkpoint_root(job.cfg.run_dir))
+    """Every rank: load the newest checkpoint of the run (if any); returns the step to continue from.
+    Rank 0 says which it loaded, or that there was none (a new run directory: ``hydra.run.dir`` names
+    the old one)."""
+    root = checkpoint_root(job.cfg.run_dir)
+    path = ckpt.latest(root)
     if path is None:
+        if job.rank == 0:
+            print(f"trainer.resume=auto: no complete checkpoint under {root}; starting from step 0 (to continue "
+                  "a run, give its directory: hydra.run.dir=<run dir>)", flush=True)
         return 0
     template = {**_state(job, 0), "scheduler": None, "sampler": None, "step": None, "rng": None, "extra": None,
                 "loss_scale": None}
@@ -55,7 +61,10 @@ def resume(job) -> int:
     if out.get("loss_scale") and job.pipe.loss_scale is not None:  # fp16 resumes its scale
         job.pipe.loss_scale.load_state_dict(out["loss_scale"])
     _refresh(job)
-    return int(out["step"])
+    step = int(out["step"])
+    if job.rank == 0:
+        print(f"resumed from step {step} ({path})", flush=True)
+    return step
 
 
 def _refresh(job) -> None:

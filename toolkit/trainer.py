@@ -90,6 +90,9 @@ class Job:
             run_state.load_weights(self, init)
         if str(tr.resume) == "auto":
             self.step = run_state.resume(self)
+            if self.step >= int(tr.max_steps) and self.rank == 0:
+                print(f"nothing to train: the checkpoint is at step {self.step} and trainer.max_steps="
+                      f"{int(tr.max_steps)}; raise trainer.max_steps to train on", flush=True)
         if self.rank == 0:
             recipe.on_start(self)
 

@@ -1,4 +1,5 @@
-"""``trainer.init_from=<Hugging Face dir>``: the full model gets transformers' weights before it is split."""
+"""Run state: ``trainer.init_from=<Hugging Face dir>`` gives the full model transformers' weights before it is
+split; ``trainer.resume=auto`` says where it looked when there is nothing to resume."""
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -27,3 +28,17 @@ def test_init_from_a_hugging_face_directory_gives_its_logits(tmp_path):
     with pytest.raises(ValueError, match="its n_layer=2 but model.n_layer=3"):
         load_hf_into(build_model(OmegaConf.merge(model_cfg, {"n_layer": 3})), str(tmp_path),
                      OmegaConf.merge(model_cfg, {"n_layer": 3}))
+
+
+def test_resume_without_a_checkpoint_says_where_it_looked(tmp_path, capsys):
+    from types import SimpleNamespace
+
+    from toolkit import run_state
+
+    job = SimpleNamespace(cfg=SimpleNamespace(run_dir=str(tmp_path)), rank=0)
+    assert run_state.resume(job) == 0
+    out = capsys.readouterr().out
+    assert f"no complete checkpoint under {tmp_path}/checkpoints; starting from step 0" in out
+    assert "hydra.run.dir=<run dir>" in out
+    run_state.resume(SimpleNamespace(cfg=job.cfg, rank=1))
+    assert capsys.readouterr().out == ""  # rank 0 alone says it
