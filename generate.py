@@ -2,7 +2,11 @@
 
 Reads the run's ``config.yaml``, its newest checkpoint (any layout it was
 trained in: the checkpoint reshards into one process) and its
-``tokenizer.json``, and prints the prompt's continuation.
+``tokenizer.json``, and prints the prompt's continuation. Samples from GPT-2
+runs (``recipe=gpt2``) only. A ``run`` that is not a directory, has no
+``config.yaml`` or ``tokenizer.json``, is another recipe's run or has no
+checkpoint ends with a one-line error (exit status 1) before any model is
+built.
 """
 from __future__ import annotations
 
@@ -26,6 +30,24 @@ def parse(argv) -> dict:
     return opts
 
 
+def check_run(run: str):
+    """The typed config of ``run``, a GPT-2 run directory; a one-line ``SystemExit`` naming ``run`` otherwise."""
+    from toolkit.config import load_config
+
+    if not os.path.isdir(run):
+        raise SystemExit(f"generate.py: run={run}: no such directory (give a run directory train.py wrote)")
+    if not os.path.isfile(os.path.join(run, "config.yaml")):
+        raise SystemExit(f"generate.py: run={run}: no config.yaml there, so not a run directory train.py wrote")
+    cfg = load_config(run)
+    if cfg.recipe.name != "gpt2":
+        raise SystemExit(f"generate.py: run={run} was trained with recipe={cfg.recipe.name}; generate.py samples "
+                         "from GPT-2 runs (recipe=gpt2) only")
+    if not os.path.isfile(os.path.join(run, "tokenizer.json")):
+        raise SystemExit(f"generate.py: run={run}: no tokenizer.json there (train.py copies the run's tokenizer "
+                         "into its run directory when training starts)")
+    return cfg
+
+
 @torch.no_grad()
 def sample(model, ids: list, n: int, temperature: float, top_k: int, context: int) -> list:
     out = list(ids)
@@ -44,15 +66,15 @@ def sample(model, ids: list, n: int, temperature: float, top_k: int, context: in
 
 
 def main(argv=None) -> str:
+    opts = parse(sys.argv[1:] if argv is None else argv)
+    run = opts["run"]
+    cfg = check_run(run)
+
     from recipes.registry import get
     from toolkit import checkpoint as ckpt
-    from toolkit.config import load_config
     from recipes.gpt2.data.tokenizer import load_tokenizer
     from toolkit.run_state import checkpoint_root
 
-    opts = parse(sys.argv[1:] if argv is None else argv)
-    run = opts["run"]
-    cfg = load_config(run)
     path = ckpt.latest(checkpoint_root(run))
     if path is None:
         raise SystemExit(f"generate.py: {run} has no checkpoint yet (train.py saves one at the end)")

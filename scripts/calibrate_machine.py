@@ -22,7 +22,7 @@ A "device" here is one process of ours; the devices share the CPU. Measured:
 - ``sync`` and ``skew``: the latency of one message step when 2, 4 and 8 of
   our processes share the cores (a peer off its core makes the step wait),
   and what a collective waits on top per second of compute since the rank's
-  previous one (ranks drift apart while computing) (``sync_probe.py``);
+  previous one (ranks drift apart while computing) (``benchkit/sync_probe.py``);
 - ``device.dispatch_us`` and ``device.kernel_factor``: our cost per op on
   global tensors beyond its kernel, and how much longer kernels take inside
   a step than measured alone (cold caches, fresh memory) — from two real

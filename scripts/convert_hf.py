@@ -16,6 +16,11 @@ or a checkpoint directory (saved under any layout and world size) and writes
 ``GPT2LMHeadModel.from_pretrained`` loads. The model config comes from the
 checkpoint's ``extra.model_config`` (or ``extra.hf_config``), else from the
 run's ``config.yaml``, else from the weights' shapes plus ``--n-head``.
+When the run directory above the checkpoint holds the run's tokenizer
+(``tokenizer.json``, which a GPT-2 run copies there), export copies it
+beside the weights: a ``tokenizers`` file that
+``PreTrainedTokenizerFast(tokenizer_file=...)`` and
+``AutoTokenizer.from_pretrained(<hf_dir>)`` load.
 
 One process, no process group; nothing is unpickled (safetensors,
 ``torch.load(weights_only=True)``, JSON).
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 
 
@@ -31,6 +37,8 @@ from toolkit import checkpoint as ckpt
 from recipes.gpt2 import hf as hf_gpt2
 from toolkit.checkpoint.directory import resolve
 from toolkit.checkpoint.errors import CheckpointError
+
+TOKENIZER_FILE = "tokenizer.json"
 
 
 def import_hf(hf_dir: str, ckpt_dir: str) -> str:
@@ -68,6 +76,21 @@ def _run_config(ckpt_path: str) -> dict:
     return {}
 
 
+def run_tokenizer(ckpt_path: str) -> str | None:
+    """The run's ``tokenizer.json`` above a checkpoint directory, or ``None``.
+
+    Looks in the checkpoint's parents, nearest first and at most four up, and
+    stops at the run directory (the first one holding ``config.yaml``)."""
+    d = os.path.abspath(ckpt_path)
+    for _ in range(4):
+        d = os.path.dirname(d)
+        if os.path.isfile(os.path.join(d, TOKENIZER_FILE)):
+            return os.path.join(d, TOKENIZER_FILE)
+        if os.path.isfile(os.path.join(d, "config.yaml")):
+            return None
+    return None
+
+
 def model_config(model: dict, extra: dict, ckpt_path: str, n_head: int | None) -> dict:
     """Our GPT-2 config for exported weights (see the module docstring for where it comes from)."""
     extra = extra or {}
@@ -93,7 +116,8 @@ def model_config(model: dict, extra: dict, ckpt_path: str, n_head: int | None) -
 
 
 def export_hf(src: str, hf_dir: str, n_head: int | None = None) -> str:
-    """Write the newest checkpoint under ``src`` as a ``transformers`` GPT-2 directory; returns ``hf_dir``."""
+    """Write the newest checkpoint under ``src`` as a ``transformers`` GPT-2 directory, with the run's
+    ``tokenizer.json`` when there is one (``run_tokenizer``); returns ``hf_dir``."""
     path = find_checkpoint(src)
     state = ckpt.load(path, {"model": None, "extra": None})
     if not state.get("model"):
@@ -104,6 +128,9 @@ def export_hf(src: str, hf_dir: str, n_head: int | None = None) -> str:
     config = hf_gpt2.hf_config(cfg, base if isinstance(base, dict) else None)
     config["tie_word_embeddings"] = tied
     hf_gpt2.write_hf_dir(hf_dir, config, hf_sd)
+    tokenizer = run_tokenizer(path)
+    if tokenizer is not None:
+        shutil.copyfile(tokenizer, os.path.join(hf_dir, TOKENIZER_FILE))
     return hf_dir
 
 
@@ -113,7 +140,8 @@ def main(argv=None) -> int:
     imp = sub.add_parser("import", help="Hugging Face GPT-2 directory -> our checkpoint")
     imp.add_argument("hf_dir")
     imp.add_argument("ckpt_dir")
-    exp = sub.add_parser("export", help="our checkpoint (run, root or step directory) -> Hugging Face directory")
+    exp = sub.add_parser("export", help="our checkpoint (run, root or step directory) -> Hugging Face directory, "
+                                        "with the run's tokenizer.json when the run directory holds one")
     exp.add_argument("src")
     exp.add_argument("hf_dir")
     exp.add_argument("--n-head", type=int, default=None, help="heads, when the checkpoint does not record them")
@@ -123,7 +151,10 @@ def main(argv=None) -> int:
         print(f"imported {args.hf_dir} -> {path}")
     else:
         out = export_hf(args.src, args.hf_dir, args.n_head)
-        print(f"exported {find_checkpoint(args.src)} -> {out}")
+        path = find_checkpoint(args.src)
+        tokenizer = run_tokenizer(path)
+        print(f"exported {path} -> {out}" + (f" (with {tokenizer})" if tokenizer else
+                                              " (no tokenizer.json in the run directory: weights and config only)"))
     return 0
 
 

@@ -7,7 +7,9 @@ imported with ``scripts/convert_hf.py``. Our model loads it under ``single``
 and under ``tp2`` (Megatron's plan) and gives transformers' logits on the
 same tokens. Under tp2 it then takes an AdamW step, saves a sharded
 checkpoint, and the export of that checkpoint, loaded with
-``GPT2LMHeadModel.from_pretrained``, gives our new logits.
+``GPT2LMHeadModel.from_pretrained``, gives our new logits; the export also
+holds the run directory's ``tokenizer.json``, which ``transformers`` loads
+and which encodes as the run's tokenizer does.
 """
 import json
 import os
@@ -52,6 +54,16 @@ def _hf_model():
 
 def _tokens():
     return torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(3))
+
+
+def _run_tokenizer(run_dir):
+    """A ``tokenizer.json`` in ``run_dir`` as a GPT-2 run keeps it (``train_bpe``'s byte-level BPE); returns it."""
+    from recipes.gpt2.data.tokenizer import train_bpe
+
+    os.makedirs(run_dir, exist_ok=True)
+    tok = train_bpe(["def f(x):\n    return x + 1\n", "class A:\n    pass\n"] * 10, 300)
+    tok.save(os.path.join(run_dir, "tokenizer.json"))
+    return tok
 
 
 def our_logits(ckpt_dir, layout, tokens, export_root=None):
@@ -101,6 +113,7 @@ def test_import_tp2_then_export_round_trip(imported):
     ours, trained = get_pool(WORLD).run(our_logits, str(base / "ckpt"), "tp2", _tokens(), export_root)[0]
     assert (ours - hf_logits).abs().max().item() <= TOL
     assert (trained - ours).abs().max().item() > 1e-3  # the step changed the model
+    run_tok = _run_tokenizer(base / "tp2_run")
     # The run directory (its checkpoints/ subdirectory) exports; transformers reproduces our logits.
     assert convert_hf.main(["export", str(base / "tp2_run"), str(base / "hf_out")]) == 0
     with open(base / "hf_out" / "config.json") as f:
@@ -110,6 +123,15 @@ def test_import_tp2_then_export_round_trip(imported):
     with torch.no_grad():
         theirs = back(_tokens()).logits
     assert (theirs - trained).abs().max().item() <= TOL
+    # The run's tokenizer is beside the weights, and transformers encodes with it as the run does.
+    exported = base / "hf_out" / "tokenizer.json"
+    assert exported.read_bytes() == (base / "tp2_run" / "tokenizer.json").read_bytes()
+    text = "def g(y):\n    return y * 2  # é"
+    want = run_tok.encode(text, add_special_tokens=False).ids
+    fast = _transformers().PreTrainedTokenizerFast(tokenizer_file=str(exported))
+    auto = _transformers().AutoTokenizer.from_pretrained(str(base / "hf_out"))
+    assert fast(text, add_special_tokens=False).input_ids == want
+    assert auto(text, add_special_tokens=False).input_ids == want and auto.decode(want) == text
 
 
 def test_bin_import_equals_safetensors_import(imported, tmp_path):
@@ -134,6 +156,7 @@ def test_export_without_recorded_config_needs_n_head(imported, tmp_path):
     with pytest.raises(ValueError, match="--n-head"):
         convert_hf.main(["export", str(tmp_path / "bare"), str(tmp_path / "out")])
     convert_hf.main(["export", str(tmp_path / "bare"), str(tmp_path / "out"), "--n-head", "4"])
+    assert not (tmp_path / "out" / "tokenizer.json").exists()  # no run directory, no tokenizer
     back = _transformers().GPT2LMHeadModel.from_pretrained(str(tmp_path / "out")).eval()
     with torch.no_grad():
         assert (back(_tokens()).logits - hf_logits).abs().max().item() <= TOL
