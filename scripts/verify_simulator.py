@@ -18,7 +18,7 @@
    of a message step with 2, 4 and 8 of our processes at once (``sync``: a
    peer off its core makes every step wait) and what a collective waits on
    top per second of compute before it (``skew``: ranks drift apart while
-   computing; both ``sync_probe.py``), and the CPU
+   computing; both ``benchkit/sync_probe.py``), and the CPU
    time a fixed probe step takes with 1-8 of our processes at once relative
    to its value alone at the start, measured with the per-op table (``contention``).
 2. **Predicted**: the simulator (``toolkit.search``) on this machine's
