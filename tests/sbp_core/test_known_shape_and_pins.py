@@ -6,6 +6,7 @@
   shapes; a rank outside the placement passes an empty tensor.
 - ``"<module>:inputs"`` boxes every positional global tensor input of the
   module (``":input"`` only the first).
+- A plan's first matching pattern wins; frozen parameters stay frozen.
 """
 from __future__ import annotations
 
@@ -78,3 +79,25 @@ def test_inputs_pin_boxes_every_input():
     both, first = get_pool(WORLD).run(_pins)[0]
     assert both == ((B,), (B,))
     assert first == ((B,), (S0,))
+
+
+def _plan_precedence_and_frozen():
+    p = sc.placement("cpu", [0, 1])
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2))
+    model[1].weight.requires_grad_(False)  # frozen: it must stay so
+    full = {n: t.detach().clone() for n, t in model.named_parameters()}
+    sc.distribute_module(model, p, {"0.weight": (S0,), "*.weight": (Split(1),), "*": (B,)})
+    if torch.distributed.get_rank() not in p:
+        return None
+    return ({n: (q.sbp, q.requires_grad, torch.equal(q.full_tensor(), full[n])) for n, q in model.named_parameters()},
+            sorted(n for n, q in model.named_parameters() if q.requires_grad))
+
+
+def test_the_first_matching_pattern_wins_and_frozen_parameters_stay_frozen():
+    """``0.weight`` matches all three patterns and takes the first's layout; ``1.weight`` the second's; the
+    biases the catch-all's. A parameter frozen before ``distribute_module`` is frozen after it."""
+    for got, trained in get_pool(WORLD).run(_plan_precedence_and_frozen)[:2]:
+        assert got == {"0.weight": ((S0,), True, True), "0.bias": ((B,), True, True),
+                       "1.weight": ((Split(1),), False, True), "1.bias": ((B,), True, True)}, got
+        assert trained == ["0.bias", "0.weight", "1.bias"]
