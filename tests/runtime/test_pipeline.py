@@ -259,6 +259,15 @@ def test_timeline_counts_held_micro_batches_and_idle_time():
     b = bubble({0: [e for e in ev if "@0" in e[0]], 1: [e for e in ev if "@1" in e[0]]})
     assert b == {0: pytest.approx(0.2), 1: pytest.approx(0.2)}
     assert theory(2, 4) == pytest.approx(0.2)
+    assert theory(4, 8, v=2) == pytest.approx(3 / 19)  # interleaving: (pp - 1) / (v m + pp - 1)
+
+
+def test_a_weight_pass_is_busy_time_and_holds_its_micro_batch_until_it_ends():
+    """Zero-bubble: the weight pass W (after B) is compute, and the activations stay held until it ends."""
+    ev = [("s0.F@0", 0.0, 1.0, 0), ("s0.F@0", 1.0, 2.0, 1), ("s0.B@0", 2.0, 3.0, 0), ("s0.W@0", 3.0, 4.0, 0),
+          ("s0.B@0", 4.0, 5.0, 1), ("s0.W@0", 6.0, 7.0, 1), ("s0.F@0", 5.0, 6.0, 2)]
+    assert peak_held(ev) == 2  # micro-batch 2 starts after 0's W ended; 1's stays held until 7.0
+    assert bubble({0: ev, 1: [("s1.F@1", 0.0, 7.0, 0)]}) == {0: pytest.approx(0.0), 1: pytest.approx(0.0)}
 
 
 def test_bad_pipeline_input_is_refused_before_anything_runs():
