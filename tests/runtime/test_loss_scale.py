@@ -100,3 +100,24 @@ def test_a_scaled_pipeline_matches_one_device():
     res = get_pool(8).run(run_pipeline, "tp2_pp2", 2, "1f1b", 8, None, 2.0**12, dtype="float64")
     errs = compare(res, 2, dtype="float64")
     assert all(e <= 1e-9 for e in errs), errs
+
+
+def _mixed_dtype_overflow(where: int):
+    """Gradients in float32 and float64 (two of GradScaler's groups); an inf in group ``where`` only."""
+    p = sc.placement("cpu", [0, 1])
+    params = [sc.distribute(torch.ones(4, dtype=dt), p, sc.sbp.broadcast, requires_grad=True)
+              for dt in (torch.float32, torch.float64)]
+    for q in params:
+        q.grad = sc.distribute(torch.full((4,), 8.0, dtype=q.dtype), p, sc.sbp.broadcast)
+    params[where].grad._local[1] = float("inf")
+    scaler = sc.LossScaler(2.0**2)
+    found = float(scaler.found_inf(params))
+    return found, [q.grad._local.tolist() for q in params]
+
+
+@pytest.mark.parametrize("where", [0, 1])
+def test_an_overflow_in_any_dtype_group_is_found(where):
+    for found, grads in get_pool(2).run(_mixed_dtype_overflow, where):
+        assert found == 1.0
+        clean = grads[1 - where]
+        assert clean == [2.0] * 4  # unscaled by the scale, 4
