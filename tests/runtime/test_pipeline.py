@@ -179,6 +179,14 @@ def test_data_parallel_stages_run_plain_only_when_the_audit_passes(dropout, rows
     assert len(last) == 2 and all(x is not None for losses in last for x in losses)
 
 
+def test_data_parallel_stages_with_a_micro_batch_dp_cannot_halve_match_one_device():
+    """16 rows in 16 micro-batches: one row each, which dp2 cannot split evenly (plain replicas would weigh
+    one row and none alike): the stages stay global and train as one device does."""
+    res = get_pool(8).run(run_pipeline, "dp2_pp2", 2, "1f1b", 16, None, None, "float64")
+    errs = compare(res, 2, dtype="float64")
+    assert all(e <= bar for e, bar in zip(errs, TOLERANCE["float64"])), errs
+
+
 class _Tokens:
     """A sample source (``toolkit.data.MicroBatches``) over a fixed token table: sample ``i`` is row ``i``."""
 
