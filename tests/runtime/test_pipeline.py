@@ -187,6 +187,27 @@ def test_data_parallel_stages_with_a_micro_batch_dp_cannot_halve_match_one_devic
     assert all(e <= bar for e, bar in zip(errs, TOLERANCE["float64"])), errs
 
 
+def _audited_then_explained():
+    import sbp_core as sc
+    from benchkit.pipeline_parity import build
+
+    step, _ = build(2, 1, 2)
+    for i in range(2):
+        step.step(i)
+    audited, plain = step._audited, step._local
+    with sc.explain() as ops:
+        step.evaluate(step.batches, MICRO)
+    return step.stage, audited, plain, step._local, len(ops)
+
+
+def test_audited_data_parallel_stages_run_dispatched_under_explain():
+    """dp2_pp2 after its audit runs plain; under ``sc.explain`` its stages run their ops as global tensors,
+    so explain lists them."""
+    for stage, audited, plain, explained_plain, n_ops in get_pool(8).run(_audited_then_explained):
+        if stage is not None:
+            assert audited and plain and not explained_plain and n_ops > 0, (audited, plain, explained_plain, n_ops)
+
+
 class _Tokens:
     """A sample source (``toolkit.data.MicroBatches``) over a fixed token table: sample ``i`` is row ``i``."""
 
