@@ -116,9 +116,10 @@ def _make(indices: torch.Tensor, values: GlobalTensor, shape, layout: Layout, co
     if me in layout.placement:
         lshape = local_shape(shape, layout.placement.shape, layout.sbp, layout.placement.coords(me))
         vals = values._local
-    else:
-        lshape, vals = (0,) * len(shape), values._local.new_zeros((0,) * (len(shape) - indices.shape[0] + 1))
-        indices = indices.new_zeros(indices.shape[0], 0)
+    else:  # an empty sparse tensor of the same sparse and dense dims (a non-member's indices are empty)
+        sd = len(shape) - values.dim() + 1
+        lshape, vals = (0,) * len(shape), values._local.new_zeros((0,) * values.dim())
+        indices = indices.new_zeros(sd, 0)
     local = torch.sparse_coo_tensor(indices, vals, lshape, is_coalesced=coalesced, check_invariants=False)
     return SparseGlobalTensor(local, layout)
 

@@ -108,3 +108,28 @@ def test_row_gradients_equal_one_device(results, name, want_sbp):
 def test_other_ops_name_themselves(results):
     msg = results[0]["unsupported"]
     assert msg is not None and "aten.sum" in msg and "sparse global tensors" in msg
+
+
+def _add_across_layouts():
+    """A column-split row gradient plus a replicated one (a gradient accumulated from two micro-batches whose
+    tables were laid out differently): the replicated one is boxed to the first's layout before the add."""
+    from sbp_core.sparse import from_indices_values
+
+    p = sc.placement("cpu", [0, 1])
+    g = torch.Generator().manual_seed(3)
+    rows = [torch.tensor([[1, 4, 4, 7]]), torch.tensor([[0, 4, 9]])]
+    vals = [torch.randn(4, DIM, generator=g), torch.randn(3, DIM, generator=g)]
+    split = from_indices_values(sc.distribute(rows[0], p, (B,)), sc.distribute(vals[0], p, (S1,)), (ROWS, DIM))
+    whole = from_indices_values(sc.distribute(rows[1], p, (B,)), sc.distribute(vals[1], p, (B,)), (ROWS, DIM))
+    total = split + whole
+    if torch.distributed.get_rank() not in p:
+        return format_sbp(total.sbp), total._local.sparse_dim(), tuple(total._local.shape)
+    want = sum(torch.sparse_coo_tensor(r, v, (ROWS, DIM)).to_dense() for r, v in zip(rows, vals))
+    return format_sbp(total.sbp), (total.full_tensor().to_dense() - want).abs().max().item()
+
+
+def test_sparse_add_boxes_the_other_to_the_first_ones_layout():
+    out = get_pool(5).run(_add_across_layouts)
+    for sbp, err in out[:2]:
+        assert sbp == "(S(1))" and err <= 1e-6, (sbp, err)
+    assert all(r == ("(S(1))", 1, (0, 0)) for r in out[2:]), out[2:]  # outside: empty, one sparse dim as inside
