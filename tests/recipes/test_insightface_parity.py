@@ -202,3 +202,55 @@ def test_partial_fc_samples_positives_and_updates_only_sampled_rows(on_locals):
     bad = [f"rank {r} {k}: {v}" for r, out in enumerate(get_pool(WORLD).run(_partial_fc, on_locals)) if out
            for k, v in out.items() if v is not None]
     assert not bad, "\n".join(bad)
+
+
+def test_sample_counts_give_a_class_at_a_range_end_to_the_next_shard():
+    """A shard of rows ``[a, a + n)`` counts the labels in that range only: class ``a + n`` is the next
+    shard's positive. Written-out values: 12 classes in shards of 4, rate 0.25 (one centre a shard)."""
+    ranges = [(0, 4), (4, 4), (8, 4)]
+    classes = torch.tensor([0, 1, 2, 3, 4, 8])
+    assert partial_fc.sample_counts(ranges, classes, 0.25) == [4, 1, 1]
+    assert partial_fc.sample_counts(ranges, torch.tensor([4, 5, 6, 7, 8, 9]), 0.5) == [2, 4, 2]
+
+
+def _shard_samples():
+    """dp4 (FC rows in 4 shards of 40), every label in shard 0: each member returns its sampled local rows."""
+    p = sc.placement("cpu", MESHES["dp4"])
+    if torch.distributed.get_rank() not in p:
+        return None
+    w = sc.distribute(torch.randn(160, EMB, generator=torch.Generator().manual_seed(0)), p, (S0, S0))
+    ids = sc.distribute(torch.arange(160), p, (S0, S0))
+    labels = sc.distribute(torch.tensor([0, 1, 0, 2]), p, (B, B))
+    _, _, rows = partial_fc.sample(w, ids, labels, 0.25, seed=7, draw_index=3)
+    return rows.tolist()
+
+
+def test_partial_fc_shards_draw_their_own_negatives():
+    """The negatives' generator is seeded by (seed, draw, shard): shards with no positives, the same size and
+    the same count draw different rows (PFC v2 samples each shard's centres on its own)."""
+    got = [r for r in get_pool(WORLD).run(_shard_samples) if r is not None]
+    assert len(got) == 4 and all(len(r) == 10 for r in got), got
+    assert {0, 1, 2} <= set(got[0]), got[0]
+    assert len({tuple(r) for r in got[1:]}) == 3, got
+
+
+def test_partial_fc_sgd_is_sgd_with_weight_decay_on_the_sampled_rows():
+    """On one device, the sampled rows take ``torch.optim.SGD``'s step (momentum and weight decay), run on
+    those rows alone; the other rows and their momentum stay as they were."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(6, 3, generator=gen))
+    rows = torch.tensor([1, 4])
+    sgd = dict(lr=0.1, momentum=0.9, weight_decay=0.5)
+    opt = PartialFCSGD([w], {w: lambda: rows}, **sgd)
+    ref = torch.nn.Parameter(w.detach()[rows].clone())
+    opt_ref = torch.optim.SGD([ref], **sgd)
+    start = w.detach().clone()
+    for _ in range(3):
+        g = torch.randn(6, 3, generator=gen)
+        w.grad, ref.grad = g.clone(), g[rows].clone()
+        opt.step()
+        opt_ref.step()
+    torch.testing.assert_close(w.detach()[rows], ref.detach(), rtol=1e-6, atol=1e-7)
+    others = torch.tensor([0, 2, 3, 5])
+    assert torch.equal(w.detach()[others], start[others])
+    assert torch.equal(opt.state[w]["momentum_buffer"][others], torch.zeros(4, 3))

@@ -36,6 +36,23 @@ def test_hashing_never_leaves_the_table():
         FeatureHasher(8, field_vocab_sizes=[3, 4])
 
 
+
+def test_hex_tokens_of_up_to_16_digits_key_as_their_number():
+    """A hex string of 1 to 16 digits keys as ``int(s, 16)``: a 16-digit token lands on the row of that 64-bit
+    integer, as an 8-digit one does; 17 digits are hashed as a string."""
+    from recipes.wide_deep.hashing import value_key
+
+    assert value_key("68fd1e64") == 0x68FD1E64
+    assert value_key("0123456789abcdef") == 0x0123456789ABCDEF and value_key("FFFFFFFFFFFFFFFF") == 2 ** 64 - 1
+    import hashlib
+
+    s17 = "1" + "0" * 16  # 17 digits: hashed as any other string
+    assert value_key(s17) == int.from_bytes(hashlib.blake2b(s17.encode(), digest_size=8).digest(), "little")
+    hasher = FeatureHasher(3, vocab_size=1000)
+    tokens = [["0123456789abcdef", "fedcba9876543210", "ffffffffffffffff"]]
+    numbers = np.array([[0x0123456789ABCDEF, 0xFEDCBA9876543210, 2 ** 64 - 1]], dtype=np.uint64)
+    assert torch.equal(hasher(tokens), hasher(numbers))
+
 def test_auc_is_exact_with_ties_and_logloss():
     gen = torch.Generator().manual_seed(0)
     scores = torch.randint(0, 6, (60,), generator=gen).double()  # many ties

@@ -169,3 +169,34 @@ def test_one_device_pipeline_steps_lazy_adam_from_the_leaves_as_the_plain_loop()
     assert max(abs(a - b) / abs(b) for a, b in zip(ours, theirs)) <= 1e-5, (ours, theirs)
     assert max(param_err.values()) <= 1e-5, param_err
     assert len(param_err) >= 6  # the tables and the MLP
+
+
+def test_recipe_optimizer_keeps_dense_table_state_when_asked():
+    """``build_optimizer(..., dense_table_state=True)`` (``model.dense_table_state``): the tables' moments are laid
+    out like the tables (zeros where never looked up), not per-shard pieces of the looked-up rows; the step is
+    the lazy one either way. The default keeps the pieces."""
+    from omegaconf import OmegaConf
+
+    from recipes.wide_deep.optim import build_optimizer
+
+    trainer = OmegaConf.create(dict(lr=3e-3, betas=[0.9, 0.999], eps=1e-8, weight_decay=0.1))
+    dense, ids, label = _batches()[0]
+    params = {}
+    for dense_state in (True, False):
+        torch.manual_seed(0)
+        model = WideDeep(WideDeepConfig(table_rows=40, embed_dim=4, hidden=[8], dropout=0.0))
+        opt = build_optimizer(model, trainer, dense_table_state=dense_state)
+        bce_loss(model(dense, ids % 40), label).backward()
+        opt.step()
+        for table in (model.wide.weight, model.deep.weight):
+            st = opt.state[table]
+            if dense_state:
+                assert "shards" not in st and st["exp_avg"].shape == table.shape, sorted(st)
+                seen = torch.zeros(40, dtype=torch.bool)
+                seen[torch.unique(ids % 40)] = True
+                assert bool((st["exp_avg_sq"][~seen] == 0).all()) and bool((st["exp_avg_sq"][seen] > 0).any())
+            else:
+                assert "exp_avg" not in st and len(st["shards"]) == 1, sorted(st)
+        params[dense_state] = [p.detach().clone() for p in model.parameters()]
+    for a, b in zip(params[True], params[False]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -283,3 +283,19 @@ def test_pruning_never_removes_the_checkpoint_just_saved(tmp_path):
         os.utime(tmp_path / step / manifest.NAME, (mtime, mtime))
     assert directory.prune(str(tmp_path), 1, keep="step_1") == []
     assert (tmp_path / "step_1" / manifest.NAME).exists()
+
+
+def test_keys_that_look_like_path_tokens_round_trip(tmp_path):
+    """A string key starting with ``~`` or ``#`` (or holding ``/`` or ``%``) is escaped in the tensor's path, so
+    ``"~rank0"`` in the shared state does not land on rank 0's own entries, nor ``"#1"`` on the int key ``1``."""
+    g = torch.Generator().manual_seed(0)
+    state = {"~rank0": {"rng": torch.randn(3, generator=g)}, "rng": torch.randn(3, generator=g),
+             "ids": {"#1": torch.randn(2, generator=g), 1: torch.randn(2, generator=g)},
+             "odd": {"a/b%": torch.randn(2, generator=g), "~": torch.randn(1, generator=g)}}
+    ckpt.save(str(tmp_path), 1, state, per_rank=("rng",))
+    out = ckpt.load(str(tmp_path))
+    assert torch.equal(out["~rank0"]["rng"], state["~rank0"]["rng"]) and torch.equal(out["rng"], state["rng"])
+    for part in ("ids", "odd"):
+        assert out[part].keys() == state[part].keys()
+        for k, v in state[part].items():
+            assert torch.equal(out[part][k], v), (part, k)

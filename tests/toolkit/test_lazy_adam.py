@@ -184,3 +184,39 @@ def test_row_slots_follow_first_look_up_with_one_host_read():
     assert mom.n == len(seen) and mom.sorted_rows.tolist() == sorted(seen)
     assert mom.slot_of_sorted.tolist() == [seen[r] for r in sorted(seen)]
     assert mom._index[:mom.n].tolist() == sorted(seen, key=seen.get)
+
+
+def test_weight_decay_on_looked_up_rows_is_decoupled_and_scaled_by_lr():
+    """A table group with ``weight_decay``: each step, the rows looked up shrink by ``1 - lr * wd`` before
+    SparseAdam's update (decoupled, as AdamW); the other rows stay as they were."""
+    torch.manual_seed(0)
+    model = _Tiny()
+    ref = copy.deepcopy(model)
+    lr, wd = 0.01, 0.5
+    _train(model, LazyAdamW([{"params": list(model.head.parameters())},
+                             {"params": [model.table.weight], "weight_decay": wd}], lr=lr), _batches())
+    dense = torch.optim.AdamW(ref.head.parameters(), lr=lr, weight_decay=0.0)
+    sparse = torch.optim.SparseAdam([ref.table.weight], lr=lr)
+    for ids, y in _batches():
+        ((ref(ids) - y) ** 2).mean().backward()
+        with torch.no_grad():
+            rows = torch.unique(ids)
+            ref.table.weight[rows] *= 1 - lr * wd
+        dense.step()
+        sparse.step()
+        dense.zero_grad(set_to_none=True)
+        sparse.zero_grad(set_to_none=True)
+    for (name, a), b in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_absorb_leaves_the_row_at_the_shard_end_to_the_next_shard():
+    """Rows ``[row0, row0 + n_rows)`` are a shard's: a saved row at ``row0 + n_rows`` is the next shard's and
+    does not come into this one (nor its moments)."""
+    m = torch.arange(12, dtype=torch.float32).reshape(3, DIM)
+    saved = {"0:0": {"box": [0, ROWS, 0, DIM], "index": torch.tensor([9, 10, 20]),
+                     "exp_avg": m, "exp_avg_sq": m + 1}}
+    mom = RowMoments(((10, 10), (0, DIM)), torch.float32, "cpu")
+    mom.absorb(saved)
+    assert mom.n == 1 and mom._index[:mom.n].tolist() == [10]
+    assert torch.equal(mom.exp_avg, m[1:2]) and torch.equal(mom.exp_avg_sq, m[1:2] + 1)

@@ -154,3 +154,27 @@ def test_a_dispatched_step_runs_without_the_fused_kernel_and_restores_it(hooked)
         assert step.device.type == "cpu" and step.dtype == torch.float64
     else:  # where the next fused step's kernel reads it
         assert step.device == p.device and step.dtype == torch.float32
+
+
+def test_scheduler_resume_after_the_first_step():
+    """``last_step=0`` (one step taken, no scheduler state): a fresh optimizer gets step 1's learning rate."""
+    opt = build_optimizer(torch.nn.Linear(2, 2), TRAINER)
+    build_scheduler(opt, TRAINER, last_step=0)
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([lr_at(1, 1e-3, 1e-4, 10, 110)] * 2)
+
+
+def test_tied_pairs_given_twice_are_one_parameter_stepped_once():
+    """``named_parameters(remove_duplicate=False)`` lists a tied weight under both names: the groups hold it
+    once (its first name), so AdamW steps it once, as ``torch.optim.AdamW`` over the module's parameters."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(5, 3), torch.nn.Linear(3, 5, bias=False))
+    model[1].weight = model[0].weight
+    decay, no_decay = param_groups(list(model.named_parameters(remove_duplicate=False)), 0.1)
+    assert decay["names"] == ["0.weight"] and len(decay["params"]) == 1 and no_decay["params"] == []
+    ref = torch.nn.Parameter(model[0].weight.detach().clone())
+    opt, opt_ref = torch.optim.AdamW([decay, no_decay], lr=0.1), torch.optim.AdamW([ref], lr=0.1, weight_decay=0.1)
+    g = torch.randn(5, 3)
+    model[0].weight.grad, ref.grad = g.clone(), g.clone()
+    opt.step()
+    opt_ref.step()
+    torch.testing.assert_close(model[0].weight.detach(), ref.detach(), rtol=1e-6, atol=1e-7)

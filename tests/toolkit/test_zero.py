@@ -312,3 +312,15 @@ def test_the_trainers_zero_optimizer_steps_the_masters_locals():
     """The trainer's step syncs and refreshes ZeRO itself: no optimizer hooks, which would make every update a
     dispatched step over global tensors (on CUDA also a host read of each parameter's step count)."""
     assert get_pool(2).run(_trainer_steps_masters_locals) == [True, True]
+
+
+def test_plan_rewrite_shards_a_dim_of_exactly_dp_rows():
+    """A dim with exactly ``dp`` rows is "at least dp": the first such dim takes the split (one row per rank,
+    an even split), not a later longer one that splits unevenly."""
+    from toolkit.zero import master_sbp
+    from toolkit.zero.plan import shard_dim
+
+    S1 = Split(1)
+    assert master_sbp((B,), (4, 5), 0, 4) == (S0,)  # 4 rows on 4 ranks, not 5 columns as 2, 1, 1, 1
+    assert master_sbp((B, S0), (6, 2, 3), 0, 2) == (S1, S0)  # dim 0 taken: dim 1 has exactly 2
+    assert shard_dim((B,), (3, 3, 7), 0, 3) == 0
