@@ -23,7 +23,7 @@ tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SOURCES = ["sbp_core", "runtime", "toolkit", "recipes", "benchkit", "scripts", "tests", "train.py", "generate.py",
            "conftest.py"]
-OWN = {"sbp_core", "runtime", "toolkit", "recipes", "benchkit", "scripts", "tests"}
+OWN = {"sbp_core", "runtime", "toolkit", "recipes", "benchkit", "scripts", "tests", "train", "generate"}
 OPTIONAL = {"nvidia": "recipes/insightface/data/dali.py checks find_spec('nvidia.dali') first"}
 
 
