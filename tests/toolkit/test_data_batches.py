@@ -9,6 +9,7 @@ import torch
 
 from runtime.executor import run
 from runtime.plan import ActorSpec, Plan
+from sbp_core.sbp import Broadcast, Split
 from toolkit.data.batches import MicroBatches
 from toolkit.data.sampler import GlobalBatchSampler, micro_batch_rows
 from recipes.gpt2.data.tokens import TokenSequences, token_dtype
@@ -113,3 +114,21 @@ def test_bad_arguments_name_the_value(tokens):
         MicroBatches(tokens, GlobalBatchSampler(100, 4), 1, 1, 0)
     with pytest.raises(ValueError, match=r"micro must be an int in \[0, accum=2\), got 2"):
         MicroBatches(tokens, sampler, accum=2).load(0, 2)
+
+
+@pytest.mark.parametrize("sbp, mesh", [((Split(0), Split(0)), (2, 3)), ((Split(0), Broadcast(), Split(0)), (2, 2, 2)),
+                                       ((Broadcast(), Split(0)), (3, 2))])
+def test_a_ranks_data_shard_holds_the_rows_its_batch_layout_gives_it(sbp, mesh):
+    """``data_shard``'s ``(shard, n)``: the rank's rows of a batch are ``tensor_split(n)[shard]``, and those
+    are the rows an ``S(0)`` global batch lays out at the rank's mesh coordinates."""
+    import itertools
+
+    from sbp_core.layout import local_box
+    from toolkit.recipe import data_shard
+
+    rows = 24
+    for coords in itertools.product(*(range(n) for n in mesh)):
+        shard, n = data_shard(sbp, mesh, coords)
+        start, length = local_box((rows, 1), mesh, sbp, coords)[0]
+        piece = torch.arange(rows).tensor_split(n)[shard]
+        assert piece.tolist() == list(range(start, start + length)), (coords, shard, n)
