@@ -485,3 +485,24 @@ def test_joining():
         (unbinds, [rnd(6, 3)], [S1], R2, ANY),
         (unbinds, [rnd(6, 3)], [(S0, S0)], M22, [(S0, S0)]),
     ])
+
+
+def _view_strides():
+    import sbp_core as sc
+    from toolkit.rank_pool import get_pool  # noqa: F401  (runs in a pool worker)
+
+    p = sc.placement("cpu", [0, 1])
+    x = sc.distribute(torch.randn(4, 6), p, (sbp.broadcast,))
+    seen = []
+    for _ in range(2):  # the first call decides; the second reuses the cached decision (the hot path)
+        y = x.t()
+        seen.append((tuple(y.stride()), y.is_contiguous(), tuple(y._local.stride())))
+    return seen
+
+
+def test_a_views_strides_are_its_locals_on_the_cached_path_too():
+    """``x.t()`` of a global tensor reports torch's strides for it (``(1, 6)``, not contiguous) on every call."""
+    from toolkit.rank_pool import get_pool
+
+    for seen in get_pool(parity.WORLD).run(_view_strides)[:2]:
+        assert seen == [((1, 6), False, (1, 6))] * 2, seen
