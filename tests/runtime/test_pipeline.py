@@ -187,6 +187,15 @@ def test_data_parallel_stages_with_a_micro_batch_dp_cannot_halve_match_one_devic
     assert all(e <= bar for e, bar in zip(errs, TOLERANCE["float64"])), errs
 
 
+def test_the_audit_leaves_the_dropout_stream_where_the_dispatched_run_left_it():
+    """dp2_pp2 with dropout: the audited run (its plain forward is compared, then rejected) and the run never
+    audited draw the same masks after the audit, so their losses agree bit for bit."""
+    pool = get_pool(8)
+    audited = [losses for stage, *_, losses in pool.run(_data_parallel_plain, 0.1, True) if stage == 1]
+    never = [losses for stage, *_, losses in pool.run(_data_parallel_plain, 0.1, False) if stage == 1]
+    assert audited and [[float(x) for x in a] for a in audited] == [[float(x) for x in n] for n in never]
+
+
 def _audited_then_explained():
     import sbp_core as sc
     from benchkit.pipeline_parity import build
