@@ -133,3 +133,13 @@ def test_sparse_add_boxes_the_other_to_the_first_ones_layout():
     for sbp, err in out[:2]:
         assert sbp == "(S(1))" and err <= 1e-6, (sbp, err)
     assert all(r == ("(S(1))", 1, (0, 0)) for r in out[2:]), out[2:]  # outside: empty, one sparse dim as inside
+
+
+def test_rows_in_box_takes_the_shards_columns_of_a_whole_row_gradient():
+    """A plain (one-device) row gradient of a [10, 4] table, for the shard a rank holds of it split ``S(1)``
+    over 2: the rank at coordinate 1 gets columns 2..3 of the looked-up rows."""
+    dense = torch.arange(40.0).view(10, 4)
+    grad = torch.sparse_coo_tensor(torch.tensor([[2, 7]]), dense[[2, 7]], (10, 4), check_invariants=True)
+    for coord, cols in ((0, slice(0, 2)), (1, slice(2, 4))):
+        rows, vals = rows_in_box(grad, (10, 4), (2,), (S1,), (coord,))
+        assert rows.tolist() == [2, 7] and torch.equal(vals, dense[[2, 7]][:, cols]), (coord, vals)
