@@ -53,3 +53,26 @@ def test_cuts_declare_the_shape_and_dtype_they_produce():
             got = a.action(0, full.chunk(2)[two.ranks.index(a.rank)].to(torch.bfloat16))
             assert (got.shape, got.dtype) == (torch.Size(a.out[0]), a.out[1]) == (got.shape, torch.float32)
             assert got.is_contiguous()
+
+
+def test_a_cut_across_columns_is_contiguous_and_a_list_output_is_a_tuple():
+    """S(1) over 2 ranks to S(1) over 3: a cut takes some columns of a shard, which its channel can only send
+    contiguous (the executor refuses a declared ``out`` that is not). A forward may return a list."""
+    from runtime.pipeline.boundary import as_tuple
+
+    with fake_world(6):
+        full = torch.arange(36.0).reshape(3, 12)
+        two, three = sc.placement("cpu", [1, 2]), sc.placement("cpu", [3, 4, 5])
+        S1 = sc.sbp.split(1)
+        src, dst = Layout(two, (S1,), (3, 12), torch.float32), Layout(three, (S1,), (3, 12), torch.float32)
+        actors, _ = boundary_actors("b", {1: "p1", 2: "p2"}, src, dst, False, None)
+        cuts = [a for a in actors if ".cut" in a.name]
+        partial = 0
+        for a in cuts:
+            shard = full.chunk(2, dim=1)[two.ranks.index(a.rank)]
+            got = a.action(0, shard)
+            assert got.is_contiguous() and got.shape == torch.Size(a.out[0]), a.name
+            partial += got.shape[1] < shard.shape[1]
+        assert partial > 0  # some cut takes part of a shard's columns
+    a, b = torch.ones(2), torch.zeros(3)
+    assert as_tuple([a, b]) == (a, b) and as_tuple((a,)) == (a,) and as_tuple(a) == (a,)
