@@ -68,11 +68,12 @@ def test_virtual_stages_resume_under_another_schedule(straight, sbp_cache, tmp_p
     assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(losses, straight)), (losses, straight)
 
 
-def test_resume_with_dropout_draws_the_masks_it_would_have_drawn(sbp_cache, tmp_path):
-    """Dropout on: the resumed steps' masks come from the checkpoint's RNG state, so the losses are bit
-    for bit those of the run that never stopped."""
+def test_resume_with_dropout_draws_the_masks_and_rates_it_would_have_drawn(sbp_cache, tmp_path):
+    """Dropout on: the resumed steps' masks come from the checkpoint's RNG state, and their learning rates
+    from its schedule (step 5's loss is the first to see the second update after the resume), so the
+    losses are bit for bit those of the run that never stopped."""
     drop = [*STEPS, "parallel=single", "model.dropout=0.1"]
-    straight = train_pooled([*drop, "trainer.max_steps=4"], tmp_path / "straight", sbp_cache)
+    straight = train_pooled([*drop, "trainer.max_steps=5"], tmp_path / "straight", sbp_cache)
     train_pooled([*drop, "trainer.max_steps=2"], tmp_path / "half", sbp_cache)
-    resumed = train_pooled([*drop, "trainer.max_steps=4", "trainer.resume=auto"], tmp_path / "half", sbp_cache)
+    resumed = train_pooled([*drop, "trainer.max_steps=5", "trainer.resume=auto"], tmp_path / "half", sbp_cache)
     assert resumed == straight, (resumed, straight)
