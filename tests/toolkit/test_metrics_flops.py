@@ -46,3 +46,23 @@ def test_measured_peak_is_plausible_and_cached():
     peak = measured_peak_tflops(torch.float32, size=256)
     assert 1e-4 < peak < 1e3
     assert measured_peak_tflops(torch.float32, size=256) == peak  # cached
+
+
+def test_measured_peak_counts_two_n_cubed_per_product_per_thread_count(monkeypatch):
+    """With a clock that ticks 1 s per read, each product takes 1 s: the peak is 2 n^3 FLOP/s. The cache
+    keys on the thread count: another count measures again."""
+    from toolkit import flops
+
+    ticks = iter(range(10**6))
+    monkeypatch.setattr(flops.time, "perf_counter", lambda: float(next(ticks)))
+    monkeypatch.setattr(flops, "_PEAK_CACHE", {})
+    threads = torch.get_num_threads()
+    assert measured_peak_tflops(torch.float32, size=8, repeats=1) == 2 * 8**3 / 1e12
+    calls = []
+    monkeypatch.setattr(flops.torch, "mm", lambda a, b: calls.append(1))
+    try:
+        torch.set_num_threads(threads + 1)
+        measured_peak_tflops(torch.float32, size=8, repeats=1)
+    finally:
+        torch.set_num_threads(threads)
+    assert len(calls) == 2  # warm-up and one timed product: measured anew
