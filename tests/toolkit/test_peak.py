@@ -53,6 +53,10 @@ def test_cuda_reads_the_device_name_then_measures_what_the_table_lacks(monkeypat
     assert peak.device_peak("cuda", "fp16").tflops == 125.0
     assert peak.device_peak("cuda", "bf16") == (77.0, "Tesla V100-SXM2-16GB bf16 matmul, measured")
     assert seen == [(torch.bfloat16, "cuda:0")]
+    # fp32 with TF32 allowed: a V100 has no TF32 row, so its float32 matmul is measured.
+    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "high")
+    assert peak.device_peak("cuda", "fp32") == (77.0, "Tesla V100-SXM2-16GB tf32 matmul, measured")
+    assert seen[-1] == (torch.float32, "cuda:0")
 
 
 def test_an_mfu_above_100_percent_is_left_out_with_a_warning(tmp_path, capsys):
