@@ -49,16 +49,22 @@ def test_matches_adamw_and_sparse_adam():
     model = _Tiny()
     ref = copy.deepcopy(model)
     _train(model, _lazy(model), _batches())
-    dense = torch.optim.AdamW(ref.head.parameters(), lr=0.01, weight_decay=0.1)
-    sparse = torch.optim.SparseAdam([ref.table.weight], lr=0.01)
+    _train_reference(ref, torch.optim.AdamW(ref.head.parameters(), lr=0.01, weight_decay=0.1),
+                     torch.optim.SparseAdam([ref.table.weight], lr=0.01))
+    for (name, a), b in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def _train_reference(ref, dense, sparse, before_step=lambda ids: None):
+    """torch's AdamW on the head and SparseAdam on the table over ``_batches()``; ``before_step(ids)`` after
+    each backward."""
     for ids, y in _batches():
         ((ref(ids) - y) ** 2).mean().backward()
+        before_step(ids)
         dense.step()
         sparse.step()
         dense.zero_grad(set_to_none=True)
         sparse.zero_grad(set_to_none=True)
-    for (name, a), b in zip(model.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=name)
 
 
 def test_gradients_given_to_step_are_the_parameters_own():
@@ -195,17 +201,13 @@ def test_weight_decay_on_looked_up_rows_is_decoupled_and_scaled_by_lr():
     lr, wd = 0.01, 0.5
     _train(model, LazyAdamW([{"params": list(model.head.parameters())},
                              {"params": [model.table.weight], "weight_decay": wd}], lr=lr), _batches())
-    dense = torch.optim.AdamW(ref.head.parameters(), lr=lr, weight_decay=0.0)
-    sparse = torch.optim.SparseAdam([ref.table.weight], lr=lr)
-    for ids, y in _batches():
-        ((ref(ids) - y) ** 2).mean().backward()
+
+    def decay(ids):  # decoupled, on the looked-up rows only
         with torch.no_grad():
-            rows = torch.unique(ids)
-            ref.table.weight[rows] *= 1 - lr * wd
-        dense.step()
-        sparse.step()
-        dense.zero_grad(set_to_none=True)
-        sparse.zero_grad(set_to_none=True)
+            ref.table.weight[torch.unique(ids)] *= 1 - lr * wd
+
+    _train_reference(ref, torch.optim.AdamW(ref.head.parameters(), lr=lr, weight_decay=0.0),
+                     torch.optim.SparseAdam([ref.table.weight], lr=lr), decay)
     for (name, a), b in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=name)
 
