@@ -104,6 +104,8 @@ class Job:
         torch.manual_seed(int(tr.seed))
         model = recipe.build_model(cfg.model)
         init = recipe.weights_path(str(tr.init_from)) if tr.init_from else None
+        if tr.init_from and init is None:  # validated where the job started; this rank's machine lacks it
+            raise FileNotFoundError(f"trainer.init_from={tr.init_from!r}: not found on rank {self.rank}'s machine")
         if init and recipe.init_weights(model, init, cfg):
             init = None  # a foreign format, read into the full model
         names = model_names(model)
