@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 from omegaconf import II
 
+from .data.source import names_local_path
 from .model import GPT2Config
 
 DATA_SOURCES = ("stdlib", "text")
@@ -110,7 +111,8 @@ def problems(cfg, layout) -> list:
     elif data.source == "text" and data.path is None:
         p.append("data.path=None: data.source=text needs a path; valid: a .txt/.jsonl/.parquet file "
                  "or a directory of them")
-    elif data.source == "text" and not os.path.exists(os.path.expanduser(str(data.path))):
+    elif data.source == "text" and names_local_path(str(data.path)) \
+            and not os.path.exists(os.path.expanduser(str(data.path))):  # (a hub dataset name is checked when read)
         p.append(f"data.path={data.path!r}: no such file or directory; valid: a .txt/.jsonl/.parquet file "
                  "or a directory of them")
     if data.tokenizer is not None and not os.path.isfile(os.path.expanduser(str(data.tokenizer))):

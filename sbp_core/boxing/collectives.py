@@ -482,6 +482,15 @@ def ready_mark(device: torch.device):
     return event
 
 
+def _on_transfer_device(t: torch.Tensor, group, ready):
+    """``(t as group's backend sends it, what its transfer waits for)``: ``t`` detached, on
+    ``tensor_device(group)`` and contiguous, and ``ready`` unless that took a copy, which this thread's
+    current stream queued (then ``None``: the transfer waits for that stream)."""
+    u = t.detach().to(tensor_device(group)).contiguous()
+    copied = u.data_ptr() != t.data_ptr() or u.device != t.device
+    return u, None if copied else ready
+
+
 @contextlib.contextmanager
 def _settled(device: torch.device, after_current: bool = True, ready=None):
     """Run the block's transfers on a stream of this thread's own, and return once they are done.
@@ -541,9 +550,7 @@ def send_object(obj, dst: int, group, ready=None) -> None:
     header = torch.zeros(_HEADER, dtype=torch.int64)
     control = control_group(group)
     if isinstance(obj, torch.Tensor) and obj.dtype in _DTYPES and obj.dim() <= _HEADER - 3:
-        payload, on = obj.detach().to(tensor_device(group)).contiguous(), group
-        if payload.data_ptr() != obj.data_ptr() or payload.device != obj.device:
-            ready = None  # the copy was queued on this thread's stream
+        (payload, ready), on = _on_transfer_device(obj, group, ready), group
         header[0], header[1], header[2] = 0, _DTYPES.index(obj.dtype), obj.dim()
         header[3 : 3 + obj.dim()] = torch.tensor(obj.shape, dtype=torch.int64)
     else:
@@ -592,10 +599,7 @@ def send_tensor(t: torch.Tensor, dst: int, group, ready=None) -> None:
     when ``t`` lies elsewhere). ``ready``: as ``send_object``'s.
     """
     ledger.record("send", 2, _nbytes(t), (world_rank(), dst))
-    u = t.to(tensor_device(group)).contiguous()
-    if u.data_ptr() != t.data_ptr() or u.device != t.device:
-        ready = None  # the copy was queued on this thread's stream
-    t = u
+    t, ready = _on_transfer_device(t, group, ready)
     with _settled(t.device, ready=ready):
         dist.send(moved(t), dst=dst, group=group)
 

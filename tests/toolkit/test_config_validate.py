@@ -217,6 +217,9 @@ def test_missing_data_tokenizer_and_weights_paths_are_refused(tmp_path):
     (tmp_path / "tokenizer.json").write_text("{}")
     assert validate(cfg_of("data=text", f"data.path={tmp_path}/corpus.txt",
                            f"data.tokenizer={tmp_path}/tokenizer.json")).world_size == 1
+    # Not a path but a hub dataset name (recipes.gpt2.data.source.open_corpus): looked up when read.
+    assert validate(cfg_of("data=text", "data.path=some_user/some_dataset_name")).world_size == 1
+    assert "no such file or directory" in problems("data=text", "data.path=corpus_here.txt")
 
 
 @pytest.fixture

@@ -8,8 +8,11 @@ from .corpus import LOCAL_SUFFIXES, Corpus, local_corpus, stdlib_corpus, suffix_
 from .hub import hub_corpus
 
 
-def _looks_like_path(source: str) -> bool:
-    return source.startswith(("/", "./", "../", "~")) or os.path.isabs(source) or suffix_of(source) in LOCAL_SUFFIXES
+def names_local_path(source: str) -> bool:
+    """Is corpus ``source`` a local path (an existing one, or one that starts with ``/``, ``./``, ``../``
+    or ``~`` or ends in a local suffix) rather than a hub dataset name?"""
+    return os.path.exists(os.path.expanduser(source)) or source.startswith(("/", "./", "../", "~")) \
+        or os.path.isabs(source) or suffix_of(source) in LOCAL_SUFFIXES
 
 
 def open_corpus(source=None, max_bytes: int | None = None, text_field: str = "text",
@@ -33,6 +36,6 @@ def open_corpus(source=None, max_bytes: int | None = None, text_field: str = "te
     if not isinstance(source, str) or not source:
         raise TypeError(f"corpus source must be None, 'stdlib', a path, a hub dataset name or a Corpus, "
                         f"got {source!r}")
-    if os.path.exists(os.path.expanduser(source)) or _looks_like_path(source):
+    if names_local_path(source):
         return local_corpus(source, max_bytes, text_field)
     return hub_corpus(source, config, split, text_field, max_bytes)
