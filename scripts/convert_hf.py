@@ -1,12 +1,14 @@
 """GPT-2 between Hugging Face ``transformers`` directories and our checkpoints.
 
-    python scripts/convert_hf.py import <hf_dir> <ckpt_dir>
+    python scripts/convert_hf.py import <hf_dir> <ckpt_dir> [--make-vocab-size-divisible-by N]
     python scripts/convert_hf.py export <run_or_ckpt_dir> <hf_dir> [--n-head N]
 
 ``import`` reads a ``transformers`` GPT-2 directory (``config.json`` and
 ``model.safetensors`` or ``pytorch_model.bin``, sharded or not) and writes
 ``<ckpt_dir>/step_0`` (+ ``latest``) holding ``model`` (our names, ``c_attn``
-columns per head) and ``extra.model_config``; ``trainer.init_from=<ckpt_dir>``
+columns per head, the vocabulary's rows zero-padded to a multiple of
+``--make-vocab-size-divisible-by``, 128 by default as in the ``gpt2*``
+presets) and ``extra.model_config``; ``trainer.init_from=<ckpt_dir>``
 (or ``toolkit.checkpoint.load(<ckpt_dir>, {"model": model.state_dict()})``)
 loads it under any layout.
 
@@ -15,7 +17,9 @@ or a checkpoint directory (saved under any layout and world size) and writes
 ``config.json`` + ``model.safetensors`` that
 ``GPT2LMHeadModel.from_pretrained`` loads. The model config comes from the
 checkpoint's ``extra.model_config`` (or ``extra.hf_config``), else from the
-run's ``config.yaml``, else from the weights' shapes plus ``--n-head``.
+run's ``config.yaml``, else from the weights' shapes plus ``--n-head``;
+rows of the embedding past the recorded ``vocab_size`` (padding) are
+dropped.
 When the run directory above the checkpoint holds the run's tokenizer
 (``tokenizer.json``, which a GPT-2 run copies there), export copies it
 beside the weights: a ``tokenizers`` file that
@@ -41,10 +45,14 @@ from toolkit.checkpoint.errors import CheckpointError
 TOKENIZER_FILE = "tokenizer.json"
 
 
-def import_hf(hf_dir: str, ckpt_dir: str) -> str:
-    """Write ``hf_dir``'s GPT-2 as checkpoint ``<ckpt_dir>/step_0``; returns its path."""
+def import_hf(hf_dir: str, ckpt_dir: str, vocab_multiple: int = 128) -> str:
+    """Write ``hf_dir``'s GPT-2 as checkpoint ``<ckpt_dir>/step_0``, its vocabulary padded to a multiple of
+    ``vocab_multiple`` rows (``model.make_vocab_size_divisible_by``, 128 in the ``gpt2*`` presets); returns
+    its path."""
+    if vocab_multiple < 1:
+        raise ValueError(f"--make-vocab-size-divisible-by {vocab_multiple}: must be >= 1")
     hf_cfg, hf_sd = hf_gpt2.read_hf_dir(hf_dir)
-    cfg = hf_gpt2.config_from_hf(hf_cfg)
+    cfg = {**hf_gpt2.config_from_hf(hf_cfg), "make_vocab_size_divisible_by": vocab_multiple}
     model = hf_gpt2.from_hf(hf_sd, cfg)
     state = {"model": model, "step": 0,
              "extra": {"model_config": cfg, "hf_config": hf_cfg, "source": os.path.abspath(hf_dir)}}
@@ -103,14 +111,18 @@ def model_config(model: dict, extra: dict, ckpt_path: str, n_head: int | None) -
         drop = run.get("dropout", 0.1)
         cfg = {"n_head": n_head or run.get("n_head"), "embd_pdrop": drop, "resid_pdrop": drop, "attn_pdrop": drop,
                "layer_norm_epsilon": run.get("layer_norm_epsilon", 1e-5),
-               "initializer_range": run.get("initializer_range", 0.02)}
+               "initializer_range": run.get("initializer_range", 0.02), "vocab_size": run.get("vocab_size")}
     if n_head is not None:
         cfg["n_head"] = n_head
     if not cfg.get("n_head"):
         raise ValueError(f"{ckpt_path}: the number of heads is not recorded (no extra.model_config, no run "
                          "config.yaml); pass --n-head")
-    vocab, n_embd = model["transformer.wte.weight"].shape
-    cfg.update(vocab_size=int(vocab), n_embd=int(n_embd), n_positions=int(model["transformer.wpe.weight"].shape[0]),
+    rows, n_embd = model["transformer.wte.weight"].shape
+    # The recorded vocabulary: the rows past it are padding (model.make_vocab_size_divisible_by), which export drops.
+    vocab = int(cfg.get("vocab_size") or rows)
+    if vocab > rows:
+        raise ValueError(f"{ckpt_path}: the embedding has {rows} rows but the recorded vocab_size is {vocab}")
+    cfg.update(vocab_size=vocab, n_embd=int(n_embd), n_positions=int(model["transformer.wpe.weight"].shape[0]),
                n_layer=len({k.split(".")[2] for k in model if k.startswith("transformer.h.")}))
     return {k: cfg[k] for k in hf_gpt2.CONFIG_KEYS}
 
@@ -140,6 +152,9 @@ def main(argv=None) -> int:
     imp = sub.add_parser("import", help="Hugging Face GPT-2 directory -> our checkpoint")
     imp.add_argument("hf_dir")
     imp.add_argument("ckpt_dir")
+    imp.add_argument("--make-vocab-size-divisible-by", type=int, default=128, dest="vocab_multiple",
+                     help="pad the vocabulary's rows to a multiple of this (the gpt2* presets' "
+                          "model.make_vocab_size_divisible_by; 1: no padding)")
     exp = sub.add_parser("export", help="our checkpoint (run, root or step directory) -> Hugging Face directory, "
                                         "with the run's tokenizer.json when the run directory holds one")
     exp.add_argument("src")
@@ -147,7 +162,7 @@ def main(argv=None) -> int:
     exp.add_argument("--n-head", type=int, default=None, help="heads, when the checkpoint does not record them")
     args = ap.parse_args(argv)
     if args.cmd == "import":
-        path = import_hf(args.hf_dir, args.ckpt_dir)
+        path = import_hf(args.hf_dir, args.ckpt_dir, args.vocab_multiple)
         print(f"imported {args.hf_dir} -> {path}")
     else:
         out = export_hf(args.src, args.hf_dir, args.n_head)

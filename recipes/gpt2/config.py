@@ -6,7 +6,6 @@ and ``data.vocab_size`` to ``${model.vocab_size}``.
 """
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, fields
 from typing import Any, Optional
@@ -14,7 +13,7 @@ from typing import Any, Optional
 from omegaconf import II
 
 from .data.source import names_local_path
-from .model import GPT2Config
+from .model import GPT2Config, padded_vocab_size
 
 DATA_SOURCES = ("stdlib", "text")
 
@@ -31,6 +30,14 @@ HF_GPT2_DIMS = {
 class ModelConfig:
     """GPT-2 dimensions; ``dropout`` sets GPT-2's three dropout probabilities at once.
 
+    ``vocab_size`` is the tokenizer's (a published GPT-2's 50257);
+    ``make_vocab_size_divisible_by`` pads the embedding and LM head to a
+    multiple of it (Megatron's option), with the padded ids' logits at
+    ``-inf``, so that a tensor-parallel degree dividing the padded size
+    works. Unlike Megatron the multiple is not also multiplied by ``tp``:
+    the parameters' shapes do not depend on the layout, so checkpoints
+    reshard between any layouts.
+
     ``name`` labels the preset (run names, W&B); the dimensions are what count.
     """
 
@@ -43,6 +50,7 @@ class ModelConfig:
     dropout: float = 0.0
     layer_norm_epsilon: float = 1e-5
     initializer_range: float = 0.02
+    make_vocab_size_divisible_by: int = 1
 
 
 @dataclass
@@ -80,7 +88,8 @@ def gpt2_config_kwargs(model: Any) -> dict:
     ``dropout`` becomes ``embd_pdrop``, ``resid_pdrop`` and ``attn_pdrop``.
     Use: ``GPT2Config(**gpt2_config_kwargs(cfg.model))``.
     """
-    return {f.name: type(f.default)(model.dropout if f.name.endswith("_pdrop") else model[f.name])
+    # ``.get``: a run's saved config from before a field existed has the field's default.
+    return {f.name: type(f.default)(model.dropout if f.name.endswith("_pdrop") else model.get(f.name, f.default))
             for f in fields(GPT2Config)}
 
 
@@ -89,7 +98,7 @@ def problems(cfg, layout) -> list:
     p: list = []
     m, data, par, tr = cfg.model, cfg.data, cfg.parallel, cfg.trainer
     dims_ok = True
-    for key in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"):
+    for key in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "make_vocab_size_divisible_by"):
         if m[key] < 1:
             p.append(f"model.{key}={m[key]!r}: must be >= 1")
             dims_ok = False
@@ -102,10 +111,12 @@ def problems(cfg, layout) -> list:
     if m.n_head % layout.tp:
         p.append(f"model.n_head={m.n_head}: must divide by parallel.tp={layout.tp} (whole heads per "
                  f"rank); valid tp: {[d for d in range(1, m.n_head + 1) if m.n_head % d == 0]}")
-    if m.vocab_size % layout.tp:
-        padded = math.ceil(m.vocab_size / (128 * layout.tp)) * 128 * layout.tp
-        p.append(f"model.vocab_size={m.vocab_size}: must divide by parallel.tp={layout.tp} (vocab-"
-                 f"parallel embedding and loss); valid: pad it, e.g. model.vocab_size={padded}")
+    rows = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by)
+    if rows % layout.tp:
+        multiple = 128 * layout.tp if 128 % layout.tp else 128
+        p.append(f"model.vocab_size={m.vocab_size} (embedding rows: {rows}) must divide by parallel.tp="
+                 f"{layout.tp} (vocab-parallel embedding and loss); valid: pad the rows, e.g. "
+                 f"model.make_vocab_size_divisible_by={multiple} ({padded_vocab_size(m.vocab_size, multiple)} rows)")
     if data.source not in DATA_SOURCES:
         p.append(f"data.source={data.source!r}: unknown choice; valid: {', '.join(DATA_SOURCES)}")
     elif data.source == "text" and data.path is None:
@@ -146,6 +157,6 @@ def problems(cfg, layout) -> list:
                      f"model={tr.init_from}")
         if m.vocab_size != 50257:
             p.append(f"trainer.init_from={tr.init_from!r}: the checkpoint has 50257 tokens, "
-                     f"model.vocab_size={m.vocab_size}; valid: 50257 (its rows are not padded on load, so "
-                     "parallel.tp must divide 50257 = 29 x 1733: tp=1)")
+                     f"model.vocab_size={m.vocab_size}; valid: 50257 (with tensor parallelism pad the rows with "
+                     "model.make_vocab_size_divisible_by, e.g. 128)")
     return p

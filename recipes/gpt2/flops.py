@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .model import padded_vocab_size
+
 
 def gpt2_param_count(vocab_size: int, n_positions: int, n_embd: int, n_layer: int) -> int:
     """Parameters of ``recipes.gpt2.model.GPT2LMHeadModel`` (tied lm_head counted once).
@@ -44,10 +46,11 @@ def flops_per_token(n_params: int, n_layer: int, n_head: int, head_dim: int, seq
 def model_flops_per_token(model: Any, seq_len: int, n_params: int | None = None) -> float:
     """FLOPs per token for a ``model`` config node (``cfg.model``) at ``seq_len`` tokens.
 
-    ``n_params`` defaults to :func:`gpt2_param_count` of the config; pass the
-    real model's count when it differs (e.g. a padded vocabulary is already in
-    the config, so usually it does not).
+    ``n_params`` defaults to :func:`gpt2_param_count` of the config, with
+    the padded vocabulary's rows (``make_vocab_size_divisible_by``): the LM
+    head's matmul computes them, as Megatron counts them.
     """
     if n_params is None:
-        n_params = gpt2_param_count(model.vocab_size, model.n_positions, model.n_embd, model.n_layer)
+        rows = padded_vocab_size(model.vocab_size, model.get("make_vocab_size_divisible_by", 1))
+        n_params = gpt2_param_count(rows, model.n_positions, model.n_embd, model.n_layer)
     return flops_per_token(n_params, model.n_layer, model.n_head, model.n_embd // model.n_head, seq_len)

@@ -9,7 +9,9 @@ and the entries of the bias; nothing else changes. Pure tensor code: the
 model class is not needed.
 
 Config: our fields are ``GPT2Config``'s (``recipes/gpt2/model.py``); HF's
-GPT-2 config has the same names. HF options our model does not
+GPT-2 config has the same names, less ``make_vocab_size_divisible_by``:
+a padded vocabulary gets zero rows on import (their logits are masked to
+``-inf``, so the values are HF's) and loses them on export. HF options our model does not
 implement (another activation, cross attention, layer-index attention
 scaling, ``n_inner != 4 * n_embd``) are refused by name.
 """
@@ -21,9 +23,10 @@ from dataclasses import fields
 
 import torch
 
-from .model import GPT2Config
+from .model import GPT2Config, padded_vocab_size
 
-CONFIG_KEYS = tuple(f.name for f in fields(GPT2Config))  # Hugging Face's GPT-2 config uses the same names
+# Hugging Face's GPT-2 config uses the same names; it has no vocabulary padding (Megatron's option).
+CONFIG_KEYS = tuple(f.name for f in fields(GPT2Config) if f.name != "make_vocab_size_divisible_by")
 TIED = ("transformer.wte.weight", "lm_head.weight")
 _BUFFERS = (".attn.bias", ".attn.masked_bias")  # causal masks some HF versions store; not weights
 
@@ -91,12 +94,29 @@ def from_hf(hf_sd: dict, cfg: dict) -> dict:
     if "lm_head.weight" not in out or torch.equal(out["lm_head.weight"], out[TIED[0]]):
         out["lm_head.weight"] = out[TIED[0]]
     _check_names(out, cfg)
+    return with_vocab_rows(out, padded_vocab_size(cfg["vocab_size"], cfg.get("make_vocab_size_divisible_by", 1)))
+
+
+def with_vocab_rows(sd: dict, rows: int) -> dict:
+    """``sd`` with the embedding and the LM head cut or zero-padded to ``rows`` rows (tied ones stay one tensor)."""
+    out = dict(sd)
+    for name in TIED:
+        t = sd[name]
+        if name == TIED[1] and t is sd[TIED[0]]:
+            out[name] = out[TIED[0]]
+        elif t.shape[0] != rows:
+            out[name] = t[:rows] if t.shape[0] > rows else torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
     return out
 
 
 def to_hf(ours: dict, cfg: dict) -> tuple:
-    """``(HF state dict, tied)``: HF names and ``c_attn`` order; ``lm_head.weight`` left out when tied."""
+    """``(HF state dict, tied)``: HF names and ``c_attn`` order, ``cfg["vocab_size"]`` rows (a padded
+    vocabulary's extra rows dropped); ``lm_head.weight`` left out when tied."""
     _check_names(ours, cfg)
+    rows = ours[TIED[0]].shape[0]
+    if rows < cfg["vocab_size"]:
+        raise ValueError(f"the embedding has {rows} rows, fewer than vocab_size={cfg['vocab_size']}")
+    ours = with_vocab_rows(ours, cfg["vocab_size"])
     inv = torch.argsort(qkv_permutation(cfg["n_embd"], cfg["n_head"]))
     out = {}
     for name, t in ours.items():
@@ -192,6 +212,7 @@ def load_hf_into(model, path: str, model_cfg) -> None:
     """Copy a Hugging Face GPT-2 directory's weights into the full (not yet split) ``model``."""
     config, hf_sd = read_hf_dir(path)
     ours = {k: int(model_cfg[k]) for k in ("n_embd", "n_head", "n_layer", "vocab_size", "n_positions")}
+    ours["make_vocab_size_divisible_by"] = int(model_cfg.get("make_vocab_size_divisible_by", 1))
     for key in ("n_layer", "n_embd", "n_head", "vocab_size", "n_positions"):
         if int(config.get(key, -1)) != int(model_cfg[key]):
             raise ValueError(f"trainer.init_from={path}: its {key}={config.get(key)} but model.{key}="

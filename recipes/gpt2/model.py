@@ -38,6 +38,19 @@ class GPT2Config:
     attn_pdrop: float = 0.1
     layer_norm_epsilon: float = 1e-5
     initializer_range: float = 0.02
+    # Megatron's option: the embedding and LM head get ``padded_vocab_size`` rows (``vocab_size`` rounded up to
+    # this multiple) so that a vocabulary like GPT-2's 50257 splits over tensor-parallel ranks; the padded ids'
+    # logits are -inf, so their probability is 0 and every value matches the unpadded model's.
+    make_vocab_size_divisible_by: int = 1
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return padded_vocab_size(self.vocab_size, self.make_vocab_size_divisible_by)
+
+
+def padded_vocab_size(vocab_size: int, multiple: int) -> int:
+    """``vocab_size`` rounded up to a multiple of ``multiple``."""
+    return -(-int(vocab_size) // int(multiple)) * int(multiple)
 
 
 class Conv1D(nn.Module):
@@ -112,7 +125,7 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     def __init__(self, cfg: GPT2Config):
         super().__init__()
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wte = nn.Embedding(cfg.padded_vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.n_positions, cfg.n_embd)
         self.drop = nn.Dropout(cfg.embd_pdrop)
         self.h = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
@@ -124,15 +137,22 @@ class GPT2LMHeadModel(nn.Module):
 
     As a pipeline stage: without ``transformer.wte`` the first argument is
     the previous stage's hidden states ``[b, t, n_embd]``; without
-    ``lm_head`` it returns ``(hidden states, None)``.
+    ``lm_head`` it returns ``(hidden states, None)``. With a padded
+    vocabulary (``make_vocab_size_divisible_by``) ``logits`` has
+    ``padded_vocab_size`` columns, ``-inf`` at the padded ids.
     """
 
     def __init__(self, cfg: GPT2Config):
         super().__init__()
         self.config = cfg
         self.transformer = Transformer(cfg)
-        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.padded_vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight
+        # ``True`` at the padded ids (absent without padding). A buffer (``B``), which dispatch slices to the
+        # logits' vocabulary split: no communication.
+        padded = cfg.padded_vocab_size > cfg.vocab_size
+        self.register_buffer("vocab_padding", torch.arange(cfg.padded_vocab_size) >= cfg.vocab_size if padded else None,
+                             persistent=False)
         self.reset_parameters()
 
     @torch.no_grad()
@@ -162,6 +182,8 @@ class GPT2LMHeadModel(nn.Module):
         if self.lm_head is None:
             return x, None
         logits = self.lm_head(tr.ln_f(x))
+        if self.vocab_padding is not None:
+            logits = logits.masked_fill(self.vocab_padding, float("-inf"))
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))

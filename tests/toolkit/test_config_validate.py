@@ -77,14 +77,19 @@ def test_world_size_from_slurm_environment(monkeypatch):
 def test_heads_and_vocab_divide_by_tp():
     text = problems("parallel=tp3")
     assert "model.n_head=4: must divide by parallel.tp=3" in text and "valid tp: [1, 2, 4]" in text
-    assert "model.vocab_size=8192: must divide by parallel.tp=3" in text
-    assert "model.vocab_size=8448" in text  # the padded suggestion (multiple of 128 * 3)
+    assert "model.vocab_size=8192 (embedding rows: 8192) must divide by parallel.tp=3" in text
+    # the padded suggestion: a multiple of 128 * 3
+    assert "model.make_vocab_size_divisible_by=384 (8448 rows)" in text
 
 
-def test_gpt2_vocab_needs_padding_for_tp():
-    text = problems("model=gpt2", "parallel=tp2")
-    assert "model.vocab_size=50257" in text and "model.vocab_size=50432" in text
-    assert validate(cfg_of("model=gpt2", "parallel=tp2", "model.vocab_size=50432")).tp == 2
+def test_gpt2_vocab_rows_are_padded_for_tp():
+    # The presets pad GPT-2's 50257 tokens to 50304 rows (make_vocab_size_divisible_by=128): tp2 and tp8 divide.
+    assert validate(cfg_of("model=gpt2", "parallel=tp2")).tp == 2
+    assert validate(cfg_of("model=gpt2-medium", "parallel=tp8")).tp == 8
+    text = problems("model=gpt2", "parallel=tp2", "model.make_vocab_size_divisible_by=1")
+    assert "model.vocab_size=50257 (embedding rows: 50257) must divide by parallel.tp=2" in text
+    assert "model.make_vocab_size_divisible_by=128 (50304 rows)" in text
+    assert "model.make_vocab_size_divisible_by=0: must be >= 1" in problems("model.make_vocab_size_divisible_by=0")
 
 
 def test_layers_divide_by_pp_or_stage_layers():

@@ -39,9 +39,9 @@ TOL = 1e-5
 TIED = [hf_gpt2.TIED]
 
 
-def _hf_model():
+def _hf_model(vocab_size=256):
     transformers = _transformers()
-    cfg = transformers.GPT2Config(vocab_size=256, n_positions=32, n_embd=64, n_layer=2, n_head=4,
+    cfg = transformers.GPT2Config(vocab_size=vocab_size, n_positions=32, n_embd=64, n_layer=2, n_head=4,
                                   embd_pdrop=0.0, resid_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None,
                                   eos_token_id=None)
     torch.manual_seed(0)
@@ -52,8 +52,8 @@ def _hf_model():
     return model
 
 
-def _tokens():
-    return torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(3))
+def _tokens(vocab_size=256):
+    return torch.randint(0, vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
 
 
 def _run_tokenizer(run_dir):
@@ -173,3 +173,60 @@ def test_unsupported_hf_options_are_named():
     cfg["activation_function"] = "relu"
     with pytest.raises(ValueError, match="activation_function='relu'"):
         hf_gpt2.config_from_hf(cfg)
+
+
+# -- a vocabulary no tp divides: padded rows (model.make_vocab_size_divisible_by) --------------------------------
+
+ODD = 101  # prime: tp2 needs its rows padded (to 104 with a multiple of 8)
+
+
+def test_padded_vocabulary_under_tp2_matches_transformers_and_its_own_training(tmp_path):
+    """HF GPT-2 with 101 tokens, imported with its rows padded to 104, under tp2 (52 rows per rank): our logits
+    are transformers' on the 101 real ids and -inf on the padded ones. After one AdamW step each (ours under tp2,
+    transformers on its own model), the logits still agree; the export drops the padded rows."""
+    hf = _hf_model(ODD)
+    hf.save_pretrained(str(tmp_path / "hf"))
+    assert convert_hf.main(["import", str(tmp_path / "hf"), str(tmp_path / "ckpt"),
+                            "--make-vocab-size-divisible-by", "8"]) == 0
+    model = ckpt.load(str(tmp_path / "ckpt"), {"model": None})["model"]
+    assert model["transformer.wte.weight"].shape == (104, 64)
+    assert not model["transformer.wte.weight"][ODD:].any()
+    x = _tokens(ODD)
+    export_root = str(tmp_path / "run" / "checkpoints")
+    ours, trained = get_pool(WORLD).run(our_logits, str(tmp_path / "ckpt"), "tp2", x, export_root)[0]
+    with torch.no_grad():
+        want = hf(x).logits
+    assert ours.shape[-1] == 104 and torch.isneginf(ours[..., ODD:]).all()
+    assert (ours[..., :ODD] - want).abs().max().item() <= TOL
+    opt = torch.optim.AdamW(hf.parameters(), lr=1e-2)  # the reference trains on its own
+    hf(x, labels=x).loss.backward()
+    opt.step()
+    with torch.no_grad():
+        want = hf(x).logits
+    assert (trained[..., :ODD] - want).abs().max().item() <= TOL and torch.isneginf(trained[..., ODD:]).all()
+    assert convert_hf.main(["export", str(tmp_path / "run"), str(tmp_path / "hf_out")]) == 0
+    back = _transformers().GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf_out")).eval()
+    assert back.config.vocab_size == ODD and back.transformer.wte.weight.shape == (ODD, 64)
+    with torch.no_grad():
+        assert (back(x).logits - want).abs().max().item() <= TOL
+
+
+def _step_collectives(vocab_size, multiple):
+    """Worker: the collectives of one tp2 forward and backward of a GPT-2 with ``vocab_size`` padded to ``multiple``."""
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=vocab_size, n_positions=32, n_embd=64, n_layer=1, n_head=4,
+                                       embd_pdrop=0.0, resid_pdrop=0.0, attn_pdrop=0.0,
+                                       make_vocab_size_divisible_by=multiple))
+    p = sc.placement("cpu", [0, 1])
+    sc.distribute_module(model, p, {**GPT_TP, **GPT_TP_PINS})
+    x = sc.distribute(_tokens(ODD), p, Broadcast())
+    with sc.comm_ledger() as ledger:
+        model(x, x)[1].backward()
+    return [(r.op, r.bytes) for r in ledger.records]
+
+
+def test_padding_mask_adds_no_communication():
+    """The padded ids' mask (a ``B`` buffer) is sliced to each rank's vocabulary shard, never the logits gathered:
+    101 tokens padded to 104 rows communicate exactly what 104 unpadded tokens do."""
+    padded, plain = (get_pool(WORLD).run(_step_collectives, v, m)[0] for v, m in ((ODD, 8), (104, 1)))
+    assert padded == plain and {op for op, _ in padded} == {"all_reduce"}

@@ -33,6 +33,10 @@ def test_model_flops_from_config():
     m = compose(run_dir="/tmp/run").model
     n = gpt2_param_count(8192, 256, 128, 4)
     assert model_flops_per_token(m, 256) == 6 * n + 12 * 4 * 4 * 32 * 256
+    # GPT-2's preset pads 50257 tokens to 50304 rows, which the LM head computes.
+    m = compose(["model=gpt2"], run_dir="/tmp/run").model
+    n = gpt2_param_count(50304, 1024, 768, 12)
+    assert model_flops_per_token(m, 1024) == 6 * n + 12 * 12 * 12 * 64 * 1024
 
 
 def test_tflops_and_mfu():

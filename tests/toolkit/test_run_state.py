@@ -10,7 +10,8 @@ from recipes.gpt2.hf import is_hf_dir, load_hf_into
 build_model = RECIPE.build_model
 
 
-def test_init_from_a_hugging_face_directory_gives_its_logits(tmp_path):
+@pytest.mark.parametrize("multiple", [1, 64])  # 64: the 96 ids' rows padded to 128, padded logits -inf
+def test_init_from_a_hugging_face_directory_gives_its_logits(tmp_path, multiple):
     transformers = pytest.importorskip("transformers")
     cfg = dict(vocab_size=96, n_positions=32, n_embd=32, n_layer=2, n_head=4)
     torch.manual_seed(3)
@@ -20,11 +21,15 @@ def test_init_from_a_hugging_face_directory_gives_its_logits(tmp_path):
             p.add_(0.02 * torch.randn_like(p))
     hf.save_pretrained(tmp_path)
     assert is_hf_dir(str(tmp_path))
-    model_cfg = OmegaConf.create({**cfg, "dropout": 0.0, "layer_norm_epsilon": 1e-5, "initializer_range": 0.02})
+    model_cfg = OmegaConf.create({**cfg, "dropout": 0.0, "layer_norm_epsilon": 1e-5, "initializer_range": 0.02,
+                                  "make_vocab_size_divisible_by": multiple})
     ours = build_model(model_cfg).eval()
     load_hf_into(ours, str(tmp_path), model_cfg)
+    assert ours.lm_head.weight is ours.transformer.wte.weight and len(ours.lm_head.weight) == (96, 128)[multiple > 1]
     ids = torch.randint(0, 96, (2, 16))
-    assert torch.allclose(ours(ids)[0], hf(ids).logits, atol=1e-5, rtol=1e-5)
+    logits = ours(ids)[0]
+    assert torch.allclose(logits[..., :96], hf(ids).logits, atol=1e-5, rtol=1e-5)
+    assert torch.isneginf(logits[..., 96:]).all()
     with pytest.raises(ValueError, match="its n_layer=2 but model.n_layer=3"):
         load_hf_into(build_model(OmegaConf.merge(model_cfg, {"n_layer": 3})), str(tmp_path),
                      OmegaConf.merge(model_cfg, {"n_layer": 3}))

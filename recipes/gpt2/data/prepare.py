@@ -191,9 +191,8 @@ def prepare(source, vocab_size: int, seq_len: int, val_fraction: float, cache_di
 
     ``tokenizer``: None trains (or loads the cached) byte-level BPE of
     exactly ``vocab_size`` ids on the same corpus; a path loads that
-    ``tokenizer.json`` (its vocabulary must not exceed ``vocab_size``; a
-    larger ``vocab_size`` pads the model's vocabulary, e.g. GPT-2's 50257 ->
-    50304). Raises ``ValueError`` when a split (validation only if
+    ``tokenizer.json`` (its vocabulary must not exceed ``vocab_size``, which
+    may be larger: ids the tokenizer never produces). Raises ``ValueError`` when a split (validation only if
     ``val_fraction > 0``) ends with fewer than ``seq_len`` tokens.
     """
     _check("vocab_size", vocab_size, lambda v: isinstance(v, int) and v >= 2, "an int >= 2")
