@@ -8,9 +8,10 @@
 ``<ckpt_dir>/step_0`` (+ ``latest``) holding ``model`` (our names, ``c_attn``
 columns per head, the vocabulary's rows zero-padded to a multiple of
 ``--make-vocab-size-divisible-by``, 128 by default as in the ``gpt2*``
-presets) and ``extra.model_config``; ``trainer.init_from=<ckpt_dir>``
+presets) and ``extra.model_config``, and copies the directory's
+``tokenizer.json`` into ``<ckpt_dir>``; ``trainer.init_from=<ckpt_dir>``
 (or ``toolkit.checkpoint.load(<ckpt_dir>, {"model": model.state_dict()})``)
-loads it under any layout.
+loads it under any layout, and a GPT-2 job tokenizes with that tokenizer.
 
 ``export`` reads the newest checkpoint of a run directory, a checkpoint root
 or a checkpoint directory (saved under any layout and world size) and writes
@@ -39,10 +40,9 @@ import sys
 
 from toolkit import checkpoint as ckpt
 from recipes.gpt2 import hf as hf_gpt2
+from recipes.gpt2.data.tokenizer import TOKENIZER_FILE, tokenizer_of_weights
 from toolkit.checkpoint.directory import resolve
 from toolkit.checkpoint.errors import CheckpointError
-
-TOKENIZER_FILE = "tokenizer.json"
 
 
 def import_hf(hf_dir: str, ckpt_dir: str, vocab_multiple: int = 128) -> str:
@@ -56,7 +56,11 @@ def import_hf(hf_dir: str, ckpt_dir: str, vocab_multiple: int = 128) -> str:
     model = hf_gpt2.from_hf(hf_sd, cfg)
     state = {"model": model, "step": 0,
              "extra": {"model_config": cfg, "hf_config": hf_cfg, "source": os.path.abspath(hf_dir)}}
-    return ckpt.save(ckpt_dir, 0, state, tied=[hf_gpt2.TIED])
+    path = ckpt.save(ckpt_dir, 0, state, tied=[hf_gpt2.TIED])
+    tokenizer = os.path.join(hf_dir, TOKENIZER_FILE)
+    if os.path.isfile(tokenizer):  # beside the checkpoints, where trainer.init_from=<ckpt_dir> finds it
+        shutil.copyfile(tokenizer, os.path.join(ckpt_dir, TOKENIZER_FILE))
+    return path
 
 
 def find_checkpoint(path: str) -> str:
@@ -82,21 +86,6 @@ def _run_config(ckpt_path: str) -> dict:
                 doc = yaml.safe_load(f) or {}
             return doc.get("model") or {}
     return {}
-
-
-def run_tokenizer(ckpt_path: str) -> str | None:
-    """The run's ``tokenizer.json`` above a checkpoint directory, or ``None``.
-
-    Looks in the checkpoint's parents, nearest first and at most four up, and
-    stops at the run directory (the first one holding ``config.yaml``)."""
-    d = os.path.abspath(ckpt_path)
-    for _ in range(4):
-        d = os.path.dirname(d)
-        if os.path.isfile(os.path.join(d, TOKENIZER_FILE)):
-            return os.path.join(d, TOKENIZER_FILE)
-        if os.path.isfile(os.path.join(d, "config.yaml")):
-            return None
-    return None
 
 
 def model_config(model: dict, extra: dict, ckpt_path: str, n_head: int | None) -> dict:
@@ -129,7 +118,7 @@ def model_config(model: dict, extra: dict, ckpt_path: str, n_head: int | None) -
 
 def export_hf(src: str, hf_dir: str, n_head: int | None = None) -> str:
     """Write the newest checkpoint under ``src`` as a ``transformers`` GPT-2 directory, with the run's
-    ``tokenizer.json`` when there is one (``run_tokenizer``); returns ``hf_dir``."""
+    ``tokenizer.json`` when there is one (``tokenizer_of_weights``); returns ``hf_dir``."""
     path = find_checkpoint(src)
     state = ckpt.load(path, {"model": None, "extra": None})
     if not state.get("model"):
@@ -140,7 +129,7 @@ def export_hf(src: str, hf_dir: str, n_head: int | None = None) -> str:
     config = hf_gpt2.hf_config(cfg, base if isinstance(base, dict) else None)
     config["tie_word_embeddings"] = tied
     hf_gpt2.write_hf_dir(hf_dir, config, hf_sd)
-    tokenizer = run_tokenizer(path)
+    tokenizer = tokenizer_of_weights(path)
     if tokenizer is not None:
         shutil.copyfile(tokenizer, os.path.join(hf_dir, TOKENIZER_FILE))
     return hf_dir
@@ -163,11 +152,13 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.cmd == "import":
         path = import_hf(args.hf_dir, args.ckpt_dir, args.vocab_multiple)
-        print(f"imported {args.hf_dir} -> {path}")
+        tokenizer = tokenizer_of_weights(path)
+        print(f"imported {args.hf_dir} -> {path}" + (f" (with {tokenizer})" if tokenizer else
+                                                      f" ({args.hf_dir} has no {TOKENIZER_FILE}: weights only)"))
     else:
         out = export_hf(args.src, args.hf_dir, args.n_head)
         path = find_checkpoint(args.src)
-        tokenizer = run_tokenizer(path)
+        tokenizer = tokenizer_of_weights(path)
         print(f"exported {path} -> {out}" + (f" (with {tokenizer})" if tokenizer else
                                               " (no tokenizer.json in the run directory: weights and config only)"))
     return 0

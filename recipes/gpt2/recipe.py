@@ -8,6 +8,7 @@ import torch
 
 from . import flops
 from recipes.gpt2.data import prepare
+from recipes.gpt2.data.tokenizer import TOKENIZER_FILE, tokenizer_of_weights
 from toolkit.data import MicroBatches
 from toolkit.recipe import Recipe
 
@@ -58,7 +59,15 @@ class GPT2Recipe(Recipe):
         d = cfg.data
         return prepare(d.path if d.source == "text" else d.source, int(d.vocab_size), int(d.seq_len),
                        float(d.val_fraction), os.path.expanduser(str(d.cache_dir)), max_bytes=d.max_bytes,
-                       seed=int(cfg.trainer.seed), tokenizer=d.tokenizer, text_field=d.text_field)
+                       seed=int(cfg.trainer.seed), tokenizer=self.tokenizer_path(cfg), text_field=d.text_field)
+
+    def tokenizer_path(self, cfg) -> str | None:
+        """``data.tokenizer``; without it, the tokenizer ``trainer.init_from``'s weights were trained with
+        (``tokenizer_of_weights``), since a new one's ids would not be theirs; ``None``: train one."""
+        if cfg.data.tokenizer is not None or not cfg.trainer.init_from:
+            return cfg.data.tokenizer
+        weights = self.weights_path(str(cfg.trainer.init_from))
+        return tokenizer_of_weights(weights) if weights else None
 
     def data(self, cfg, prepared, split: str, shard: int, n_shards: int, layout):
         if split == "val" and not prepared.n_val_sequences:
@@ -101,7 +110,15 @@ class GPT2Recipe(Recipe):
         return {"model_config": config.gpt2_config_kwargs(cfg.model)}  # convert_hf.py export reads it
 
     def on_start(self, job) -> None:
-        """A copy of the run's tokenizer in the run directory (``generate.py`` reads it)."""
+        """Say which tokenizer fine-tuning uses; a copy of the run's tokenizer in the run directory
+        (``generate.py`` reads it)."""
+        cfg = job.cfg
+        if cfg.trainer.init_from and cfg.data.tokenizer is None:
+            given = self.tokenizer_path(cfg)
+            print(f"tokenizer: {given}, trainer.init_from's" if given else
+                  f"tokenizer: trainer.init_from={cfg.trainer.init_from!r} has no {TOKENIZER_FILE} beside it, so "
+                  f"one was trained on the corpus ({job.data.tokenizer_path}); its ids match the weights' only if "
+                  "they were trained with the same one: set data.tokenizer", flush=True)
         src = job.data.tokenizer_path
         dst = os.path.join(str(job.cfg.run_dir), "tokenizer.json")
         if os.path.abspath(src) != os.path.abspath(dst):

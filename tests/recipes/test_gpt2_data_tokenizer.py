@@ -84,3 +84,37 @@ def test_errors_name_the_value(tmp_path):
         train_tokenizer(stdlib_corpus(1000), 100, str(tmp_path))
     with pytest.raises(FileNotFoundError, match="no tokenizer file at"):
         load_tokenizer(str(tmp_path / "nope.json"))
+
+
+def test_weights_bring_their_tokenizer(trained, tmp_path):
+    """``trainer.init_from``'s weights give the job their tokenizer unless ``data.tokenizer`` names one: a
+    Hugging Face directory's own ``tokenizer.json``; for our checkpoint, the run directory's copy, looked for no
+    further up than the run directory (the one holding ``config.yaml``)."""
+    from omegaconf import OmegaConf
+
+    from recipes.gpt2.data.tokenizer import tokenizer_of_weights
+    from recipes.gpt2.recipe import RECIPE
+
+    tok, _ = trained
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    tok.tokenizer.save(str(hf / "tokenizer.json"))
+    assert tokenizer_of_weights(str(hf)) == str(hf / "tokenizer.json")
+    run = tmp_path / "runs" / "a"
+    step = run / "checkpoints" / "step_3"
+    step.mkdir(parents=True)
+    (run / "config.yaml").write_text("model: {}\n")
+    assert tokenizer_of_weights(str(step)) is None  # the run directory has none, and the search stops there
+    (tmp_path / "runs" / "tokenizer.json").write_text("{}")
+    assert tokenizer_of_weights(str(step)) is None
+    tok.tokenizer.save(str(run / "tokenizer.json"))
+    assert tokenizer_of_weights(str(step)) == tokenizer_of_weights(str(run / "checkpoints")) == str(run / "tokenizer.json")
+
+    def cfg(init_from, tokenizer=None):
+        return OmegaConf.create({"trainer": {"init_from": init_from}, "data": {"tokenizer": tokenizer}})
+
+    assert RECIPE.tokenizer_path(cfg(str(hf))) == str(hf / "tokenizer.json")
+    assert RECIPE.tokenizer_path(cfg(str(step))) == str(run / "tokenizer.json")
+    assert RECIPE.tokenizer_path(cfg(str(hf), "/given/tokenizer.json")) == "/given/tokenizer.json"
+    assert RECIPE.tokenizer_path(cfg(None)) is None

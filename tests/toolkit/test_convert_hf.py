@@ -25,6 +25,7 @@ from scripts import convert_hf
 from benchkit.parity import GPT_TP, GPT_TP_PINS
 from toolkit import checkpoint as ckpt
 from recipes.gpt2 import hf as hf_gpt2
+from recipes.gpt2.data.tokenizer import tokenizer_of_weights
 from toolkit.rank_pool import get_pool
 
 WORLD = 2  # tp2 needs two ranks; "single" leaves rank 1 outside the placement
@@ -186,8 +187,11 @@ def test_padded_vocabulary_under_tp2_matches_transformers_and_its_own_training(t
     transformers on its own model), the logits still agree; the export drops the padded rows."""
     hf = _hf_model(ODD)
     hf.save_pretrained(str(tmp_path / "hf"))
+    _run_tokenizer(tmp_path / "hf")  # the tokenizer the weights go with: import keeps it beside the checkpoints
     assert convert_hf.main(["import", str(tmp_path / "hf"), str(tmp_path / "ckpt"),
                             "--make-vocab-size-divisible-by", "8"]) == 0
+    assert tokenizer_of_weights(str(tmp_path / "ckpt" / "step_0")) == str(tmp_path / "ckpt" / "tokenizer.json")
+    assert (tmp_path / "ckpt" / "tokenizer.json").read_bytes() == (tmp_path / "hf" / "tokenizer.json").read_bytes()
     model = ckpt.load(str(tmp_path / "ckpt"), {"model": None})["model"]
     assert model["transformer.wte.weight"].shape == (104, 64)
     assert not model["transformer.wte.weight"][ODD:].any()

@@ -87,6 +87,25 @@ def load_tokenizer(path: str) -> TextTokenizer:
     return TextTokenizer(Tokenizer.from_file(path), path)
 
 
+def tokenizer_of_weights(path: str) -> str | None:
+    """The ``tokenizer.json`` that weights at ``path`` were trained with, or ``None`` when none is found.
+
+    ``path``: a Hugging Face model directory (its own ``tokenizer.json``), or
+    one of our checkpoints (a step directory or a checkpoint root): the copy
+    a GPT-2 run keeps in its run directory, or ``convert_hf.py import`` in
+    its checkpoint root, in the nearest parent, at most four up, stopping at
+    the run directory (the first holding ``config.yaml``).
+    """
+    d = os.path.abspath(os.path.expanduser(path))
+    for _ in range(5):
+        if os.path.isfile(os.path.join(d, TOKENIZER_FILE)):
+            return os.path.join(d, TOKENIZER_FILE)
+        if os.path.isfile(os.path.join(d, "config.yaml")):
+            return None
+        d = os.path.dirname(d)
+    return None
+
+
 def _check_vocab_size(vocab_size) -> int:
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < MIN_VOCAB_SIZE:
         raise ValueError(f"vocab_size must be an int >= {MIN_VOCAB_SIZE} (256 bytes + {EOS_TOKEN}), got {vocab_size!r}")
