@@ -17,7 +17,10 @@ WORLD = 4
 STEPS = 3
 ADAMW = dict(lr=1e-3, weight_decay=0.1)
 # (loss, gradients, final parameters): scripts/verify_parity.py's docstring says why
-TOLERANCE = {"float64": (1e-9, 1e-9, 1e-9), "float32": (1e-5, 1e-4, 1e-2)}
+# Bars (loss, gradients, final parameters) per precision; scripts/verify_parity.py says why. float32's gradient
+# bar sits above the float32 floor: the one-device float32 run's gradients after an AdamW step differ from the
+# float64 run's by up to 1.7e-4 (benchkit.pipeline_parity's GPT-2, steps 2-3).
+TOLERANCE = {"float64": (1e-9, 1e-9, 1e-9), "float32": (1e-5, 1e-3, 1e-2)}
 B, S0, S1, S2 = Broadcast(), Split(0), Split(1), Split(2)
 
 

@@ -127,13 +127,27 @@ def distribute(full: torch.Tensor, placement, sbp, requires_grad: bool = False) 
     Partial axes keep the value on the first rank and the reduction's identity
     elsewhere.
     """
+    return _declare(full, placement, sbp, requires_grad, share=False)
+
+
+def adopt(full: torch.Tensor, placement, sbp) -> GlobalTensor:
+    """``distribute(full, placement, sbp)`` for a tensor whose owner gives it up (``distribute_module``
+    replacing a parameter): where this rank's local tensor is all of ``full``, already on the placement's
+    device, it is ``full``'s storage rather than a copy, so a module's parameters are never held twice."""
+    return _declare(full, placement, sbp, False, share=True)
+
+
+def _declare(full: torch.Tensor, placement, sbp, requires_grad: bool, share: bool) -> GlobalTensor:
     _check_placement(placement)
     sbp = nd_sbp(sbp, placement.ndim)
     check_split_axes(sbp, full.dim())
     me = world_rank()
     layout = Layout(placement, sbp, full.shape, full.dtype)
     if me in placement:
-        local = take_local(full, placement.shape, sbp, placement.coords(me)).to(placement.device()).clone()
+        local = take_local(full, placement.shape, sbp, placement.coords(me)).to(placement.device())
+        whole = local.data_ptr() == full.data_ptr() and local.shape == full.shape and local.is_contiguous()
+        if not (share and whole):  # a slice would keep all of full's storage alive: copy it
+            local = local.clone()
     else:
         local = torch.empty(0, dtype=full.dtype, device=full.device)
     return GlobalTensor(local, layout, requires_grad=requires_grad)

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from .boxing.coalesced import box_many
-from .declare import distribute
+from .declare import adopt, distribute
 from .global_tensor import GlobalTensor
 from .grad_buckets import BUCKET_BYTES, FIRST_BUCKET_BYTES, GradBuckets, defer_grad_boxing  # noqa: F401  (defer_grad_boxing: re-exported)
 from .layout import Layout, local_box
@@ -97,6 +97,9 @@ def distribute_module(module: nn.Module, placement, plan: dict | None = None,
                       bucket_bytes: int = BUCKET_BYTES) -> nn.Module:
     """Replace ``module``'s parameters and buffers by global tensors, in place; returns it.
 
+    A parameter this rank holds whole, on the placement's device, keeps its
+    storage as its local tensor (``declare.adopt``): no second copy.
+
     ``bucket_bytes``: gradient bytes boxed by one collective during backward (module docstring)."""
     plan = dict(plan or {})
     names = {n for n, _ in module.named_parameters()} | {n for n, _ in module.named_buffers()}
@@ -123,7 +126,7 @@ def distribute_module(module: nn.Module, placement, plan: dict | None = None,
             if param.is_meta:
                 g = _materialize(mod, prefix + pname, pname, param, placement, sbp)
             else:
-                g = distribute(param.detach(), placement, sbp)
+                g = adopt(param.detach(), placement, sbp)
             new = nn.Parameter(g, requires_grad=param.requires_grad)
             if new.requires_grad:
                 trained.append(new)

@@ -118,6 +118,18 @@ class Recipe(ABC):
     def build_model(self, model_cfg) -> nn.Module:
         """The plain torch model for ``cfg.model`` (no distributed code; the trainer distributes it)."""
 
+    def build_stage(self, model_cfg, cut) -> nn.Module:
+        """This rank's module: ``cut`` (which keeps this rank's pipeline stages of a model, in place, and
+        returns it; the identity without a pipeline) applied to the model, initialised as the whole model is
+        from the global seed.
+
+        This builds the whole model first. A recipe whose model can initialise
+        a stage of itself to the whole model's values overrides it to allocate
+        only the stage (GPT-2: built on the meta device, cut, then
+        initialised parameter by parameter).
+        """
+        return cut(self.build_model(model_cfg))
+
     def mesh_plan(self, cfg) -> dict:
         """Parameter patterns and ``<module>:input/output`` pins to an SBP on a stage's ``(dp, tp)`` mesh."""
         return {}
@@ -196,8 +208,9 @@ class Recipe(ABC):
         return path if os.path.exists(path) else None
 
     def init_weights(self, model, path: str, cfg) -> bool:
-        """Load ``trainer.init_from`` weights of a foreign format into the full ``model`` (``path``: what
-        ``weights_path`` resolved); ``False`` if not one."""
+        """Load ``trainer.init_from`` weights of a foreign format into ``model``, this rank's stage of the model
+        (``build_stage``: the full model's names; ``path``: what ``weights_path`` resolved); ``False`` if not
+        one."""
         return False
 
     def extra_state(self, cfg) -> dict:

@@ -32,6 +32,7 @@ Returns the last logged row on rank 0 (``None`` elsewhere).
 from __future__ import annotations
 
 import contextlib
+from functools import partial
 import time
 
 import torch
@@ -101,23 +102,26 @@ class Job:
 
         Returns ``(checkpoint to load or None, the stages' layer ranges or None)``."""
         cfg, recipe, lay, tr = self.cfg, self.recipe, self.layout, self.cfg.trainer
-        torch.manual_seed(int(tr.seed))
-        model = recipe.build_model(cfg.model)
         init = recipe.weights_path(str(tr.init_from)) if tr.init_from else None
         if tr.init_from and init is None:  # validated where the job started; this rank's machine lacks it
             raise FileNotFoundError(f"trainer.init_from={tr.init_from!r}: not found on rank {self.rank}'s machine")
-        if init and recipe.init_weights(model, init, cfg):
-            init = None  # a foreign format, read into the full model
-        names = model_names(model)
-        self.n_params = sum(p.numel() for p in model.parameters())
-        self.module = model
         ranges, split, self.chunks = None, recipe.pipeline_plan(cfg.model), None
         v = lay.pp_virtual
         stages = [c for c, r in enumerate(chunk_ranks(str(cfg.parallel.pp_schedule), lay.pp, v)) if r == self.stage]
+        cut = whole = None
         if split is not None:
             ranges = stage_ranges(recipe.n_layers(cfg.model), lay.pp * v,
                                   list(lay.stage_layers) if lay.stage_layers else None)
-            self.module = keep_stages(model, split, ranges, stages)
+            cut = partial(keep_stages, plan=split, ranges=ranges, stages=stages)
+            with torch.random.fork_rng(devices=[]), torch.device("meta"):
+                whole = recipe.build_model(cfg.model)  # the full model's names and size (as n_layers builds it)
+        torch.manual_seed(int(tr.seed))
+        self.module = recipe.build_stage(cfg.model, cut or (lambda model: model))
+        whole = whole or self.module
+        names = model_names(whole)
+        self.n_params = sum(p.numel() for p in whole.parameters())
+        if init and recipe.init_weights(self.module, init, cfg):
+            init = None  # a foreign format, read into the stage
         if tr.activation_checkpointing:
             recipe.checkpoint_layers(self.module, cfg.model)
         plan = plan_for_module(self.module, with_overrides(recipe.mesh_plan(cfg), cfg.parallel.plan), names)

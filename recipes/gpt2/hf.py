@@ -209,7 +209,8 @@ def is_hf_dir(path: str) -> bool:
 
 
 def load_hf_into(model, path: str, model_cfg) -> None:
-    """Copy a Hugging Face GPT-2 directory's weights into the full (not yet split) ``model``."""
+    """Copy a Hugging Face GPT-2 directory's weights into ``model``, the whole model or a pipeline stage of it
+    (the full model's names: the weights of other stages are not used)."""
     config, hf_sd = read_hf_dir(path)
     ours = {k: int(model_cfg[k]) for k in ("n_embd", "n_head", "n_layer", "vocab_size", "n_positions")}
     ours["make_vocab_size_divisible_by"] = int(model_cfg.get("make_vocab_size_divisible_by", 1))

@@ -17,6 +17,7 @@ absent, so a stage's parameter names stay the full model's.
 """
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 
@@ -51,6 +52,12 @@ class GPT2Config:
 def padded_vocab_size(vocab_size: int, multiple: int) -> int:
     """``vocab_size`` rounded up to a multiple of ``multiple``."""
     return -(-int(vocab_size) // int(multiple)) * int(multiple)
+
+
+def _generator(name: str) -> torch.Generator:
+    """A CPU generator seeded from the global seed and ``name`` alone."""
+    digest = hashlib.sha256(f"{torch.initial_seed()}:{name}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
 
 class Conv1D(nn.Module):
@@ -147,7 +154,7 @@ class GPT2LMHeadModel(nn.Module):
         self.config = cfg
         self.transformer = Transformer(cfg)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.padded_vocab_size, bias=False)
-        self.lm_head.weight = self.transformer.wte.weight
+        self.tie_weights()
         # ``True`` at the padded ids (absent without padding). A buffer (``B``), which dispatch slices to the
         # logits' vocabulary split: no communication.
         padded = cfg.padded_vocab_size > cfg.vocab_size
@@ -155,19 +162,46 @@ class GPT2LMHeadModel(nn.Module):
                              persistent=False)
         self.reset_parameters()
 
+    def tie_weights(self) -> None:
+        """``lm_head`` shares ``wte``'s weight (where this model, or stage, holds both)."""
+        if self.lm_head is not None and self.transformer.wte is not None:
+            self.lm_head.weight = self.transformer.wte.weight
+
     @torch.no_grad()
     def reset_parameters(self):
-        """GPT-2's initialisation: N(0, 0.02), residual projections scaled by 1/sqrt(2 n_layer)."""
+        """GPT-2's initialisation, of every parameter and buffer this model, or pipeline stage of it, holds:
+        N(0, 0.02), residual projections scaled by 1/sqrt(2 n_layer), LayerNorms 1 and biases 0.
+
+        Each parameter is drawn from its own generator, seeded from the global
+        seed (``torch.initial_seed()``) and the parameter's name alone (the
+        tied LM head's is ``transformer.wte.weight``'s). So a stage built on
+        the meta device and initialised here holds the values the same
+        parameters have in the whole model: a pipeline rank allocates only its
+        stage. Meta parameters are skipped.
+        """
         std = self.config.initializer_range
         for name, p in self.named_parameters():
+            if p.is_meta:
+                continue
             if name.endswith("ln_1.weight") or name.endswith("ln_2.weight") or name.endswith("ln_f.weight"):
                 p.fill_(1.0)
             elif name.endswith(".bias"):
                 p.zero_()
-            elif name.endswith("c_proj.weight"):
-                p.normal_(0.0, std / math.sqrt(2 * self.config.n_layer))
             else:
-                p.normal_(0.0, std)
+                scale = 1 / math.sqrt(2 * self.config.n_layer) if name.endswith("c_proj.weight") else 1.0
+                key = "transformer.wte.weight" if name == "lm_head.weight" else name
+                g = _generator(key)  # a CPU generator: another device's parameter is drawn on the CPU and copied
+                if p.device.type == "cpu":
+                    p.normal_(0.0, std * scale, generator=g)
+                else:
+                    p.copy_(torch.empty(p.shape, dtype=p.dtype).normal_(0.0, std * scale, generator=g))
+        for name, b in self.named_buffers():
+            if b.is_meta:
+                continue
+            if name == "vocab_padding":
+                b.copy_(torch.arange(len(b)) >= self.config.vocab_size)
+            elif name.endswith(".causal"):
+                b.copy_(torch.ones(b.shape, dtype=torch.bool).tril())
 
     def forward(self, input_ids, labels=None):
         t = input_ids.shape[1]

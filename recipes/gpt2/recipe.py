@@ -45,6 +45,17 @@ class GPT2Recipe(Recipe):
     def build_model(self, model_cfg) -> GPT2LMHeadModel:
         return GPT2LMHeadModel(GPT2Config(**config.gpt2_config_kwargs(model_cfg)))
 
+    def build_stage(self, model_cfg, cut) -> GPT2LMHeadModel:
+        """Only this rank's stage is allocated: the model is built on the meta device and cut, then its
+        stage is given memory and initialised, each parameter from the seed and its name alone
+        (``GPT2LMHeadModel.reset_parameters``), so its values are the whole model's."""
+        with torch.device("meta"):
+            model = cut(self.build_model(model_cfg))
+        model.to_empty(device="cpu")
+        model.tie_weights()  # to_empty gives the tied pair two tensors where a stage holds both
+        model.reset_parameters()
+        return model
+
     def mesh_plan(self, cfg) -> dict:
         return mesh_plan(bool(cfg.parallel.sequence_parallel))
 

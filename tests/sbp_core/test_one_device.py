@@ -187,3 +187,16 @@ def test_gradients_held_on_the_leaves_are_the_handed_over_ones():
     assert held.is_sparse and torch.equal(held.coalesce().to_dense(), sparse_want.to_dense())
     assert all(q.grad is None for q in params.values())
     shards.drop_grads()
+
+
+def test_distribute_module_keeps_a_whole_parameters_storage():
+    """A parameter this rank holds whole on its device becomes its global tensor's local tensor without a copy
+    (``adopt``), the tied one once; ``distribute`` still copies, since its caller keeps the tensor."""
+    p = sc.placement("cpu", [0])
+    model = Net()
+    storage = {n: t.untyped_storage().data_ptr() for n, t in model.named_parameters(remove_duplicate=False)}
+    sc.distribute_module(model, p, {"head.weight": (sbp.split(0),)})
+    got = {n: t.to_local().untyped_storage().data_ptr() for n, t in model.named_parameters(remove_duplicate=False)}
+    assert got == storage and model.lin2.weight is model.lin.weight
+    x = torch.ones(3)
+    assert sc.distribute(x, p, (sbp.broadcast,)).to_local().untyped_storage().data_ptr() != x.untyped_storage().data_ptr()

@@ -1,0 +1,99 @@
+"""GPT-2 builds only a pipeline rank's stage (``GPT2Recipe.build_stage``), with the whole model's values.
+
+Each parameter is initialised from the seed and its name alone, so a stage
+built on the meta device, cut and then initialised holds bit for bit what
+``build_model`` (the whole model, built as one device builds it) holds under
+the same names, the tied LM head and the buffers included; and building it
+allocates about the stage's parameters, not the whole model's.
+"""
+from functools import partial
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from recipes.gpt2.recipe import RECIPE
+from toolkit.stages import keep_stages, stage_ranges
+
+MODEL = dict(name="t", vocab_size=1001, n_positions=32, n_embd=32, n_layer=6, n_head=4, dropout=0.1,
+             layer_norm_epsilon=1e-5, initializer_range=0.02, make_vocab_size_divisible_by=8)
+
+
+def _stage(cfg, pp, stages):
+    cut = partial(keep_stages, plan=RECIPE.pipeline_plan(cfg), ranges=stage_ranges(cfg.n_layer, pp), stages=stages)
+    torch.manual_seed(7)
+    return RECIPE.build_stage(cfg, cut)
+
+
+@pytest.mark.parametrize("pp, stages", [(1, [0]), (2, [0]), (2, [1]), (3, [1]), (3, [0, 2])])
+def test_a_stage_holds_the_whole_models_values(pp, stages):
+    cfg = OmegaConf.create(MODEL)
+    torch.manual_seed(7)
+    whole = RECIPE.build_model(cfg)
+    want = {**dict(whole.named_parameters(remove_duplicate=False)), **dict(whole.named_buffers())}
+    stage = _stage(cfg, pp, stages)
+    got = {**dict(stage.named_parameters(remove_duplicate=False)), **dict(stage.named_buffers())}
+    ranges = stage_ranges(6, pp)
+    layers = {f"transformer.h.{i}." for s in stages for i in ranges[s]}
+    first, last = 0 in stages, pp - 1 in stages
+    expect = {n for n in want if any(n.startswith(p) for p in layers)
+              or (first and n.startswith(("transformer.wte", "transformer.wpe")))
+              or (last and n.startswith(("transformer.ln_f", "lm_head")))
+              or n == "vocab_padding"}
+    assert set(got) == expect
+    for name, t in got.items():
+        assert t.device.type == "cpu" and torch.equal(t, want[name]), name
+    if first and last:
+        assert stage.lm_head.weight is stage.transformer.wte.weight
+    # Another seed gives other values: the seed, not only the name, keys each draw.
+    torch.manual_seed(8)
+    other = RECIPE.build_model(cfg)
+    assert not torch.equal(other.transformer.wpe.weight, whole.transformer.wpe.weight)
+
+
+class _NewStorageBytes(TorchDispatchMode):
+    """Bytes of every new CPU storage an op returns while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen, self.bytes = set(), 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                ptr = t.untyped_storage().data_ptr()
+                if ptr not in self.seen:
+                    self.seen.add(ptr)
+                    self.bytes += t.untyped_storage().nbytes()
+        return out
+
+
+def test_a_stage_allocates_its_own_parameters_only():
+    """The middle stage of pp3 (2 of 6 blocks, no embeddings): a build of the whole model would allocate the
+    1008 x 256 embedding and all six blocks."""
+    cfg = OmegaConf.create({**MODEL, "n_embd": 256, "n_head": 4})
+    with _NewStorageBytes() as counted:
+        stage = _stage(cfg, 3, [1])
+    own = sum(p.numel() * p.element_size() for p in stage.parameters())
+    whole = sum(p.numel() * p.element_size() for p in RECIPE.build_model(cfg).parameters())
+    assert own < whole / 3
+    assert own <= counted.bytes <= own + 2**16  # the parameters, drawn in place, and the buffers
+
+
+def test_init_from_a_hugging_face_directory_into_a_stage(tmp_path):
+    """``GPT2Recipe.init_weights`` loads a HF directory into a stage: its parameters get HF's values (the
+    last stage's LM head: HF's embedding, zero rows below the padding)."""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=1001, n_positions=32, n_embd=32, n_layer=6, n_head=4))
+    hf.save_pretrained(tmp_path)
+    cfg = OmegaConf.create(MODEL)
+    last = _stage(cfg, 2, [1])
+    assert RECIPE.init_weights(last, str(tmp_path), OmegaConf.create({"model": MODEL}))
+    wte = hf.transformer.wte.weight
+    assert torch.equal(last.lm_head.weight[:1001], wte) and not last.lm_head.weight[1001:].any()
+    assert torch.equal(last.transformer.h[5].mlp.c_fc.weight, hf.transformer.h[5].mlp.c_fc.weight)
+    assert torch.equal(last.transformer.ln_f.weight, hf.transformer.ln_f.weight)
