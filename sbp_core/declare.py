@@ -145,9 +145,10 @@ def _declare(full: torch.Tensor, placement, sbp, requires_grad: bool, share: boo
     layout = Layout(placement, sbp, full.shape, full.dtype)
     if me in placement:
         local = take_local(full, placement.shape, sbp, placement.coords(me)).to(placement.device())
-        whole = local.data_ptr() == full.data_ptr() and local.shape == full.shape and local.is_contiguous()
-        if not (share and whole):  # a slice would keep all of full's storage alive: copy it
-            local = local.clone()
+        if local.untyped_storage().data_ptr() == full.untyped_storage().data_ptr():  # still full's memory
+            whole = local.data_ptr() == full.data_ptr() and local.shape == full.shape and local.is_contiguous()
+            if not (share and whole):  # the caller keeps full, or a slice would keep all of it alive
+                local = local.clone()
     else:
         local = torch.empty(0, dtype=full.dtype, device=full.device)
     return GlobalTensor(local, layout, requires_grad=requires_grad)

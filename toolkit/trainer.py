@@ -117,7 +117,7 @@ class Job:
                 whole = recipe.build_model(cfg.model)  # the full model's names and size (as n_layers builds it)
         torch.manual_seed(int(tr.seed))
         self.module = recipe.build_stage(cfg.model, cut or (lambda model: model))
-        whole = whole or self.module
+        whole = self.module if whole is None else whole
         names = model_names(whole)
         self.n_params = sum(p.numel() for p in whole.parameters())
         if init and recipe.init_weights(self.module, init, cfg):
