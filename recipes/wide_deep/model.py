@@ -59,7 +59,7 @@ class BlockInitEmbedding(nn.Embedding):
     def __init__(self, rows: int, dim: int, scale: float, sparse: bool, meta: bool):
         super().__init__(rows, dim, sparse=sparse, device="meta")
         self.scale = float(scale)
-        self.seed = int(torch.randint(0, 2 ** 62, (1,)))
+        self.seed = int(torch.randint(0, 2 ** 62, (1,), device="cpu"))  # a number even when built on meta
         if not meta:
             self.weight = nn.Parameter(self.init_shard("weight", ((0, rows), (0, dim))))
 

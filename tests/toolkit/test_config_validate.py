@@ -288,3 +288,21 @@ def test_validate_accepts_plain_dicts_and_does_not_modify():
 def test_layouts_for():
     assert layouts_for(4) == ["dp4", "pp4", "tp4", "dp2_pp2", "dp2_tp2", "tp2_pp2"]
     assert layouts_for(1) == ["single"]
+
+
+def test_init_from_a_checkpoint_of_other_shapes_or_corrupt_is_refused_before_spawning(tmp_path):
+    """``trainer.init_from``'s model tensors are checked against the model's shapes from the checkpoint's
+    metadata alone (no tensor read), and a corrupt manifest is named, before any rank starts."""
+    from recipes.gpt2.recipe import RECIPE
+    from toolkit import checkpoint as ckpt
+
+    padded = ("model.vocab_size=1001", "model.make_vocab_size_divisible_by=8")
+    ckpt.save(str(tmp_path / "ck"), 0, {"model": RECIPE.build_model(cfg_of(*padded).model).state_dict()},
+              tied=[("transformer.wte.weight", "lm_head.weight")])
+    init = f"trainer.init_from={tmp_path / 'ck'}"
+    assert validate(cfg_of(*padded, init)).world_size == 1
+    text = problems("model.vocab_size=1001", init)
+    assert "transformer.wte.weight is [1008, 128] there, [1001, 128] here; valid: the model settings" in text
+    assert "; and 49 more; valid" in problems(*padded, "model.n_embd=64", init)  # 52 tensors differ, 3 are named
+    (tmp_path / "ck" / "step_0" / "manifest.json").write_text("{")
+    assert "not a valid manifest" in problems(*padded, init)

@@ -41,14 +41,15 @@ chunks as raw bytes), ``metadata.json`` (every tensor's global shape, dtype
 and chunks: file, offset, length, CRC-32), ``state.json`` (plain data, the
 tree's shape, aliases, each tensor's saving placement and SBP), ``manifest.json`` (every file's size, CRC-32 of the
 JSON files, written last). See ``directory`` for ``latest`` and the
-``.tmp`` protocol. ``verify(path)`` checks every byte of a checkpoint.
+``.tmp`` protocol. ``verify(path)`` checks every byte of a checkpoint; ``tensor_shapes(path, key)``
+lists the saved tensors' shapes without reading them.
 """
 from .directory import latest
 from .errors import CheckpointError
-from .load import load, verify
+from .load import load, tensor_shapes, verify
 from .optimizer import StateLike, load_optimizer_state_dict, optimizer_state_dict
 from .rng import rng_state, set_rng_state
 from .save import save
 
-__all__ = ["save", "load", "latest", "verify", "CheckpointError", "optimizer_state_dict", "load_optimizer_state_dict",
+__all__ = ["save", "load", "latest", "verify", "tensor_shapes", "CheckpointError", "optimizer_state_dict", "load_optimizer_state_dict",
            "StateLike", "rng_state", "set_rng_state"]

@@ -228,3 +228,12 @@ def verify(path: str) -> str:
             manifest.verify(ckpt.path, name, ckpt.body)
     storage.verify_records(ckpt.path, ckpt.metadata, ckpt.body)
     return ckpt.path
+
+
+def tensor_shapes(path: str, key: str) -> dict:
+    """``{name: shape}`` of the tensors saved under ``key`` (e.g. ``"model"``), from the verified metadata
+    alone: no tensor is read, one process. Tied aliases are listed under the name they were saved as."""
+    ckpt = _Checkpoint(path)
+    prefix = f"{key}/"
+    return {fqn[len(prefix):]: tuple(md.size) for fqn, md in ckpt.metadata.state_dict_metadata.items()
+            if fqn.startswith(prefix)}

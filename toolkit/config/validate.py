@@ -80,6 +80,34 @@ class JobLayout:
     launched: Optional[str]  # "torchrun", "slurm" or None (train.py spawns the ranks)
 
 
+def _init_from_problems(given: str, path: str, cfg, recipe) -> list:
+    """Our checkpoint at ``path`` against the model's parameter shapes (a meta build), from its metadata alone:
+    a corrupt checkpoint, or one saved with other model settings, would fail on every rank after spawning.
+    A directory that is not our checkpoint (a recipe's foreign format) is the recipe's to read."""
+    import torch
+
+    from toolkit import checkpoint as ckpt
+    from toolkit.checkpoint.directory import resolve
+
+    try:
+        resolve(path)
+    except ckpt.CheckpointError:
+        return []
+    try:
+        saved = ckpt.tensor_shapes(path, "model")
+    except ckpt.CheckpointError as err:
+        return [f"trainer.init_from={given!r}: {err}"]
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+        model = recipe.build_model(cfg.model)
+    wrong = [f"{n} is {list(saved[n])} there, {list(t.shape)} here" for n, t in model.state_dict().items()
+             if n in saved and tuple(saved[n]) != tuple(t.shape)]
+    if not wrong:
+        return []
+    return [f"trainer.init_from={given!r}: the checkpoint's model has other shapes than model.*: "
+            + "; ".join(wrong[:3]) + (f"; and {len(wrong) - 3} more" if len(wrong) > 3 else "")
+            + "; valid: the model settings it was saved with (its run's config.yaml, or its extra.model_config)"]
+
+
 def _choice(problems: list, field: str, value: Any, choices: tuple) -> None:
     if value not in choices:
         problems.append(f"{field}={value!r}: unknown choice; valid: {', '.join(map(str, choices))}")
@@ -311,10 +339,13 @@ def validate(cfg: Any, recipe, world_size: Optional[int] = None) -> JobLayout:
                        pp_virtual=par.pp_virtual, stage_layers=stage_layers, micro_batch_size=mb,
                        global_batch_size=gb, accumulation=accumulation, data_shards=shards, items_per_step=0,
                        device=device, launched=env.kind if env is not None else None)
-    if tr.init_from and recipe.weights_path(str(tr.init_from)) is None:
+    weights = recipe.weights_path(str(tr.init_from)) if tr.init_from else None
+    if tr.init_from and weights is None:
         p.append(f"trainer.init_from={tr.init_from!r}: no such file or directory"
                  + (f" (nor a name recipe {recipe.name} resolves)" if os.sep not in str(tr.init_from) else "")
                  + "; valid: a checkpoint directory (<run>/checkpoints/step_<N>) or what the recipe's docs list")
+    elif weights is not None:
+        p.extend(_init_from_problems(str(tr.init_from), weights, cfg, recipe))
     if degrees_ok:
         try:
             p.extend(recipe.check(cfg, layout))
