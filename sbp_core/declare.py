@@ -145,7 +145,9 @@ def _declare(full: torch.Tensor, placement, sbp, requires_grad: bool, share: boo
     layout = Layout(placement, sbp, full.shape, full.dtype)
     if me in placement:
         local = take_local(full, placement.shape, sbp, placement.coords(me)).to(placement.device())
-        if local.untyped_storage().data_ptr() == full.untyped_storage().data_ptr():  # still full's memory
+        if local.layout != torch.strided:  # no storage to compare (sparse): always a copy
+            local = local.clone()
+        elif local.untyped_storage().data_ptr() == full.untyped_storage().data_ptr():  # still full's memory
             whole = local.data_ptr() == full.data_ptr() and local.shape == full.shape and local.is_contiguous()
             if not (share and whole):  # the caller keeps full, or a slice would keep all of it alive
                 local = local.clone()
