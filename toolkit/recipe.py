@@ -45,6 +45,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from sbp_core.sbp import Broadcast, Split
+from toolkit.checkpoint import manifest
+from toolkit.checkpoint.directory import latest
 from toolkit.stages import layer_paths, layers_of
 
 
@@ -202,10 +204,21 @@ class Recipe(ABC):
 
     def weights_path(self, init_from: str) -> str | None:
         """The local path ``trainer.init_from`` names (our checkpoint, or a directory ``init_weights`` reads),
-        or ``None`` when there is none: the job is refused before any process starts. Only paths here; a
-        recipe may also resolve names (GPT-2: a Hugging Face model in the local hub cache)."""
+        or ``None`` when there is none: the job is refused before any process starts. A run directory
+        names its ``checkpoints/``. Only paths here; a recipe may also resolve names (GPT-2: a Hugging Face
+        model in the local hub cache)."""
         path = os.path.expanduser(init_from)
-        return path if os.path.exists(path) else None
+        if not os.path.exists(path):
+            return None
+        run_root = os.path.join(path, "checkpoints")
+        if not os.path.isfile(os.path.join(path, manifest.NAME)) and latest(run_root) is not None:
+            return run_root
+        return path
+
+    def reads_weights(self, path: str) -> bool:
+        """Whether ``init_weights`` reads ``path`` (a foreign format), so that validation does not refuse it
+        for not being our checkpoint."""
+        return False
 
     def init_weights(self, model, path: str, cfg) -> bool:
         """Load ``trainer.init_from`` weights of a foreign format into ``model``, this rank's stage of the model

@@ -109,10 +109,15 @@ class GPT2Recipe(Recipe):
             path = hub_dir(f"openai-community/{init_from}") or hub_dir(init_from)
         return path
 
-    def init_weights(self, model, path: str, cfg) -> bool:
-        from recipes.gpt2.hf import is_hf_dir, load_hf_into
+    def reads_weights(self, path: str) -> bool:
+        from recipes.gpt2.hf import is_hf_dir
 
-        if not is_hf_dir(path):
+        return is_hf_dir(path)
+
+    def init_weights(self, model, path: str, cfg) -> bool:
+        from recipes.gpt2.hf import load_hf_into
+
+        if not self.reads_weights(path):
             return False
         load_hf_into(model, path, cfg.model)
         return True

@@ -292,7 +292,8 @@ def test_layouts_for():
 
 def test_init_from_a_checkpoint_of_other_shapes_or_corrupt_is_refused_before_spawning(tmp_path):
     """``trainer.init_from``'s model tensors are checked against the model's shapes from the checkpoint's
-    metadata alone (no tensor read), and a corrupt manifest is named, before any rank starts."""
+    metadata alone (no tensor read), and a corrupt manifest or a directory that holds no weights is named,
+    before any rank starts."""
     from recipes.gpt2.recipe import RECIPE
     from toolkit import checkpoint as ckpt
 
@@ -304,5 +305,13 @@ def test_init_from_a_checkpoint_of_other_shapes_or_corrupt_is_refused_before_spa
     text = problems("model.vocab_size=1001", init)
     assert "transformer.wte.weight is [1008, 128] there, [1001, 128] here; valid: the model settings" in text
     assert "; and 49 more; valid" in problems(*padded, "model.n_embd=64", init)  # 52 tensors differ, 3 are named
-    (tmp_path / "ck" / "step_0" / "manifest.json").write_text("{")
-    assert "not a valid manifest" in problems(*padded, init)
+    # A run directory names its checkpoints/; a directory that is neither ours nor a format the recipe reads
+    # (a Hugging Face one, for GPT-2) is refused.
+    (tmp_path / "ck").rename(tmp_path / "checkpoints")
+    assert RECIPE.weights_path(str(tmp_path)) == str(tmp_path / "checkpoints")
+    assert validate(cfg_of(*padded, f"trainer.init_from={tmp_path}")).world_size == 1
+    (tmp_path / "other").mkdir()
+    text = problems(f"trainer.init_from={tmp_path / 'other'}")
+    assert "no complete checkpoint here" in text and "or a format recipe gpt2 reads" in text
+    (tmp_path / "checkpoints" / "step_0" / "manifest.json").write_text("{")
+    assert "not a valid manifest" in problems(*padded, f"trainer.init_from={tmp_path}")

@@ -83,16 +83,20 @@ class JobLayout:
 def _init_from_problems(given: str, path: str, cfg, recipe) -> list:
     """Our checkpoint at ``path`` against the model's parameter shapes (a meta build), from its metadata alone:
     a corrupt checkpoint, or one saved with other model settings, would fail on every rank after spawning.
-    A directory that is not our checkpoint (a recipe's foreign format) is the recipe's to read."""
+    A directory in a format the recipe reads (``Recipe.reads_weights``) is the recipe's to check; anything
+    else is refused."""
     import torch
 
     from toolkit import checkpoint as ckpt
     from toolkit.checkpoint.directory import resolve
 
+    if recipe.reads_weights(path):
+        return []
     try:
         resolve(path)
-    except ckpt.CheckpointError:
-        return []
+    except ckpt.CheckpointError as err:
+        return [f"trainer.init_from={given!r}: {err}; valid: our checkpoint (<run>/checkpoints/step_<N>, a "
+                "checkpoint root or a run directory), or a format recipe " + recipe.name + " reads"]
     try:
         saved = ckpt.tensor_shapes(path, "model")
     except ckpt.CheckpointError as err:
