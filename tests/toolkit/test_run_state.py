@@ -47,3 +47,36 @@ def test_resume_without_a_checkpoint_says_where_it_looked(tmp_path, capsys):
     assert "hydra.run.dir=<run dir>" in out
     run_state.resume(SimpleNamespace(cfg=job.cfg, rank=1))
     assert capsys.readouterr().out == ""  # rank 0 alone says it
+
+
+def _job_whose_rank_lacks_init_from(container: dict, layout) -> str:
+    """Worker: build the job, laid out where it started, with a recipe that finds ``trainer.init_from`` nowhere
+    on this machine."""
+    from recipes.gpt2.recipe import GPT2Recipe
+    from toolkit.trainer import Job
+
+    class Elsewhere(GPT2Recipe):
+        def weights_path(self, init_from):
+            return None
+
+    try:
+        Job(OmegaConf.create(container), Elsewhere(), layout)
+    except FileNotFoundError as err:
+        return str(err)
+    return "built"
+
+
+def test_a_rank_whose_machine_lacks_init_from_fails_instead_of_training_from_scratch(tmp_path):
+    """Validated where the job started, then missing where a rank runs: that rank raises."""
+    from toolkit.config import compose, validate
+    from toolkit.rank_pool import get_pool
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")  # a Hugging Face directory, as far as validation looks
+    cfg = compose(["model.n_layer=2", "model.n_embd=32", "model.n_head=2", "model.vocab_size=512",
+                   "model.n_positions=32", "data.max_bytes=100000", "trainer.eval_every=0", "logger=none",
+                   f"trainer.init_from={hf}", f"data.cache_dir={tmp_path / 'cache'}"], run_dir=str(tmp_path / "run"))
+    layout = validate(cfg, RECIPE)
+    out = get_pool(1).run(_job_whose_rank_lacks_init_from, OmegaConf.to_container(cfg, resolve=True), layout)[0]
+    assert out == f"trainer.init_from={str(hf)!r}: not found on rank 0's machine"
