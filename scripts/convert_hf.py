@@ -57,9 +57,11 @@ def import_hf(hf_dir: str, ckpt_dir: str, vocab_multiple: int = 128) -> str:
     state = {"model": model, "step": 0,
              "extra": {"model_config": cfg, "hf_config": hf_cfg, "source": os.path.abspath(hf_dir)}}
     path = ckpt.save(ckpt_dir, 0, state, tied=[hf_gpt2.TIED])
-    tokenizer = os.path.join(hf_dir, TOKENIZER_FILE)
+    tokenizer, beside = os.path.join(hf_dir, TOKENIZER_FILE), os.path.join(ckpt_dir, TOKENIZER_FILE)
     if os.path.isfile(tokenizer):  # beside the checkpoints, where trainer.init_from=<ckpt_dir> finds it
-        shutil.copyfile(tokenizer, os.path.join(ckpt_dir, TOKENIZER_FILE))
+        shutil.copyfile(tokenizer, beside)
+    elif os.path.isfile(beside):  # an earlier import's: not these weights'
+        os.remove(beside)
     return path
 
 

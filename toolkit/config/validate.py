@@ -101,8 +101,11 @@ def _init_from_problems(given: str, path: str, cfg, recipe) -> list:
         saved = ckpt.tensor_shapes(path, "model")
     except ckpt.CheckpointError as err:
         return [f"trainer.init_from={given!r}: {err}"]
-    with torch.random.fork_rng(devices=[]), torch.device("meta"):
-        model = recipe.build_model(cfg.model)
+    try:
+        with torch.random.fork_rng(devices=[]), torch.device("meta"):
+            model = recipe.build_model(cfg.model)
+    except (RuntimeError, NotImplementedError):  # a model that cannot be built on meta is checked as it loads
+        return []
     wrong = [f"{n} is {list(saved[n])} there, {list(t.shape)} here" for n, t in model.state_dict().items()
              if n in saved and tuple(saved[n]) != tuple(t.shape)]
     if not wrong:
