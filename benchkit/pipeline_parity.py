@@ -119,8 +119,6 @@ def _rel(a, b) -> float:
     return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-300)).item()
 
 
-
-
 def compare(per_rank: list, steps: int = STEPS, max_grad_norm=None, dtype: str = "float32",
             n_layer: int = CFG.n_layer) -> tuple:
     """``(worst loss, worst grad, worst final parameter)`` relative differences against one device that

@@ -47,6 +47,7 @@ from torch.utils.checkpoint import checkpoint
 from sbp_core.sbp import Broadcast, Split
 from toolkit.checkpoint import manifest
 from toolkit.checkpoint.directory import latest
+from toolkit.run_state import checkpoint_root
 from toolkit.stages import layer_paths, layers_of
 
 
@@ -210,7 +211,7 @@ class Recipe(ABC):
         path = os.path.expanduser(init_from)
         if not os.path.exists(path):
             return None
-        run_root = os.path.join(path, "checkpoints")
+        run_root = checkpoint_root(path)
         if not os.path.isfile(os.path.join(path, manifest.NAME)) and latest(run_root) is not None:
             return run_root
         return path

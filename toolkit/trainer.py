@@ -32,8 +32,8 @@ Returns the last logged row on rank 0 (``None`` elsewhere).
 from __future__ import annotations
 
 import contextlib
-from functools import partial
 import time
+from functools import partial
 
 import torch
 import torch.distributed as dist
