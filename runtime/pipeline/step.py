@@ -198,6 +198,20 @@ class PipelineConfig:
         return [i for i, (_, dtype) in enumerate(self.acts[boundary]) if dtype.is_floating_point]
 
 
+def _mean(losses: list):
+    """The mean of a list of losses, summed in order (the same arithmetic wherever it runs)."""
+    total = losses[0]
+    for x in losses[1:]:
+        total = total + x
+    return total / len(losses)
+
+
+def _mean_of_pieces(m: int, k, losses) -> float:
+    """Rank 0's evaluation loss: the mean of the last stage's ``m`` per-micro-batch losses (one value when
+    ``m`` is 1)."""
+    return float(_mean(losses if m > 1 else [losses]))
+
+
 def _credit(k, stash) -> None:
     """A ``T`` actor's action: the deeper stage's forward of micro-batch ``k`` ran; its stash is not kept."""
     return None
@@ -399,12 +413,21 @@ class PipelineStep:
         return st
 
     def _eval_loss(self, k, _):
+        """The evaluation's mean loss, once the last stage's ``m`` forwards ran."""
         losses, self._losses = self._losses, []
-        total = losses[0]
-        for x in losses[1:]:
-            total = total + x
-        self.last_loss = float(self._value(total / len(losses)))
+        self.last_loss = float(self._value(_mean(losses)))
         return self.last_loss
+
+    def _eval_piece_loss(self, m: int, k, st):
+        """Micro-batch ``k``'s loss (a 0-d tensor on the device) for rank 0, which averages them as they come
+        (``_mean``, as ``_eval_loss`` does), so that no receive there waits for more than one micro-batch
+        of the last stage's work; after the last, the mean is this rank's ``last_loss`` too."""
+        loss = self._value(st.output).detach()
+        self._losses[k] = loss  # the forwards may have run ahead: the list is in piece order
+        if k == m - 1:
+            losses, self._losses = self._losses, []
+            self.last_loss = float(_mean(losses))
+        return loss
 
     def _backward(self, s: int, k, stash: Stash, *grads):
         m = self.cfg.micro_batches
@@ -468,10 +491,7 @@ class PipelineStep:
         if self.pp - 1 not in self.stages:
             return None
         losses, self._losses = self._losses, []
-        total = losses[0]
-        for x in losses[1:]:
-            total = total + x
-        return self._value(total / len(losses)).detach()  # on the device: read when logged
+        return self._value(_mean(losses)).detach()  # on the device: read when logged
 
     def _value(self, loss):
         """A loss's whole value: a global tensor's full value; a replica's partial all-reduced; else as it is."""
@@ -597,8 +617,10 @@ class PipelineStep:
                 if not train:
                     actors.append(ActorSpec(f"s{s}.F@{r}", forward, inputs=f_in, quota=2, rank=r, role=f"F{tag}"))
                     if last:
-                        actors.append(ActorSpec(f"s{s}.loss@{r}", self._eval_loss, inputs=(f"s{s}.F@{r}",), quota=1,
-                                                priority=2, rank=r, every=m, role="loss"))
+                        per_piece = report and 0 not in placement  # rank 0 averages the pieces as they come
+                        actors.append(ActorSpec(f"s{s}.loss@{r}", partial(self._eval_piece_loss, m) if per_piece else
+                                                self._eval_loss, inputs=(f"s{s}.F@{r}",), quota=1, priority=2,
+                                                rank=r, every=1 if per_piece else m, role="loss"))
                     continue
                 pool = f"stash@{r}" if v > 1 else ""  # the rank's stages share its activation budget
                 if pool:
@@ -630,7 +652,8 @@ class PipelineStep:
             # The loss is known after reduce: rank 0 need not wait for the last stage's optimizer step.
             final = f"s{self._rank_first_stage(n - 1)}.reduce@{last_leader}" if train else \
                 f"s{n - 1}.loss@{last_leader}"
-            actors.append(ActorSpec("loss@0", lambda k, loss: loss, inputs=(final,), queue="data", rank=0, every=m))
+            take = (lambda k, loss: loss) if train else partial(_mean_of_pieces, m)
+            actors.append(ActorSpec("loss@0", take, inputs=(final,), queue="data", rank=0, every=m))
         return Plan(actors, lockstep, pools)
 
     def _rank_first_stage(self, stage: int) -> int:

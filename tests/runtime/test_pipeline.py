@@ -364,7 +364,9 @@ def _dies_mid_step(rank, world, port, out_dir):
     os._exit(0)
 
 
-def test_a_rank_that_dies_mid_step_ends_every_rank_with_an_error(tmp_path):
+def _spawn(target, world: int, out_dir) -> list:
+    """``target(rank, world, port, out_dir)`` in ``world`` fresh processes (groups with this test's timeout);
+    the processes, joined (killed after 120 s)."""
     import socket
 
     import torch.multiprocessing as mp
@@ -373,16 +375,61 @@ def test_a_rank_that_dies_mid_step_ends_every_rank_with_an_error(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_dies_mid_step, args=(r, 4, port, str(tmp_path))) for r in range(4)]
+    procs = [ctx.Process(target=target, args=(r, world, port, str(out_dir))) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
         p.join(120)
-    alive = [p for p in procs if p.is_alive()]
-    for p in alive:
-        p.kill()
-    assert not alive, "a rank hung after its peer died"
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    return procs
+
+
+def test_a_rank_that_dies_mid_step_ends_every_rank_with_an_error(tmp_path):
+    procs = _spawn(_dies_mid_step, 4, tmp_path)
+    assert all(p.exitcode is not None and p.exitcode >= 0 for p in procs), "a rank hung after its peer died"
     assert procs[3].exitcode == 17
     for r in range(3):
         secs, msg = (tmp_path / f"rank{r}").read_text().split("\n", 1)
         assert msg != "finished" and ("Failure" in msg or "Error" in msg), (r, msg)
+
+
+SLOW_FORWARD_S, EVAL_TIMEOUT_S = 0.6, 3.0  # MICRO slow forwards take longer than the timeout, one does not
+
+
+def _evaluates_behind_a_slow_last_stage(rank, world, port, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    from sbp_core import process_groups
+    from benchkit import pipeline_parity as vp
+
+    process_groups.set_timeout(EVAL_TIMEOUT_S)
+    try:
+        step, _ = vp.build(1, 1, 2)
+        if rank == 1:
+            forward = step.forward
+
+            def slow(m, x, labels):
+                time.sleep(SLOW_FORWARD_S)
+                return forward(m, x, labels)
+
+            step.forward = slow
+        loss = step.evaluate(step.batches, MICRO)  # rank 0's; the last stage keeps its own as last_loss
+        msg = repr(loss if rank == 0 else step.last_loss)
+    except Exception as exc:  # noqa: BLE001  (what the rank ended with is the result)
+        msg = f"{type(exc).__name__}: {exc}"
+    with open(os.path.join(out_dir, f"rank{rank}"), "w") as f:
+        f.write(msg)
+    os._exit(0)
+
+
+def test_rank_0_receives_the_evaluation_loss_micro_batch_by_micro_batch(tmp_path):
+    """pp2, rank 0 on the first stage: an evaluation whose last stage takes longer than the groups' timeout
+    in all (8 forwards of 0.6 s, 3 s) ends with the loss, because rank 0 receives each micro-batch's loss as
+    it comes rather than waiting for the mean; equal to the last stage's own mean."""
+    assert MICRO * SLOW_FORWARD_S > EVAL_TIMEOUT_S > 2 * SLOW_FORWARD_S
+    procs = _spawn(_evaluates_behind_a_slow_last_stage, 2, tmp_path)
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    got = [(tmp_path / f"rank{r}").read_text() for r in range(2)]
+    assert got[0] == got[1] and float(got[0]) > 0, got
