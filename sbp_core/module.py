@@ -15,9 +15,12 @@ N-d SBP:
 Every rank must call it with the same module (same seed for the same
 initial values): each parameter's global value is the rank's own full
 value, and a rank keeps only its shard (no communication). A parameter on
-the meta device (a table too big to build whole on every rank) is built
-shard by shard: its module's ``init_shard(name, box)`` returns the values of
-the box ``((start, length), ...)`` this rank holds. Gradients are
+the meta device (a table too big to build whole on every rank, or any
+parameter of a model that builds only shards) is built shard by shard: its
+module's ``init_shard(name, box)`` returns the values of the box
+``((start, length), ...)`` this rank holds; a module without one is served
+by the nearest module above it that has one, asked with the name relative
+to it (GPT-2's model initialises every parameter). Gradients are
 boxed to their parameter's layout while backward runs (``P -> B``
 all-reduce for data parallel), in buckets of about ``bucket_bytes`` started
 as soon as backward has accumulated every gradient of one
@@ -124,7 +127,7 @@ def distribute_module(module: nn.Module, placement, plan: dict | None = None,
                 continue
             sbp = _on_mesh(nd_sbp(_match(plan, prefix + pname) or broadcast, placement.ndim), placement)
             if param.is_meta:
-                g = _materialize(mod, prefix + pname, pname, param, placement, sbp)
+                g = _materialize(module, mod, prefix + pname, param, placement, sbp)
             else:
                 g = adopt(param.detach(), placement, sbp)
             new = nn.Parameter(g, requires_grad=param.requires_grad)
@@ -146,12 +149,24 @@ def distribute_module(module: nn.Module, placement, plan: dict | None = None,
     return module
 
 
-def _materialize(mod: nn.Module, full_name: str, name: str, param, placement, sbp: tuple) -> GlobalTensor:
-    """A meta parameter's global tensor: each member asks ``mod.init_shard(name, box)`` for its own box."""
-    init = getattr(mod, "init_shard", None)
+def init_shard_of(root: nn.Module, full_name: str):
+    """``(init_shard, name relative to its module)``: the owner's ``init_shard``, else its nearest ancestor's."""
+    parts = full_name.split(".")
+    for cut in range(len(parts) - 1, -1, -1):
+        init = getattr(root.get_submodule(".".join(parts[:cut])), "init_shard", None)
+        if init is not None:
+            return init, ".".join(parts[cut:])
+    return None, full_name
+
+
+def _materialize(root: nn.Module, mod: nn.Module, full_name: str, param, placement, sbp: tuple) -> GlobalTensor:
+    """A meta parameter's global tensor: each member builds its own box with ``init_shard(name, box)``
+    (module docstring)."""
+    init, name = init_shard_of(root, full_name)
     if init is None:
-        raise ValueError(f"parameter {full_name!r} is on the meta device and {type(mod).__name__} has no "
-                         "init_shard(name, box): build it with values, or give its module init_shard")
+        raise ValueError(f"parameter {full_name!r} is on the meta device and neither {type(mod).__name__} nor a "
+                         "module above it has init_shard(name, box): build it with values, or give its module "
+                         "init_shard")
     layout = Layout(placement, sbp, param.shape, param.dtype)
     me = world_rank()
     if me not in placement:
@@ -160,8 +175,7 @@ def _materialize(mod: nn.Module, full_name: str, name: str, param, placement, sb
     local = init(name, box).to(device=placement.device(), dtype=param.dtype)
     want = tuple(n for _, n in box)
     if tuple(local.shape) != want:
-        raise ValueError(f"{type(mod).__name__}.init_shard({name!r}, {box}) returned shape {tuple(local.shape)}, "
-                         f"expected {want}")
+        raise ValueError(f"init_shard({name!r}, {box}) returned shape {tuple(local.shape)}, expected {want}")
     return GlobalTensor(local, layout)
 
 

@@ -19,18 +19,24 @@ from __future__ import annotations
 
 import torch
 
+from sbp_core.module import init_shard_of
 from toolkit.config.schema import typed
 from toolkit.config.validate import validate
 from toolkit.optim import build_scheduler
 
 
 def materialized(model):
-    """``model`` with every meta parameter built whole from its module's ``init_shard``."""
-    for module in model.modules():
-        for name, param in list(module.named_parameters(recurse=False)):
+    """``model`` with every meta parameter built whole by the ``init_shard`` that ``distribute_module`` asks
+    (a tied parameter stays one)."""
+    done: dict = {}
+    for mod_name, module in model.named_modules(remove_duplicate=False):
+        for attr, param in list(module.named_parameters(recurse=False)):
             if param.is_meta:
-                whole = tuple((0, n) for n in param.shape)
-                setattr(module, name, torch.nn.Parameter(module.init_shard(name, whole), param.requires_grad))
+                if id(param) not in done:
+                    init, name = init_shard_of(model, f"{mod_name}.{attr}" if mod_name else attr)
+                    whole = tuple((0, n) for n in param.shape)
+                    done[id(param)] = torch.nn.Parameter(init(name, whole), param.requires_grad)
+                setattr(module, attr, done[id(param)])
     return model
 
 

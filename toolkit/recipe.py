@@ -126,10 +126,11 @@ class Recipe(ABC):
         returns it; the identity without a pipeline) applied to the model, initialised as the whole model is
         from the global seed.
 
-        This builds the whole model first. A recipe whose model can initialise
-        a stage of itself to the whole model's values overrides it to allocate
-        only the stage (GPT-2: built on the meta device, cut, then
-        initialised parameter by parameter).
+        This builds the whole model first. A recipe whose model can give any
+        box of any parameter the whole model's values overrides it to allocate
+        only the rank's shards (GPT-2: built on the meta device and cut, its
+        parameters left there for ``distribute_module`` to build with the
+        model's ``init_shard``).
         """
         return cut(self.build_model(model_cfg))
 

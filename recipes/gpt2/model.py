@@ -169,32 +169,16 @@ class GPT2LMHeadModel(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self):
-        """GPT-2's initialisation, of every parameter and buffer this model, or pipeline stage of it, holds:
-        N(0, 0.02), residual projections scaled by 1/sqrt(2 n_layer), LayerNorms 1 and biases 0.
-
-        Each parameter is drawn from its own generator, seeded from the global
-        seed (``torch.initial_seed()``) and the parameter's name alone (the
-        tied LM head's is ``transformer.wte.weight``'s). So a stage built on
-        the meta device and initialised here holds the values the same
-        parameters have in the whole model: a pipeline rank allocates only its
-        stage. Meta parameters are skipped.
-        """
-        std = self.config.initializer_range
+        """GPT-2's initialisation of every parameter and buffer this model, or pipeline stage of it, holds
+        (``init_shard`` of the whole parameter); meta parameters and buffers are skipped."""
         for name, p in self.named_parameters():
-            if p.is_meta:
-                continue
-            if name.endswith("ln_1.weight") or name.endswith("ln_2.weight") or name.endswith("ln_f.weight"):
-                p.fill_(1.0)
-            elif name.endswith(".bias"):
-                p.zero_()
-            else:
-                scale = 1 / math.sqrt(2 * self.config.n_layer) if name.endswith("c_proj.weight") else 1.0
-                key = "transformer.wte.weight" if name == "lm_head.weight" else name
-                g = _generator(key)  # a CPU generator: another device's parameter is drawn on the CPU and copied
-                if p.device.type == "cpu":
-                    p.normal_(0.0, std * scale, generator=g)
-                else:
-                    p.copy_(torch.empty(p.shape, dtype=p.dtype).normal_(0.0, std * scale, generator=g))
+            if not p.is_meta:
+                p.copy_(self.init_shard(name, tuple((0, n) for n in p.shape)))
+        self.reset_buffers()
+
+    @torch.no_grad()
+    def reset_buffers(self):
+        """The values of the buffers this model, or pipeline stage of it, holds (meta ones are skipped)."""
         for name, b in self.named_buffers():
             if b.is_meta:
                 continue
@@ -202,6 +186,33 @@ class GPT2LMHeadModel(nn.Module):
                 b.copy_(torch.arange(len(b)) >= self.config.vocab_size)
             elif name.endswith(".causal"):
                 b.copy_(torch.ones(b.shape, dtype=torch.bool).tril())
+
+    def init_shard(self, name: str, box) -> torch.Tensor:
+        """The box ``((start, length), ...)`` of parameter ``name``'s initial value, on the CPU (``sbp_core``'s
+        contract for a parameter left on the meta device: each rank builds only its shard).
+
+        GPT-2's initialisation: N(0, 0.02), residual projections scaled by
+        1/sqrt(2 n_layer), LayerNorms 1 and biases 0. Each random parameter is
+        drawn whole from its own generator, seeded from the global seed
+        (``torch.initial_seed()``) and the parameter's name alone (the tied LM
+        head's is ``transformer.wte.weight``'s), then the box is cut from it.
+        So any stage, or shard of a stage, holds the values the same
+        parameters have in the whole model on one device, and a rank
+        allocates only what it keeps (plus one whole parameter while it draws).
+        """
+        param = self.get_parameter(name)
+        region = tuple(slice(start, start + n) for start, n in box)
+        size = tuple(n for _, n in box)
+        if name.endswith(("ln_1.weight", "ln_2.weight", "ln_f.weight")):
+            return torch.ones(size, dtype=param.dtype, device="cpu")
+        if name.endswith(".bias"):
+            return torch.zeros(size, dtype=param.dtype, device="cpu")
+        scale = 1 / math.sqrt(2 * self.config.n_layer) if name.endswith("c_proj.weight") else 1.0
+        key = "transformer.wte.weight" if name == "lm_head.weight" else name
+        std = self.config.initializer_range * scale
+        whole = torch.empty(param.shape, dtype=param.dtype, device="cpu").normal_(0.0, std, generator=_generator(key))
+        shard = whole[region]
+        return shard.clone() if shard.numel() < whole.numel() else whole  # a shard keeps none of the rest
 
     def forward(self, input_ids, labels=None):
         t = input_ids.shape[1]

@@ -46,14 +46,17 @@ class GPT2Recipe(Recipe):
         return GPT2LMHeadModel(GPT2Config(**config.gpt2_config_kwargs(model_cfg)))
 
     def build_stage(self, model_cfg, cut) -> GPT2LMHeadModel:
-        """Only this rank's stage is allocated: the model is built on the meta device and cut, then its
-        stage is given memory and initialised, each parameter from the seed and its name alone
-        (``GPT2LMHeadModel.reset_parameters``), so its values are the whole model's."""
+        """Only this rank's shards are allocated: the model is built on the meta device and cut to the stage;
+        its buffers get their values here, and its parameters stay on the meta device for
+        ``distribute_module`` to build each rank's shard of them (``GPT2LMHeadModel.init_shard``: the
+        values the whole model has, each drawn from the seed and its name alone)."""
         with torch.device("meta"):
             model = cut(self.build_model(model_cfg))
-        model.to_empty(device="cpu")
-        model.tie_weights()  # to_empty gives the tied pair two tensors where a stage holds both
-        model.reset_parameters()
+        for module in model.modules():
+            for name, buf in module._buffers.items():
+                if buf is not None:
+                    module._buffers[name] = torch.empty_like(buf, device="cpu")
+        model.reset_buffers()
         return model
 
     def mesh_plan(self, cfg) -> dict:
@@ -119,6 +122,9 @@ class GPT2Recipe(Recipe):
 
         if not self.reads_weights(path):
             return False
+        model.to_empty(device="cpu")  # build_stage left the parameters on the meta device: all are read below
+        model.tie_weights()
+        model.reset_buffers()
         load_hf_into(model, path, cfg.model)
         return True
 

@@ -1,10 +1,13 @@
-"""GPT-2 builds only a pipeline rank's stage (``GPT2Recipe.build_stage``), with the whole model's values.
+"""GPT-2 allocates only a rank's shards of its pipeline stage (``GPT2Recipe.build_stage``), with the whole
+model's values.
 
 Each parameter is initialised from the seed and its name alone, so a stage
-built on the meta device, cut and then initialised holds bit for bit what
-``build_model`` (the whole model, built as one device builds it) holds under
-the same names, the tied LM head and the buffers included; and building it
-allocates about the stage's parameters, not the whole model's.
+built on the meta device and cut, its parameters then built box by box
+(``GPT2LMHeadModel.init_shard``, as ``distribute_module`` asks for each
+rank's shard), holds bit for bit what ``build_model`` (the whole model,
+built as one device builds it) holds under the same names, the tied LM head
+and the buffers included; building the stage allocates its buffers alone,
+and building a shard about the shard (and one whole parameter while it is drawn).
 """
 from functools import partial
 
@@ -14,6 +17,7 @@ from omegaconf import OmegaConf
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from recipes.gpt2.recipe import RECIPE
+from toolkit.plain_loop import materialized
 from toolkit.stages import keep_stages, stage_ranges
 
 MODEL = dict(name="t", vocab_size=1001, n_positions=32, n_embd=32, n_layer=6, n_head=4, dropout=0.1,
@@ -33,6 +37,8 @@ def test_a_stage_holds_the_whole_models_values(pp, stages):
     whole = RECIPE.build_model(cfg)
     want = {**dict(whole.named_parameters(remove_duplicate=False)), **dict(whole.named_buffers())}
     stage = _stage(cfg, pp, stages)
+    assert all(p.is_meta for p in stage.parameters()) and not any(b.is_meta for b in stage.buffers())
+    stage = materialized(stage)  # each parameter's one box: the whole of it
     got = {**dict(stage.named_parameters(remove_duplicate=False)), **dict(stage.named_buffers())}
     ranges = stage_ranges(6, pp)
     layers = {f"transformer.h.{i}." for s in stages for i in ranges[s]}
@@ -50,6 +56,25 @@ def test_a_stage_holds_the_whole_models_values(pp, stages):
     torch.manual_seed(8)
     other = RECIPE.build_model(cfg)
     assert not torch.equal(other.transformer.wpe.weight, whole.transformer.wpe.weight)
+
+
+@pytest.mark.parametrize("name", ["transformer.wte.weight", "lm_head.weight", "transformer.h.1.attn.c_attn.weight",
+                                  "transformer.h.1.mlp.c_proj.weight", "transformer.h.1.mlp.c_fc.bias",
+                                  "transformer.h.1.ln_2.weight"])
+def test_a_shard_is_the_whole_models_box(name):
+    """Row and column halves and quarters (tensor parallel's ``S(0)``/``S(1)`` boxes) of the whole model's
+    value; the tied LM head's are the embedding's."""
+    cfg = OmegaConf.create(MODEL)
+    torch.manual_seed(7)
+    value = RECIPE.build_model(cfg).get_parameter(name).detach()
+    stage = _stage(cfg, 1, [0])
+    for dim in range(value.dim()):
+        for parts in (2, 4):
+            step = value.shape[dim] // parts
+            for i in range(parts):
+                box = tuple((i * step, step) if d == dim else (0, n) for d, n in enumerate(value.shape))
+                want = value.narrow(dim, i * step, step)
+                assert torch.equal(stage.init_shard(name, box), want), (name, box)
 
 
 class _NewStorageBytes(TorchDispatchMode):
@@ -70,16 +95,21 @@ class _NewStorageBytes(TorchDispatchMode):
         return out
 
 
-def test_a_stage_allocates_its_own_parameters_only():
-    """The middle stage of pp3 (2 of 6 blocks, no embeddings): a build of the whole model would allocate the
-    1008 x 256 embedding and all six blocks."""
+def test_a_stage_allocates_its_buffers_alone_and_a_shard_about_itself():
+    """The middle stage of pp3 (2 of 6 blocks, no embeddings): building it allocates its buffers only (a
+    build of the whole model would allocate the 1008 x 256 embedding and all six blocks); a quarter of a
+    column split allocates the quarter it keeps and the whole parameter it is cut from, freed after."""
     cfg = OmegaConf.create({**MODEL, "n_embd": 256, "n_head": 4})
     with _NewStorageBytes() as counted:
         stage = _stage(cfg, 3, [1])
-    own = sum(p.numel() * p.element_size() for p in stage.parameters())
-    whole = sum(p.numel() * p.element_size() for p in RECIPE.build_model(cfg).parameters())
-    assert own < whole / 3
-    assert own <= counted.bytes <= own + 2**16  # the parameters, drawn in place, and the buffers
+    buffers = sum(b.numel() * b.element_size() for b in stage.buffers())
+    assert buffers <= counted.bytes <= buffers + 2**16  # and the temporaries of their values; a block is 3 MB
+    whole = stage.get_parameter("transformer.h.2.mlp.c_fc.weight")  # [256, 1024], on meta
+    nbytes = whole.numel() * whole.element_size()
+    with _NewStorageBytes() as counted:
+        shard = stage.init_shard("transformer.h.2.mlp.c_fc.weight", ((0, 256), (256, 256)))
+    assert shard.shape == (256, 256) and shard.untyped_storage().nbytes() == nbytes // 4
+    assert counted.bytes <= nbytes + nbytes // 4 + 2**12
 
 
 def test_init_from_a_hugging_face_directory_into_a_stage(tmp_path):
