@@ -5,9 +5,13 @@ is the mean cross-entropy of ``margin(cos(emb_i, w_c))`` over the classes
 (``margin``: ``margin.CombinedMargin``, scale included):
 
 - ``weight`` ``[C, E]`` holds the class centres (``N(0, 0.01)`` like
-  InsightFace); ``class_ids`` (a buffer, ``arange(C)``) is laid out like its
-  rows, so the target mask ``labels[:, None] == class_ids`` is computed where
-  the logits are, without knowing the layout;
+  InsightFace, drawn per block of rows from a seed the run seed decides, so
+  that any class shard can be built alone: ``init_shard``; with ``meta``
+  the weight stays on the meta device and ``sbp_core.distribute_module``
+  builds each rank's shard, never the whole table); ``class_ids`` (a
+  buffer, ``arange(C)``) is laid out like its rows, so the target mask
+  ``labels[:, None] == class_ids`` is computed where the logits are,
+  without knowing the layout;
 - cosines ``normalize(emb) @ normalize(weight).T`` clamped to ``[-1, 1]``
   (at least fp32 under autocast, as PartialFC does); each row's target
   cosine (a masked row sum) goes through ``margin`` and replaces the target
@@ -37,21 +41,39 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from toolkit.row_blocks import row_block_box
+
 from . import partial_fc
 from .margin import CombinedMargin
 
 
+def _normal_centres(gen, shape) -> torch.Tensor:
+    return torch.empty(shape, device="cpu").normal_(0.0, 0.01, generator=gen)
+
+
 class MarginSoftmaxHead(nn.Module):
-    def __init__(self, num_classes: int, embedding_size: int, margin: CombinedMargin, sample_rate: float = 1.0):
+    def __init__(self, num_classes: int, embedding_size: int, margin: CombinedMargin, sample_rate: float = 1.0,
+                 meta: bool = False):
         super().__init__()
         if not 0.0 < sample_rate <= 1.0:
             raise ValueError(f"sample_rate {sample_rate} must be in (0, 1]")
         self.margin, self.sample_rate = margin, float(sample_rate)
-        self.weight = nn.Parameter(torch.normal(0.0, 0.01, (num_classes, embedding_size)))
+        # Host values drawn from the default generator, whatever the default device (the run seed decides them).
+        self.init_seed = int(torch.randint(0, 2 ** 62, (), device="cpu"))
+        self.seed = int(torch.randint(0, 2 ** 62, (), device="cpu"))
+        self.weight = nn.Parameter(torch.empty(num_classes, embedding_size, device="meta"))
+        if not meta:
+            self.weight = nn.Parameter(self.init_shard("weight", ((0, num_classes), (0, embedding_size))))
         self.register_buffer("class_ids", torch.arange(num_classes), persistent=False)
         self.register_buffer("draws", torch.zeros((), dtype=torch.int64))
-        self.seed = int(torch.randint(0, 2 ** 62, (), device="cpu"))  # a host value, whatever the default device
         self._touched = None  # local row mask of the weight's shard, since the last sampled_rows()
+
+    def init_shard(self, name: str, box) -> torch.Tensor:
+        """The box ``((row0, rows), (col0, cols))`` of the initial class centres, drawn per block of rows
+        (``toolkit.row_blocks``): a class shard is built alone, in time and memory for its rows."""
+        if name != "weight":
+            raise KeyError(f"{type(self).__name__} has no parameter {name!r} to build by box (only 'weight')")
+        return row_block_box(self.init_seed, tuple(self.weight.shape), box, _normal_centres)
 
     def forward(self, emb, labels):
         weight, ids = self.weight, self.class_ids

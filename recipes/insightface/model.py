@@ -49,7 +49,11 @@ def pipeline_plan(arch: str) -> dict:
 
 
 def build(arch: str, width: int, image_size: int, embedding_size: int, num_classes: int, loss: str = "arcface",
-          s: float = 64.0, margins=None, sample_rate: float = 1.0, dropout: float = 0.0) -> FaceModel:
+          s: float = 64.0, margins=None, sample_rate: float = 1.0, dropout: float = 0.0,
+          meta_head: bool = False) -> FaceModel:
+    """``meta_head``: the class centres stay on the meta device, for ``distribute_module`` to build each rank's
+    shard of them (``MarginSoftmaxHead.init_shard``)."""
     backbone = build_backbone(arch, width, image_size, embedding_size, dropout)
-    head = MarginSoftmaxHead(num_classes, embedding_size, CombinedMargin.named(loss, s, margins), sample_rate)
+    head = MarginSoftmaxHead(num_classes, embedding_size, CombinedMargin.named(loss, s, margins), sample_rate,
+                             meta=meta_head)
     return FaceModel(backbone, head)

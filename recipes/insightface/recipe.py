@@ -64,11 +64,11 @@ class InsightFaceRecipe(Recipe):
         return super().check(cfg, layout) + config.problems(cfg, layout)
 
     def build_model(self, model_cfg) -> FaceModel:
+        """The class centres on the meta device: ``distribute_module`` builds each rank's shard alone."""
         h = model_cfg.head
         return build(str(model_cfg.arch), int(model_cfg.width), int(model_cfg.image_size), int(h.embedding_size),
                      int(model_cfg.num_classes), str(h.loss), float(h.s), config.head_margins(h),
-                     float(h.sample_rate),
-                     float(model_cfg.dropout))
+                     float(h.sample_rate), float(model_cfg.dropout), meta_head=True)
 
     def mesh_plan(self, cfg) -> dict:
         return mesh_plan(cfg)

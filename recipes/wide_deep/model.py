@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from toolkit.row_blocks import row_block_box
+
 
 @dataclass
 class WideDeepConfig:
@@ -45,16 +47,15 @@ class WideDeepConfig:
 
 
 class BlockInitEmbedding(nn.Embedding):
-    """``nn.Embedding`` initialised ``U(-scale, scale)`` per block of ``BLOCK`` rows, each from its own seed.
+    """``nn.Embedding`` initialised ``U(-scale, scale)`` per block of rows, each from its own seed.
 
     ``init_shard("weight", ((row0, rows), (col0, cols)))`` returns that box of
-    the initial table by drawing only the blocks it overlaps, so a shard
-    costs ``BLOCK x dim`` temporary memory, not the table. The seed is drawn
+    the initial table by drawing only the blocks it overlaps
+    (``toolkit.row_blocks``), so a shard costs ``BLOCK x dim`` temporary
+    memory, not the table. The seed is drawn
     from torch's default generator at construction (same seed -> same
     tables on every rank).
     """
-
-    BLOCK = 1 << 16
 
     def __init__(self, rows: int, dim: int, scale: float, sparse: bool, meta: bool):
         super().__init__(rows, dim, sparse=sparse, device="meta")
@@ -69,16 +70,10 @@ class BlockInitEmbedding(nn.Embedding):
     def init_shard(self, name: str, box) -> torch.Tensor:
         if name != "weight":
             raise KeyError(f"{type(self).__name__} has no parameter {name!r} (only 'weight')")
-        (r0, nr), (c0, nc) = box
-        out = torch.empty(nr, nc)
-        gen = torch.Generator()
-        for b in range(r0 // self.BLOCK, (r0 + nr + self.BLOCK - 1) // self.BLOCK):
-            lo, hi = b * self.BLOCK, min((b + 1) * self.BLOCK, self.num_embeddings)
-            gen.manual_seed(self.seed + b)
-            block = torch.rand(hi - lo, self.embedding_dim, generator=gen).mul_(2 * self.scale).sub_(self.scale)
-            a, z = max(lo, r0), min(hi, r0 + nr)
-            out[a - r0:z - r0] = block[a - lo:z - lo, c0:c0 + nc]
-        return out
+        return row_block_box(self.seed, (self.num_embeddings, self.embedding_dim), box, self._draw)
+
+    def _draw(self, gen, shape) -> torch.Tensor:
+        return torch.rand(shape, generator=gen, device="cpu").mul_(2 * self.scale).sub_(self.scale)
 
 
 class WideDeep(nn.Module):
