@@ -19,8 +19,8 @@ BLOCK = 1 << 16
 
 
 def row_block_box(seed: int, shape, box, draw: Callable, block: int = BLOCK) -> torch.Tensor:
-    """The ``box`` of the ``shape = (rows, cols)`` table drawn block by block (module docstring), float32 on the
-    CPU. ``draw(generator, (n, cols)) -> tensor``."""
+    """The ``box`` of the ``shape = (rows, cols)`` table drawn block by block (module docstring), on the CPU in
+    the default dtype. ``draw(generator, (n, cols)) -> tensor``, a CPU tensor."""
     rows, cols = shape
     (r0, nr), (c0, nc) = box
     out = torch.empty(nr, nc, device="cpu")
