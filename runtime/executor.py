@@ -279,7 +279,14 @@ def _prepared(plan: Plan, me: int, world: int) -> _Prepared:
 
 
 def _local_specs(plan: Plan, me: int) -> list:
-    """This rank's actors, with a send/receive actor pair for every edge that crosses ranks."""
+    """This rank's actors, with a send/receive actor pair for every edge that crosses ranks.
+
+    A receive is posted ahead of its data (``RECEIVE_QUOTA`` registers), so the next value travels while
+    the consumer works; each posted receive waits at most the groups' timeout. A value made once per
+    several pieces (``every > 1``: a step's loss after the last stage's ``reduce``) is received only once
+    its consumer's own inputs on this rank for that action are there (``_after``): otherwise its receive
+    would wait from the start of the run, and the timeout would bound the run's length.
+    """
     ranks = {s.name: s.rank for s in plan.actors}
     channels = []  # (producer, producer rank, consumer rank), the same order on every rank
     for s in plan.actors:
@@ -302,8 +309,11 @@ def _local_specs(plan: Plan, me: int) -> list:
                                    queue=queue_name, quota=1, every=every))
         if me == b:
             recv = f"recv:{src}"
-            local.append(ActorSpec(recv, _receiver(a, group, device, out), queue=queue_name, quota=RECEIVE_QUOTA,
-                                   every=every))
+            after = () if every == 1 else tuple(dict.fromkeys(
+                i for s in plan.actors if s.rank == me and src in s.inputs for i in s.inputs if ranks[i] == me))
+            local.append(ActorSpec(recv, _after(_receiver(a, group, device, out)) if after else
+                                   _receiver(a, group, device, out), inputs=after, queue=queue_name,
+                                   quota=RECEIVE_QUOTA, every=every))
             local = [
                 replace(s, inputs=tuple(recv if i == src else i for i in s.inputs),
                         initial={(recv if k == src else k): v for k, v in s.initial.items()})
@@ -311,6 +321,14 @@ def _local_specs(plan: Plan, me: int) -> list:
                 for s in local
             ]
     return local
+
+
+def _after(receive):
+    """``receive(piece)`` as an action that also reads (and ignores) the local inputs it waits for."""
+    def act(piece, *_):
+        return receive(piece)
+
+    return act
 
 
 def _marking(action, marks: dict, device):

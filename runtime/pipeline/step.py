@@ -650,10 +650,15 @@ class PipelineStep:
         last_leader = cfg.stage_placement(n - 1).ranks[0]
         if report and 0 not in cfg.stage_placement(n - 1):
             # The loss is known after reduce: rank 0 need not wait for the last stage's optimizer step.
-            final = f"s{self._rank_first_stage(n - 1)}.reduce@{last_leader}" if train else \
-                f"s{n - 1}.loss@{last_leader}"
-            take = (lambda k, loss: loss) if train else partial(_mean_of_pieces, m)
-            actors.append(ActorSpec("loss@0", take, inputs=(final,), queue="data", rank=0, every=m))
+            if train:
+                # Read with rank 0's own reduce, so the loss is received once that ran (``runtime.executor``),
+                # not waited for from the start of the step.
+                own = tuple(f"s{self._rank_first_stage(c)}.reduce@0" for c in range(n) if 0 in cfg.stage_placement(c))
+                actors.append(ActorSpec("loss@0", lambda k, loss, *_: loss, queue="data", rank=0, every=m,
+                                        inputs=(f"s{self._rank_first_stage(n - 1)}.reduce@{last_leader}",) + own[:1]))
+            else:
+                actors.append(ActorSpec("loss@0", partial(_mean_of_pieces, m), inputs=(f"s{n - 1}.loss@{last_leader}",),
+                                        queue="data", rank=0, every=m))
         return Plan(actors, lockstep, pools)
 
     def _rank_first_stage(self, stage: int) -> int:
