@@ -653,12 +653,12 @@ class PipelineStep:
             if train:
                 # Read with rank 0's own reduce, so the loss is received once that ran (``runtime.executor``),
                 # not waited for from the start of the step.
-                own = tuple(f"s{self._rank_first_stage(c)}.reduce@0" for c in range(n) if 0 in cfg.stage_placement(c))
-                actors.append(ActorSpec("loss@0", lambda k, loss, *_: loss, queue="data", rank=0, every=m,
-                                        inputs=(f"s{self._rank_first_stage(n - 1)}.reduce@{last_leader}",) + own[:1]))
+                own = (f"s{self._rank_first_stage(0)}.reduce@0",) if 0 in cfg.stage_placement(0) else ()
+                reads = (f"s{self._rank_first_stage(n - 1)}.reduce@{last_leader}",) + own
+                take = lambda k, loss, *_: loss  # noqa: E731
             else:
-                actors.append(ActorSpec("loss@0", partial(_mean_of_pieces, m), inputs=(f"s{n - 1}.loss@{last_leader}",),
-                                        queue="data", rank=0, every=m))
+                reads, take = (f"s{n - 1}.loss@{last_leader}",), partial(_mean_of_pieces, m)
+            actors.append(ActorSpec("loss@0", take, inputs=reads, queue="data", rank=0, every=m))
         return Plan(actors, lockstep, pools)
 
     def _rank_first_stage(self, stage: int) -> int:
