@@ -16,7 +16,8 @@ Every rank must call it with the same module (same seed for the same
 initial values): each parameter's global value is the rank's own full
 value, and a rank keeps only its shard (no communication). A parameter on
 the meta device (a table too big to build whole on every rank, or any
-parameter of a model that builds only shards) is built shard by shard: its
+parameter of a model that builds only shards), and likewise a meta buffer
+(a class-id table laid out like such rows), is built shard by shard: its
 module's ``init_shard(name, box)`` returns the values of the box
 ``((start, length), ...)`` this rank holds; a module without one is served
 by the nearest module above it that has one, asked with the name relative
@@ -139,7 +140,10 @@ def distribute_module(module: nn.Module, placement, plan: dict | None = None,
             if buf is None or isinstance(buf, GlobalTensor):  # None, or distributed on an earlier visit
                 continue
             sbp = _on_mesh(nd_sbp(_match(plan, prefix + bname) or broadcast, placement.ndim), placement)
-            mod._buffers[bname] = distribute(buf, placement, sbp)
+            if buf.is_meta:
+                mod._buffers[bname] = _materialize(module, mod, prefix + bname, buf, placement, sbp)
+            else:
+                mod._buffers[bname] = distribute(buf, placement, sbp)
         for where in ("input", "inputs", "output"):
             for pattern, sbp in plan.items():
                 if pattern.endswith(":" + where) and fnmatch.fnmatchcase(mod_name, pattern.rsplit(":", 1)[0]):
@@ -159,20 +163,20 @@ def init_shard_of(root: nn.Module, full_name: str):
     return None, full_name
 
 
-def _materialize(root: nn.Module, mod: nn.Module, full_name: str, param, placement, sbp: tuple) -> GlobalTensor:
-    """A meta parameter's global tensor: each member builds its own box with ``init_shard(name, box)``
-    (module docstring)."""
+def _materialize(root: nn.Module, mod: nn.Module, full_name: str, meta, placement, sbp: tuple) -> GlobalTensor:
+    """A meta parameter's or buffer's global tensor: each member builds its own box with
+    ``init_shard(name, box)`` (module docstring)."""
     init, name = init_shard_of(root, full_name)
     if init is None:
-        raise ValueError(f"parameter {full_name!r} is on the meta device and neither {type(mod).__name__} nor a "
+        raise ValueError(f"{full_name!r} is on the meta device and neither {type(mod).__name__} nor a "
                          "module above it has init_shard(name, box): build it with values, or give its module "
                          "init_shard")
-    layout = Layout(placement, sbp, param.shape, param.dtype)
+    layout = Layout(placement, sbp, meta.shape, meta.dtype)
     me = world_rank()
     if me not in placement:
-        return GlobalTensor(torch.empty(0, dtype=param.dtype, device=placement.device()), layout)
-    box = local_box(param.shape, placement.shape, sbp, placement.coords(me))
-    local = init(name, box).to(device=placement.device(), dtype=param.dtype)
+        return GlobalTensor(torch.empty(0, dtype=meta.dtype, device=placement.device()), layout)
+    box = local_box(meta.shape, placement.shape, sbp, placement.coords(me))
+    local = init(name, box).to(device=placement.device(), dtype=meta.dtype)
     want = tuple(n for _, n in box)
     if tuple(local.shape) != want:
         raise ValueError(f"init_shard({name!r}, {box}) returned shape {tuple(local.shape)}, expected {want}")

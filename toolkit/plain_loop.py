@@ -2,7 +2,7 @@
 
 ``PlainLoop(cfg, recipe, device)`` builds what ``toolkit.trainer.Job`` builds
 for one device, without sbp_core or the runtime: the recipe's model class
-from the same seed (so the same initial weights; meta parameters built whole
+from the same seed (so the same initial weights; meta parameters and buffers built whole
 from their module's ``init_shard``, as ``distribute_module`` builds them
 shard by shard), its optimizer (``fused`` on CUDA where torch has it, as the
 trainer's) and LR schedule, autocast for ``trainer.precision`` (fp16 with
@@ -26,17 +26,23 @@ from toolkit.optim import build_scheduler
 
 
 def materialized(model):
-    """``model`` with every meta parameter built whole by the ``init_shard`` that ``distribute_module`` asks
-    (a tied parameter stays one)."""
+    """``model`` with every meta parameter and buffer built whole by the ``init_shard`` that
+    ``distribute_module`` asks (a tied parameter stays one)."""
     done: dict = {}
+
+    def whole(mod_name, attr, meta):
+        init, name = init_shard_of(model, f"{mod_name}.{attr}" if mod_name else attr)
+        return init(name, tuple((0, n) for n in meta.shape))
+
     for mod_name, module in model.named_modules(remove_duplicate=False):
         for attr, param in list(module.named_parameters(recurse=False)):
             if param.is_meta:
                 if id(param) not in done:
-                    init, name = init_shard_of(model, f"{mod_name}.{attr}" if mod_name else attr)
-                    whole = tuple((0, n) for n in param.shape)
-                    done[id(param)] = torch.nn.Parameter(init(name, whole), param.requires_grad)
+                    done[id(param)] = torch.nn.Parameter(whole(mod_name, attr, param), param.requires_grad)
                 setattr(module, attr, done[id(param)])
+        for attr, buf in list(module.named_buffers(recurse=False)):
+            if buf is not None and buf.is_meta:
+                module._buffers[attr] = whole(mod_name, attr, buf)
     return model
 
 

@@ -9,7 +9,8 @@ is the mean cross-entropy of ``margin(cos(emb_i, w_c))`` over the classes
   that any class shard can be built alone: ``init_shard``; with ``meta``
   the weight stays on the meta device and ``sbp_core.distribute_module``
   builds each rank's shard, never the whole table); ``class_ids`` (a
-  buffer, ``arange(C)``) is laid out like its rows, so the target mask
+  buffer, ``arange(C)``, on the meta device with the weight and built
+  shard by shard the same way) is laid out like its rows, so the target mask
   ``labels[:, None] == class_ids`` is computed where the logits are,
   without knowing the layout;
 - cosines ``normalize(emb) @ normalize(weight).T`` clamped to ``[-1, 1]``
@@ -62,17 +63,24 @@ class MarginSoftmaxHead(nn.Module):
         self.init_seed = int(torch.randint(0, 2 ** 62, (), device="cpu"))
         self.seed = int(torch.randint(0, 2 ** 62, (), device="cpu"))
         self.weight = nn.Parameter(torch.empty(num_classes, embedding_size, device="meta"))
+        self.register_buffer("class_ids", torch.empty(num_classes, dtype=torch.int64, device="meta"),
+                             persistent=False)
         if not meta:
             self.weight = nn.Parameter(self.init_shard("weight", ((0, num_classes), (0, embedding_size))))
-        self.register_buffer("class_ids", torch.arange(num_classes), persistent=False)
+            self.class_ids = self.init_shard("class_ids", ((0, num_classes),))
         self.register_buffer("draws", torch.zeros((), dtype=torch.int64))
         self._touched = None  # local row mask of the weight's shard, since the last sampled_rows()
 
     def init_shard(self, name: str, box) -> torch.Tensor:
-        """The box ``((row0, rows), (col0, cols))`` of the initial class centres, drawn per block of rows
-        (``toolkit.row_blocks``): a class shard is built alone, in time and memory for its rows."""
+        """``weight``: the box ``((row0, rows), (col0, cols))`` of the initial class centres, drawn per block
+        of rows (``toolkit.row_blocks``): a class shard is built alone, in time and memory for its rows.
+        ``class_ids``: the box ``((row0, rows),)`` of ``arange(C)``."""
+        if name == "class_ids":
+            ((row0, rows),) = box
+            return torch.arange(row0, row0 + rows)
         if name != "weight":
-            raise KeyError(f"{type(self).__name__} has no parameter {name!r} to build by box (only 'weight')")
+            raise KeyError(f"{type(self).__name__} has no tensor {name!r} to build by box "
+                           "(only 'weight' and 'class_ids')")
         return row_block_box(self.init_seed, tuple(self.weight.shape), box, _normal_centres)
 
     def forward(self, emb, labels):

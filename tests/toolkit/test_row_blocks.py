@@ -55,8 +55,8 @@ def test_a_meta_table_builds_any_shard_of_the_table_built_whole(make):
 
 
 def test_insightface_builds_no_class_centres_until_they_are_laid_out():
-    """The recipe's model holds its class centres on the meta device; built whole they are the centres of the
-    model built with values (``meta_head=False``) from the same seed."""
+    """The recipe's model holds its class centres and class ids on the meta device; built whole they are the
+    centres of the model built with values (``meta_head=False``) from the same seed, and ``arange(C)``."""
     from recipes.insightface import config
     from recipes.insightface.model import build
 
@@ -64,8 +64,11 @@ def test_insightface_builds_no_class_centres_until_they_are_laid_out():
     torch.manual_seed(0)
     model = INSIGHTFACE.build_model(cfg.model)
     assert model.head.weight.is_meta and not any(p.is_meta for n, p in model.named_parameters() if n != "head.weight")
+    assert model.head.class_ids.is_meta
     torch.manual_seed(0)
-    built = materialized(INSIGHTFACE.build_model(cfg.model)).head.weight.detach()
+    head = materialized(INSIGHTFACE.build_model(cfg.model)).head
+    assert torch.equal(head.class_ids, torch.arange(100000))
+    built = head.weight.detach()
     m, h = cfg.model, cfg.model.head
     assert built.shape == (100000, int(h.embedding_size)) and 0.009 < float(built.std()) < 0.011
     torch.manual_seed(0)
@@ -74,8 +77,15 @@ def test_insightface_builds_no_class_centres_until_they_are_laid_out():
     assert torch.equal(built, ref.head.weight)
 
 
-def test_init_shard_names_its_one_parameter():
+def test_the_heads_class_ids_are_built_by_box_too():
+    """``class_ids`` stays on the meta device with the centres; any row box of it is that slice of
+    ``arange(C)``, and the head built with values holds the whole range."""
     head = MarginSoftmaxHead(10, 4, CombinedMargin.named("arcface"), meta=True)
-    with pytest.raises(KeyError, match="only 'weight'"):
-        head.init_shard("class_ids", ((0, 10),))
+    assert head.class_ids.is_meta and head.class_ids.dtype == torch.int64
+    for box in (((0, 10),), ((0, 5),), ((5, 5),), ((3, 4),)):
+        (r0, n), = box
+        assert torch.equal(head.init_shard("class_ids", box), torch.arange(r0, r0 + n))
+    assert torch.equal(MarginSoftmaxHead(10, 4, CombinedMargin.named("arcface")).class_ids, torch.arange(10))
+    with pytest.raises(KeyError, match="only 'weight' and 'class_ids'"):
+        head.init_shard("draws", ((0, 1),))
 
