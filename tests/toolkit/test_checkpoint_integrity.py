@@ -78,6 +78,7 @@ def test_rng_state_round_trip(tmp_path):
 
 @pytest.mark.cuda
 def test_cuda_rng_state_round_trip(tmp_path):
+    torch.cuda.init()  # a job's CUDA is running when it saves; before that, manual_seed only queues the seed
     torch.cuda.manual_seed(7)
     ckpt.save(str(tmp_path), 1, {"rng": ckpt.rng_state()})
     expected = torch.rand(3, device="cuda")
