@@ -25,7 +25,8 @@
 
 On CUDA each rank owns one GPU, ``LOCAL_RANK``, or the only one visible
 where the launcher shows each task its own (``torch.cuda.set_device``
-before anything is allocated, and NCCL bound to it). A collective that
+before anything is allocated; NCCL's communicators are built lazily, per
+group, among its members: ``_join``). A collective that
 times out raises on gloo; on NCCL torch's watchdog aborts the rank's
 process after the same timeout. Either way the launcher (or torchrun) sees
 the rank end and stops the others.
@@ -156,11 +157,28 @@ def _rank_env(rank: int, world: int, local_rank: int, local_world: int, addr: st
                 LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(local_world), SBP_TIMEOUT=str(timeout))
 
 
-def _bound_device(kind: str) -> dict:
-    """NCCL's communicators bound to this rank's GPU (set with ``torch.cuda.set_device`` just before)."""
-    import torch
+def _join(kind: str, **init) -> None:
+    """Join the default process group (``init``: ``init_process_group``'s arguments): gloo on CPU, NCCL on
+    this rank's GPU (``torch.cuda.set_device`` just before).
 
-    return {"device_id": torch.device("cuda", torch.cuda.current_device())} if kind == "cuda" else {}
+    NCCL is deliberately not bound to the device (no ``device_id``). Bound,
+    torch builds each later group's communicator by splitting the world's,
+    a split every rank of the world must join; a rank outside a *gloo* group
+    (sbp_core's control twins) joins one while the group's members do not,
+    so from 3 ranks on the later groups' splits pair up wrongly and a
+    group's communicator holds the wrong ranks, or hangs (pytorch#197568).
+    Unbound, each group's communicator is built among its members when it
+    first communicates (Megatron-LM's setup too). The world's is built
+    here, by one all-reduce that every rank joins: torch requires every
+    member in a group's first operation when that is a batch of sends and
+    receives (``batch_isend_irecv``), as a world group's first boxing may be.
+    """
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl" if kind == "cuda" else "gloo", **init)
+    if kind == "cuda":
+        dist.all_reduce(torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device())))
 
 
 def _require_no_group() -> None:
@@ -216,9 +234,7 @@ def _run_launched(main, cfg, nprocs: int, env: ClusterEnv, device: str, timeout:
         os.environ.update(_rank_env(env.rank, env.world_size, env.local_rank, env.local_world_size or 1,
                                     env.master_addr, env.master_port, timeout))
     _apply_sbp_timeout(timeout)
-    dist.init_process_group("nccl" if kind == "cuda" else "gloo", init_method="env://",
-                            rank=env.rank, world_size=env.world_size, timeout=timedelta(seconds=timeout),
-                            **_bound_device(kind))
+    _join(kind, init_method="env://", rank=env.rank, world_size=env.world_size, timeout=timedelta(seconds=timeout))
     packed = [_pack(cfg) if env.rank == 0 else None]
     dist.broadcast_object_list(packed, src=0)
     value = main(_rebuild(packed[0]))
@@ -242,8 +258,7 @@ def _run_in_process(main, cfg, device: str, timeout: float):
         try:
             if kind == "cuda":
                 torch.cuda.set_device(0)
-            dist.init_process_group("nccl" if kind == "cuda" else "gloo", store=store, rank=0, world_size=1,
-                                    timeout=timedelta(seconds=timeout), **_bound_device(kind))
+            _join(kind, store=store, rank=0, world_size=1, timeout=timedelta(seconds=timeout))
             try:
                 return main(_rebuild(_pack(cfg)))
             finally:
@@ -281,8 +296,7 @@ def _child(rank: int, nprocs: int, port: int, kind: str, timeout: float, parent_
         if kind == "cuda":
             torch.cuda.set_device(rank)
         store = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=timeout))
-        dist.init_process_group("nccl" if kind == "cuda" else "gloo", store=store, rank=rank,
-                                world_size=nprocs, timeout=timedelta(seconds=timeout), **_bound_device(kind))
+        _join(kind, store=store, rank=rank, world_size=nprocs, timeout=timedelta(seconds=timeout))
         value = main(_rebuild(packed))
     except SystemExit as exc:
         if exc.code in (None, 0):

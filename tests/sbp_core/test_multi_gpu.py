@@ -1,0 +1,54 @@
+"""Four GPUs, one per rank, NCCL: each group of a 2x2 mesh reduces over its own ranks, and no more.
+
+``pytest -m cuda`` on a machine with 4 or more GPUs; skipped elsewhere. A
+mesh builds a NCCL group per row and per column, each with a gloo control
+twin, in the same order on every rank. Reduced along one axis, each rank
+must get the sum of its own row's (or column's) terms. Communicators built
+from the wrong ranks (what splitting the world's communicator does when
+gloo groups are built beside NCCL ones: ``toolkit.launcher._join``) give
+another group's sum, or hang until the timeout. A tensor sent between two
+ranks that share no group (rank 1 to rank 2) must arrive whole. The same
+checks run on 4 CPU processes (gloo) wherever the suite runs.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from toolkit.launcher import launch
+
+from toolkit.rank_pool import get_pool
+
+
+def _mesh_axes_and_a_send(kind: str):
+    import sbp_core as sc
+    from sbp_core import sbp
+
+    me = torch.distributed.get_rank()
+    device = torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
+    mesh = sc.placement(kind, [[0, 1], [2, 3]])
+    term = torch.full((4, 3), float(10 ** me), device=device)  # rank r holds 10^r: every sum names its ranks
+    B, P = sbp.broadcast, sbp.partial_sum
+    want = {(B, P): [11, 11, 1100, 1100],  # along axis 1: the rows {0, 1} and {2, 3}
+            (P, B): [101, 1010, 101, 1010],  # along axis 0: the columns {0, 2} and {1, 3}
+            (P, P): [1111] * 4}
+    for layout, sums in want.items():
+        got = sc.to_global(term, placement=mesh, sbp=layout).to_global(sbp=(B, B)).to_local()
+        if not torch.equal(got, torch.full_like(term, float(sums[me]))):
+            raise AssertionError(f"rank {me}: {layout} reduced to {got[0, 0].item()}, expected {sums[me]}")
+    sent = torch.arange(12.0, device=device).reshape(4, 3) if me == 1 else None
+    x = sc.to_global(sent, placement=sc.placement(kind, [1]), sbp=(B,))
+    y = x.to_global(placement=sc.placement(kind, [2]), sbp=(B,))
+    if me == 2 and not torch.equal(y.to_local(), torch.arange(12.0, device=device).reshape(4, 3)):
+        raise AssertionError(f"rank 2 received {y.to_local()}")
+    return True
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 GPUs, one per rank")
+def test_each_mesh_axis_reduces_over_its_own_ranks_on_gpus():
+    assert launch(_mesh_axes_and_a_send, "cuda", 4, device="cuda", timeout=120) is True
+
+
+def test_each_mesh_axis_reduces_over_its_own_ranks_on_cpus():
+    assert get_pool(4).run(_mesh_axes_and_a_send, "cpu") == [True] * 4
