@@ -315,6 +315,7 @@ class PipelineStep:
         self.step_index = 0
         self._losses = []
         self.last_trace, self.last_loss, self.grad_norm = None, None, None
+        self._data_specs: dict = {}  # (stage, rank) -> the training batches' data actors, for both step plans
         self.plan = self._plan(self.batches, cfg.micro_batches, train=True)
         self._quiet_plan = None  # the step's plan without the loss's trip to rank 0 (step(report=False))
         self._eval_plans: dict = {}
@@ -322,15 +323,24 @@ class PipelineStep:
     # -- actions ---------------------------------------------------------------------------
 
     def _data_actors(self, batches, s: int, r: int, mine: bool) -> tuple:
-        """``(actors, name of the last)`` producing rank ``r``'s local micro-batches for stage ``s``."""
+        """``(actors, name of the last)`` producing rank ``r``'s local micro-batches for stage ``s``.
+
+        The training batches' actors are made once and shared by the step's two plans (reporting the loss
+        and not): one read-ahead per data actor, whose window the next step reads on from whichever
+        plan runs it."""
         prefix = f"s{s}.data@{r}"
         if hasattr(batches, "stages"):
+            made = self._data_specs.get((s, r)) if batches is self.batches else None
+            if made is not None:
+                return made
             placement = self.cfg.stage_placement(s)
             device = placement.device() if placement.device_type == "cuda" else None
             # A role without the rank: a read-ahead's actor is a compute actor, and the ranks of a lockstep
             # gang must hold the same compute roles.
             specs = [replace(a, rank=r, role=a.name.replace(prefix, f"s{s}.data"))
                      for a in batches.stages(device=device, prefix=prefix)]
+            if batches is self.batches:
+                self._data_specs[(s, r)] = specs, specs[-1].name
             return specs, specs[-1].name
 
         def data(k):

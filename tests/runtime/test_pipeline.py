@@ -274,6 +274,51 @@ def test_a_read_ahead_joins_a_lockstep_gang_and_trains_as_reading_in_the_step():
     assert any(x is not None for *_, losses in ahead for x in losses)
 
 
+class _CountedTokens(_Tokens):
+    """``_Tokens`` that counts the micro-batches read."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = 0
+
+    def read(self, rows):
+        self.reads += 1
+        return super().read(rows)
+
+
+def _reads_over_reported_and_quiet_steps(reports):
+    """pp2, batches read 2 pieces ahead, steps reporting their loss or not (two plans): ``(micro-batches read,
+    losses)`` of this rank's data actor."""
+    from benchkit.pipeline_parity import BATCH, MICRO, build
+    from toolkit.data import GlobalBatchSampler, MicroBatches
+
+    sources = []
+
+    def data(d):
+        sources.append(_CountedTokens())
+        return MicroBatches(sources[-1], GlobalBatchSampler(64, BATCH, seed=1), accum=MICRO, read_ahead=2)
+
+    step, _ = build(1, 1, 2, data=data)
+    losses = [step.step(i, report=r) for i, r in enumerate(reports)]
+    step.batches.settle()
+    return sum(s.reads for s in sources), [None if x is None else float(x) for x in losses]
+
+
+def test_steps_that_report_and_steps_that_do_not_read_each_micro_batch_once():
+    """The step's two plans (with the loss's trip to rank 0 and without) share each data actor's read-ahead:
+    switching plans reads on from the same window, where a window per plan would load again what the other
+    plan's had loaded, and load pieces that no step reads."""
+    from benchkit.pipeline_parity import MICRO
+
+    reports = (True, False, False, True, False, True)
+    pool = get_pool(2)
+    mixed, loud = pool.run(_reads_over_reported_and_quiet_steps, reports), pool.run(
+        _reads_over_reported_and_quiet_steps, (True,) * len(reports))
+    for (reads, losses), (_, loud_losses) in zip(mixed, loud):
+        assert reads <= MICRO * len(reports) + 2, reads  # each piece once, and one window past the last
+        assert losses[-1] == loud_losses[-1]  # the same steps, whichever plan ran them
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_held_micro_batches_follow_the_stash_quota(schedule):
     res = get_pool(8).run(run_pipeline, "pp4", 1, schedule)
