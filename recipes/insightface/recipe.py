@@ -108,7 +108,8 @@ class InsightFaceRecipe(Recipe):
             root = os.path.expanduser(str(d.path))
             source = (FaceRecords if d.source == "rec" else ImageFolder)(root, s, bool(d.flip))
         if d.decoder == "dali" or (d.decoder == "auto" and dali.available()):
-            source.gpu_decoder = partial(dali.decode, device=torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))))
+            # This rank's GPU, as the launcher set it (LOCAL_RANK does not name it where each task sees one).
+            source.gpu_decoder = partial(dali.decode, device=torch.device("cuda", torch.cuda.current_device()))
         loaded = read_pairs(os.path.expanduser(str(pairs)), s) if pairs and cfg.trainer.eval_every else None
         return Prepared(source, loaded, root)
 
