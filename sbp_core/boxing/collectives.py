@@ -516,7 +516,11 @@ def _settled(device: torch.device, after_current: bool = True, ready=None):
         return
     streams = _P2P.__dict__.setdefault("streams", {})
     if device not in streams:
-        streams[device] = torch.cuda.Stream(device)
+        # High priority: torch hands streams out round-robin from a pool of 32 per priority, and NCCL's
+        # communicators take theirs from the normal pool. Two threads' transfers on one stream would
+        # queue a send behind a receive posted ahead; from their own pool these streams are distinct
+        # up to 32 transfer threads (a dp2_tp2_pp2 rank with two stages per pipeline rank runs 7).
+        streams[device] = torch.cuda.Stream(device, priority=-1)
     stream = streams[device]
     if ready is not None:
         stream.wait_event(ready)
