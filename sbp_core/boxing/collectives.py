@@ -600,10 +600,14 @@ def send_tensor(t: torch.Tensor, dst: int, group, ready=None) -> None:
     know (``recv_tensor``): one transfer per value, where ``send_object``
     sends a header first and the receiver waits for it before it can post
     the data's receive. Sent from ``tensor_device(group)`` (copied there first
-    when ``t`` lies elsewhere). ``ready``: as ``send_object``'s.
+    when ``t`` lies elsewhere). ``ready``: as ``send_object``'s. Under NCCL a
+    one-byte token goes first, over the control group (``recv_tensor``).
     """
     ledger.record("send", 2, _nbytes(t), (world_rank(), dst))
     t, ready = _on_transfer_device(t, group, ready)
+    control = control_group(group)
+    if control is not group:
+        dist.send(torch.zeros(1, dtype=torch.uint8), dst=dst, group=control)
     with _settled(t.device, ready=ready):
         dist.send(moved(t), dst=dst, group=group)
 
@@ -611,7 +615,16 @@ def send_tensor(t: torch.Tensor, dst: int, group, ready=None) -> None:
 @_collective(lambda shape, dtype, src, group, device=None: {src})
 def recv_tensor(shape, dtype, src: int, group, device=None) -> torch.Tensor:
     """Receive what ``send_tensor`` sent from ``src`` on ``group``, into a new tensor of ``shape`` and
-    ``dtype`` on ``device`` (``None``: where ``group``'s backend delivers it)."""
+    ``dtype`` on ``device`` (``None``: where ``group``'s backend delivers it).
+
+    Under NCCL the receive is posted only once the sender's token has come over the control group
+    (gloo): this thread waits for it on the host. A receive posted ahead of its data would be a kernel
+    waiting on the device, and a device-wide synchronisation (inductor's autotuning on a compiled
+    stage's first run, ``cudaFree`` when the allocator frees its cache) would wait for it, and with
+    it for data that the synchronising rank's own blocked work is to produce: a deadlock."""
+    control = control_group(group)
+    if control is not group:
+        dist.recv(torch.empty(1, dtype=torch.uint8), src=src, group=control)
     on = tensor_device(group)
     with _settled(on, after_current=False):
         buf = torch.empty(shape, dtype=dtype, device=on)

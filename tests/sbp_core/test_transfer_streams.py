@@ -76,3 +76,46 @@ def test_a_send_waits_for_its_producers_mark_not_for_compute_queued_after_it():
         sent = y + 1
     assert current.query()  # without a mark the transfer waited for the sleep as well
     torch.testing.assert_close(sent, x * 3 + 1)
+
+
+def _receive_posted_after_the_token():
+    """A channel given a gloo control twin, as NCCL's are: rank 0 sends 0.5 s late; rank 1 returns
+    ``(the groups its receives were posted on in order, seconds before the data's receive was posted,
+    what it received)``."""
+    import time
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    from sbp_core import process_groups
+    from sbp_core.boxing import collectives
+
+    group = process_groups.channel_group("token-first", (0, 1))
+    twin = dist.new_group([0, 1], backend="gloo")
+    process_groups._twins[id(group)] = (group, twin)
+    try:
+        if dist.get_rank() == 0:
+            time.sleep(0.5)
+            collectives.send_tensor(torch.arange(4.0), 1, group)
+            return None
+        posted, start, real = [], time.monotonic(), dist.recv
+
+        def recv(tensor, src=None, group=None, **kwargs):
+            posted.append(("twin" if group is twin else "data", time.monotonic() - start))
+            return real(tensor, src=src, group=group, **kwargs)
+
+        with mock.patch.object(dist, "recv", recv):
+            got = collectives.recv_tensor((4,), torch.float32, 0, group)
+        return [g for g, _ in posted], posted[-1][1], got
+    finally:
+        del process_groups._twins[id(group)]
+
+
+def test_a_receive_under_a_control_twin_is_posted_once_the_senders_token_came():
+    """Under NCCL no receive waits on the device ahead of its data (``collectives.recv_tensor``): the
+    receiver waits for the sender's token on the host, and only then posts the data's receive."""
+    from toolkit.rank_pool import get_pool
+
+    _, (order, posted_after, got) = get_pool(2).run(_receive_posted_after_the_token)
+    assert order == ["twin", "data"] and posted_after >= 0.4, (order, posted_after)
+    assert torch.equal(got, torch.arange(4.0))
