@@ -36,14 +36,27 @@ def test_srun():
 
 def test_srun_tasks_per_node_in_slurms_repeated_form():
     assert cluster_env({**SRUN, "SLURM_NTASKS_PER_NODE": "2(x4)"}).local_world_size == 2
-    assert cluster_env({**SRUN, "SLURM_NTASKS_PER_NODE": "2,1"}).local_world_size is None  # uneven nodes
+    assert cluster_env({**SRUN, "SLURM_NTASKS_PER_NODE": "2,1"}).local_world_size == 2  # the busiest node's
+
+
+def test_srun_without_ntasks_per_node_reads_the_steps_tasks_per_node():
+    """``srun -N2 -n16`` sets no ``SLURM_NTASKS_PER_NODE``; the step's per-node counts are always there."""
+    plain = {k: v for k, v in SRUN.items() if k != "SLURM_NTASKS_PER_NODE"}
+    assert cluster_env(plain).local_world_size is None
+    assert cluster_env({**plain, "SLURM_STEP_TASKS_PER_NODE": "8(x2)"}).local_world_size == 8
+    assert cluster_env({**plain, "SLURM_TASKS_PER_NODE": "8(x2)"}).local_world_size == 8
+    assert cluster_env({**plain, "SLURM_STEP_TASKS_PER_NODE": "3(x2),2", "SLURM_TASKS_PER_NODE": "4(x2)"}
+                       ).local_world_size == 3  # the step's, not the allocation's
+    assert cluster_env({**plain, "SLURM_STEP_TASKS_PER_NODE": "8(x2)"}).sharing_devices(16) == 8
 
 
 def test_srun_gpus_per_task_gives_each_task_its_own_devices():
     assert not cluster_env(SRUN).gpu_per_task and cluster_env(SRUN).sharing_devices(8) == 2
     bound = cluster_env({**SRUN, "SLURM_GPUS_PER_TASK": "1"})
     assert bound.gpu_per_task and bound.sharing_devices(8) == 1
-    assert cluster_env({**SRUN, "SLURM_NTASKS_PER_NODE": "2,1"}).sharing_devices(8) == 8  # not said: all
+    assert cluster_env({**SRUN, "SLURM_NTASKS_PER_NODE": "2,1"}).sharing_devices(8) == 2  # the busiest node
+    unsaid = {k: v for k, v in SRUN.items() if k != "SLURM_NTASKS_PER_NODE"}
+    assert cluster_env(unsaid).sharing_devices(8) == 8  # not said: all
 
 
 def test_a_launched_ranks_device_is_its_local_rank_or_the_one_it_sees():

@@ -19,7 +19,9 @@ The master is ``MASTER_ADDR`` if set, else the first host of
 port is ``MASTER_PORT`` if set, else ``20000 + SLURM_JOB_ID % 10000`` (the
 same on every task of a job, different between most concurrent jobs).
 With ``--gpus-per-task`` (``SLURM_GPUS_PER_TASK``) each task sees only its
-own devices, so a rank needs one visible device, not one per local rank.
+own devices, so a rank needs one visible device, not one per local rank;
+otherwise each node needs a device per task of the busiest node
+(``SLURM_STEP_TASKS_PER_NODE``, which srun always sets).
 """
 from __future__ import annotations
 
@@ -108,12 +110,27 @@ def cluster_env(env: Mapping[str, str] | None = None) -> Optional[ClusterEnv]:
             port = _int(env, "MASTER_PORT")
         else:
             port = 20000 + _int(env, "SLURM_JOB_ID") % 10000 if "SLURM_JOB_ID" in env else 29500
-        local_ws = None
-        per_node = re.fullmatch(r"(\d+)(?:\(x\d+\))?", env.get("SLURM_NTASKS_PER_NODE", ""))
-        if per_node:  # "4", or "4(x2)": 4 tasks on each of 2 nodes
-            local_ws = int(per_node.group(1))
         return ClusterEnv("slurm", _int(env, "SLURM_PROCID"), _int(env, "SLURM_STEP_NUM_TASKS"),
-                          _int(env, "SLURM_LOCALID"), local_ws, addr, port, "SLURM_GPUS_PER_TASK" in env)
+                          _int(env, "SLURM_LOCALID"), _most_tasks_on_a_node(env), addr, port,
+                          "SLURM_GPUS_PER_TASK" in env)
+    return None
+
+
+def _most_tasks_on_a_node(env: Mapping[str, str]) -> Optional[int]:
+    """The most tasks any node of the step runs, from Slurm's per-node task counts (``None``: not said).
+
+    ``SLURM_STEP_TASKS_PER_NODE`` (srun sets it for every step), else the
+    allocation's ``SLURM_TASKS_PER_NODE``, else ``SLURM_NTASKS_PER_NODE``
+    (set only under ``--ntasks-per-node``). Slurm writes them as ``"4"``,
+    ``"4(x2)"`` (4 on each of 2 nodes) or ``"4(x2),2"``. The most, not this
+    node's: every rank then decides alike whether each of a node's ranks
+    has a GPU of its own.
+    """
+    for key in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE"):
+        entries = env.get(key, "").split(",")
+        counts = [re.fullmatch(r"(\d+)(?:\(x\d+\))?", e.strip()) for e in entries]
+        if all(counts):
+            return max(int(c.group(1)) for c in counts)
     return None
 
 
