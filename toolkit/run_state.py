@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 
 from toolkit import checkpoint as ckpt
+from toolkit.checkpoint._dist import agree
 
 
 def checkpoint_root(run_dir: str) -> str:
@@ -46,7 +47,7 @@ def resume(job) -> int:
     Rank 0 says which it loaded, or that there was none (a new run directory: ``hydra.run.dir`` names
     the old one)."""
     root = checkpoint_root(job.cfg.run_dir)
-    path = ckpt.latest(root)
+    path = latest_on_every_rank(root)
     if path is None:
         if job.rank == 0:
             print(f"trainer.resume=auto: no complete checkpoint under {root}; starting from step 0 (to continue "
@@ -65,6 +66,23 @@ def resume(job) -> int:
     if job.rank == 0:
         print(f"resumed from step {step} ({path})", flush=True)
     return step
+
+
+def latest_on_every_rank(root: str) -> str | None:
+    """``ckpt.latest(root)`` as every rank sees it, the same on all (collective over the world).
+
+    Each rank looks at its own view of the directory; ranks that disagree
+    (a run directory that is not one filesystem for every node, or a stale
+    network-filesystem cache) would split into ranks that load, and enter
+    the load's collectives, and ranks that start afresh: a hang. They raise
+    ``CheckpointError`` instead, on every rank, naming what each saw."""
+    seen = agree(ckpt.latest, root)
+    if len(set(seen)) > 1:
+        views = ", ".join(f"rank {r}: {os.path.basename(p) if p else 'none'}" for r, p in enumerate(seen))
+        raise ckpt.CheckpointError(f"trainer.resume=auto: the ranks see different newest checkpoints under {root} "
+                                   f"({views}); every rank must see one run directory (a filesystem shared "
+                                   "by every node)")
+    return seen[0]
 
 
 def _refresh(job) -> None:

@@ -80,3 +80,35 @@ def test_a_rank_whose_machine_lacks_init_from_fails_instead_of_training_from_scr
     layout = validate(cfg, RECIPE)
     out = get_pool(1).run(_job_whose_rank_lacks_init_from, OmegaConf.to_container(cfg, resolve=True), layout)[0]
     assert out == f"trainer.init_from={str(hf)!r}: not found on rank 0's machine"
+
+
+def _newest_as_seen(base: str):
+    """Worker: rank r looks at ``base/r`` (rank 0's holds ``step_3``, rank 1's nothing), then both at ``base/0``."""
+    import os
+
+    import torch.distributed as dist
+
+    from toolkit import checkpoint as ckpt
+    from toolkit.run_state import latest_on_every_rank
+
+    mine = os.path.join(base, str(dist.get_rank()))
+    try:
+        latest_on_every_rank(mine)
+        split = "no error"
+    except ckpt.CheckpointError as e:
+        split = str(e)
+    return split, latest_on_every_rank(os.path.join(base, "0"))
+
+
+def test_ranks_that_see_different_newest_checkpoints_all_refuse_to_resume(tmp_path):
+    """A run directory that is not one filesystem for every rank would let some ranks load (and enter the load's
+    collectives) while others start afresh; every rank raises instead, naming what each saw."""
+    from toolkit.rank_pool import get_pool
+
+    (tmp_path / "0" / "step_3").mkdir(parents=True)
+    (tmp_path / "0" / "step_3" / "manifest.json").write_text("{}")
+    (tmp_path / "0" / "latest").write_text("step_3")
+    (tmp_path / "1").mkdir()
+    for split, agreed in get_pool(2).run(_newest_as_seen, str(tmp_path)):
+        assert "the ranks see different newest checkpoints" in split and "rank 0: step_3, rank 1: none" in split
+        assert agreed == str(tmp_path / "0" / "step_3")
