@@ -10,8 +10,9 @@ on ``device``: DALI's ``external_source`` feeds the encoded bytes, the
 ``transpose`` to CHW follow; the batch leaves DALI through DLPack. One DALI
 pipeline per (process, device, size, batch capacity), built on first use.
 A pipeline serves one batch at a time: the read-ahead's worker threads
-decode in turn on it, each batch copied out of DALI's buffers (and the copy
-finished) before the next run may overwrite them.
+decode in turn on it, each batch copied out of DALI's buffers on the
+process's host-to-device copy stream (``copy_stream``: the copy waits for no
+compute), and the copy finished before the next run may overwrite them.
 """
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ import importlib.util
 import threading
 
 import torch
+
+from runtime.data_pipeline import copy_stream
 
 _PIPES: dict = {}  # key -> (pipeline, its lock)
 _BUILD = threading.Lock()
@@ -63,9 +66,13 @@ def decode(payloads: list, size: int, device) -> torch.Tensor:
         if key not in _PIPES:
             _PIPES[key] = (_pipeline(size, capacity, device_id), threading.Lock())
     pipe, lock = _PIPES[key]
+    device = torch.device("cuda", device_id)
+    stream = copy_stream(device)  # not the compute stream: the copy must not wait behind the step's kernels
     with lock:
         pipe.feed_input("encoded", [np.frombuffer(p, dtype=np.uint8) for p in payloads])
         (out,) = pipe.run()
-        batch = torch.utils.dlpack.from_dlpack(out.as_tensor()).to(device).clone()
-        torch.cuda.current_stream(device).synchronize()  # the copy has read DALI's buffer before its next run
+        with torch.cuda.stream(stream):
+            batch = torch.utils.dlpack.from_dlpack(out.as_tensor()).clone()
+        stream.synchronize()  # the copy has read DALI's buffer before its next run
+    batch.record_stream(torch.cuda.default_stream(device))  # where the step reads it
     return batch
