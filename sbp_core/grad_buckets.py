@@ -27,7 +27,9 @@ reduces each micro-batch's gradient).
 Exact: a bucket's collectives are ``box_many``'s, so every element is summed
 in one order whatever the bucket size, the same for data parallel's
 all-reduce and ZeRO's reduce-scatter (see
-``collectives.all_reduce_packed_start``). Sparse
+``collectives.all_reduce_packed_start``); that holds on gloo, where the suite
+checks it. NCCL picks its algorithm and channels by message size, so on GPUs
+a bucket size may change an element's rounding, the same on every rank. Sparse
 row gradients (``SparseGlobalTensor``) are boxed alone, synchronously, to
 the layout their table's rows allow, when their bucket starts. Every rank
 must run the same backward (same graph): buckets start in bucket order.
