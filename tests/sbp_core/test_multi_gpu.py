@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from toolkit.launcher import launch
-
 from toolkit.rank_pool import get_pool
 
 
