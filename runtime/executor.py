@@ -270,6 +270,7 @@ def _prepared(plan: Plan, me: int, world: int) -> _Prepared:
         return prep
     plan.validate(world)
     specs = _local_specs(plan, me)
+    _open(plan, me)
     gangs = [(channel_group(f"gang:{tuple(g)}", g), min(g)) for g in plan.lockstep]
     gang = next(((grp, lead) for (grp, lead), g in zip(gangs, plan.lockstep) if me in g), None)
     prep = _Prepared(key, specs, {s.name for s in plan.actors}, [(a.name, a.every) for a in plan.actors], gang,
@@ -288,12 +289,7 @@ def _local_specs(plan: Plan, me: int) -> list:
     would wait from the start of the run, and the timeout would bound the run's length.
     """
     ranks = {s.name: s.rank for s in plan.actors}
-    channels = []  # (producer, producer rank, consumer rank), the same order on every rank
-    for s in plan.actors:
-        for src in s.inputs:
-            ch = (src, ranks[src], s.rank)
-            if ranks[src] != s.rank and ch not in channels:
-                channels.append(ch)
+    channels = _channels(plan)
     local = [s for s in plan.actors if s.rank == me]
     # On a GPU each local producer with a consumer elsewhere marks its value's kernels (``_marking``), so
     # its sends wait for them alone, not for the compute its thread queued after them.
@@ -301,7 +297,7 @@ def _local_specs(plan: Plan, me: int) -> list:
     marks = {src: {} for src, a, _ in channels if a == me and device is not None and device.type == "cuda"}
     local = [replace(s, action=_marking(s.action, marks[s.name], device)) if s.name in marks else s for s in local]
     for c, (src, a, b) in enumerate(channels):
-        group = channel_group(f"{src}:{a}->{b}", (a, b))
+        group = _channel_group(src, a, b)
         queue_name = f"network:{c}"
         every, out = plan.by_name()[src].every, plan.by_name()[src].out
         if me == a:
@@ -321,6 +317,37 @@ def _local_specs(plan: Plan, me: int) -> list:
                 for s in local
             ]
     return local
+
+
+def _channels(plan: Plan) -> list:
+    """``(producer, producer rank, consumer rank)`` of every edge that crosses ranks, the same order on every rank."""
+    ranks = {s.name: s.rank for s in plan.actors}
+    channels = []
+    for s in plan.actors:
+        for src in s.inputs:
+            ch = (src, ranks[src], s.rank)
+            if ranks[src] != s.rank and ch not in channels:
+                channels.append(ch)
+    return channels
+
+
+def _channel_group(src: str, a: int, b: int):
+    return channel_group(f"{src}:{a}->{b}", (a, b))
+
+
+def _open(plan: Plan, me: int) -> None:
+    """One element over each of this rank's channels, in the plan's channel order (every rank's), before
+    any actor runs (``collectives.open_p2p``).
+
+    Under NCCL a channel's communicator is built by its first transfer; here
+    every channel's is, at one point and in one order, with nothing else in
+    flight, and not on the channel's thread beside the compute thread's
+    collectives in a run. Blocking, it cannot wait on itself: the earliest
+    channel not yet opened has both its ranks at it.
+    """
+    for src, a, b in _channels(plan):
+        if me in (a, b):
+            collectives.open_p2p(b if me == a else a, _channel_group(src, a, b), send=me == a)
 
 
 def _after(receive):

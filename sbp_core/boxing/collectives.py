@@ -612,6 +612,24 @@ def send_tensor(t: torch.Tensor, dst: int, group, ready=None) -> None:
         dist.send(moved(t), dst=dst, group=group)
 
 
+@_collective(lambda peer, group, send: {peer})
+def open_p2p(peer: int, group, send: bool) -> None:
+    """One element to (``send``) or from ``peer`` on ``group``, recorded in no ledger; blocking.
+
+    Under NCCL a group's communicator is built by its first operation
+    (``ncclCommInitRank``, which allocates device memory): this lets the
+    caller choose when, and in which order, each of a rank's channels is
+    built, rather than on the channel's own thread in the middle of a run.
+    """
+    on = tensor_device(group)
+    with _settled(on, after_current=False):
+        one = torch.zeros(1, device=on)
+        if send:
+            dist.send(one, dst=peer, group=group)
+        else:
+            dist.recv(one, src=peer, group=group)
+
+
 @_collective(lambda shape, dtype, src, group, device=None: {src})
 def recv_tensor(shape, dtype, src: int, group, device=None) -> torch.Tensor:
     """Receive what ``send_tensor`` sent from ``src`` on ``group``, into a new tensor of ``shape`` and

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import torch
 
@@ -81,7 +82,8 @@ def test_an_error_on_one_rank_ends_every_rank():
 
 
 def _sends_per_value(shape, declared):
-    """Transfers of one 2-rank channel over 4 pieces: ``(dist.send calls on rank 0, values received on rank 1)``."""
+    """Transfers of one 2-rank channel over 4 pieces: ``(dist.send calls on rank 0, values received on rank 1)``;
+    not counting the one element that opens the channel before the plan's first run (``executor._open``)."""
     from unittest import mock
 
     import torch.distributed as dist
@@ -97,6 +99,9 @@ def _sends_per_value(shape, declared):
                   out=None if declared is None else (declared, torch.float32)),
         ActorSpec("sum", lambda k, x: float(x.sum()), inputs=("load",), rank=1),
     ])
+    from runtime.executor import _prepared
+
+    _prepared(plan, dist.get_rank(), dist.get_world_size())  # opens the channel: counted out
     with mock.patch.object(dist, "send", counting):
         res = run(plan, 4, timeout=30)
     return len(calls), res.outputs.get("sum")
@@ -112,3 +117,43 @@ def test_a_channel_from_an_actor_declaring_its_out_sends_the_data_alone():
     assert not outs[0].ok and "actor 'load' declares out (3, 2) torch.float32 but produced (2, 3) torch.float32" \
         in outs[0].message
     assert not outs[1].ok and outs[1].exc_type == "RuntimeFailure"
+
+
+def _opened_then_acted():
+    """``_plan()``'s run on this rank: the events in order, each channel's opening (``executor._open``: peer,
+    sending) and each action (its actor's name)."""
+    from unittest import mock
+
+    from runtime import executor
+
+    events, real = [], executor.collectives.open_p2p
+
+    def opening(peer, group, send):
+        events.append(("open", peer, send))
+        return real(peer, group, send)
+
+    def logged(spec):
+        def act(k, *xs):
+            events.append(("act", spec.name))
+            return spec.action(k, *xs)
+
+        return replace(spec, action=act)
+
+    plan = Plan([logged(s) for s in _plan().actors])
+    with mock.patch.object(executor.collectives, "open_p2p", opening):
+        run(plan, 2, timeout=30)
+    return events
+
+
+def test_every_channel_is_opened_in_one_order_before_any_actor_acts():
+    """Before a plan's first run each rank sends or receives one element on each of its channels, in the plan's
+    channel order (``load`` 0->1, ``square`` 1->2, ``load`` 0->2, ``cube`` 2->0), so that under NCCL no
+    channel's communicator is built in the middle of a run."""
+    out = get_pool(5).run(_opened_then_acted)
+    want = {0: [(1, True), (2, True), (2, False)], 1: [(0, False), (2, True)], 2: [(1, False), (0, False), (0, True)]}
+    for rank, events in enumerate(out[:3]):
+        opened = [e[1:] for e in events if e[0] == "open"]
+        assert opened == want[rank], (rank, events)
+        assert all(e[0] == "open" for e in events[:len(opened)]), (rank, events)  # before any action
+        assert any(e[0] == "act" for e in events), (rank, events)
+    assert out[3] == out[4] == []  # ranks outside the plan open nothing
