@@ -340,10 +340,10 @@ def _open(plan: Plan, me: int) -> None:
     any actor runs (``collectives.open_p2p``).
 
     Under NCCL a channel's communicator is built by its first transfer; here
-    every channel's is, at one point and in one order, with nothing else in
-    flight, and not on the channel's thread beside the compute thread's
-    collectives in a run. Blocking, it cannot wait on itself: the earliest
-    channel not yet opened has both its ranks at it.
+    every channel's is, between runs, from the caller's thread and in one
+    order on every rank, not on the channel's thread while the compute
+    thread issues a run's collectives. Blocking, it cannot wait on itself:
+    the earliest channel not yet opened has both its ranks at it.
     """
     for src, a, b in _channels(plan):
         if me in (a, b):
