@@ -9,6 +9,14 @@ do not. Every group gets the same timeout, so a collective that one member
 never joins ends with an error instead of a hang. Point-to-point traffic uses
 the default (world) group and needs no group of its own.
 
+Two timeouts, as torchtitan's ``init_timeout_seconds`` and
+``train_timeout_seconds``: ``SBP_TIMEOUT`` (300 s) bounds every wait of a
+training job's steady state, and ``SBP_INIT_TIMEOUT`` (900 s, never less)
+every wait inside ``initialising()``: one-time work that one rank may do
+while its peers wait, such as building the model, loading a checkpoint, and
+a plan's first run (compiling each stage, one after another along the
+pipeline; building communicators; the first reads of data).
+
 Under NCCL a group carries tensors on this rank's CUDA device only
 (``tensor_device``). Small host-side messages (a channel's header, a
 pickled object, a gang's pick, a layout check) go over the group's
@@ -20,6 +28,7 @@ from __future__ import annotations
 
 import datetime
 import os
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -27,18 +36,66 @@ import torch.distributed as dist
 _groups: dict = {}
 _twins: dict = {}  # id(group) -> (group, its gloo control twin), where the group itself is not gloo
 _timeout_s: float = float(os.environ.get("SBP_TIMEOUT", "300"))
+_init_timeout_s: float = float(os.environ.get("SBP_INIT_TIMEOUT", "900"))
+_initialising = 0  # depth of ``initialising`` blocks
+
+
+def _positive(seconds: float) -> float:
+    if not seconds > 0:
+        raise ValueError(f"timeout must be positive seconds, got {seconds}")
+    return float(seconds)
 
 
 def set_timeout(seconds: float) -> None:
-    """Timeout of every collective on groups created after this call."""
+    """Steady-state timeout of every wait on every group, built or to be built (``SBP_TIMEOUT``)."""
     global _timeout_s
-    if seconds <= 0:
-        raise ValueError(f"timeout must be positive seconds, got {seconds}")
-    _timeout_s = float(seconds)
+    _timeout_s = _positive(seconds)
+    _apply()
+
+
+def set_init_timeout(seconds: float) -> None:
+    """Timeout of every wait inside ``initialising()`` (``SBP_INIT_TIMEOUT``); never below ``set_timeout``'s."""
+    global _init_timeout_s
+    _init_timeout_s = _positive(seconds)
+    _apply()
 
 
 def get_timeout() -> float:
-    return _timeout_s
+    """The bound on a wait that starts now: the init timeout inside ``initialising()``, else the steady one."""
+    return max(_timeout_s, _init_timeout_s) if _initialising else _timeout_s
+
+
+@contextmanager
+def initialising():
+    """Every wait that starts inside the block (on any group, any thread) may take ``SBP_INIT_TIMEOUT``.
+
+    For one-time work whose length one rank cannot bound for its peers
+    (building, loading, a plan's first run). Every rank enters and leaves
+    its blocks at the same points of the job; a wait under way when the
+    block ends keeps the bound it started with.
+    """
+    global _initialising
+    _initialising += 1
+    _apply()
+    try:
+        yield
+    finally:
+        _initialising -= 1
+        _apply()
+
+
+def _apply() -> None:
+    """Give every built group of this rank the current timeout. Gloo's collectives and NCCL's watchdog
+    read it when an operation starts; gloo's sends and receives keep their group's first one, so sbp_core
+    waits for those itself (``collectives._wait``)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    timeout = datetime.timedelta(seconds=get_timeout())
+    mine = {id(g): g for g in [dist.group.WORLD, *_groups.values(), *(twin for _, twin in _twins.values())]
+            if g is not None and not dist.distributed_c10d._rank_not_in_group(g)}
+    for g in mine.values():
+        if dist.get_backend(g) in ("gloo", "nccl"):
+            dist.distributed_c10d._set_pg_timeout(timeout, g)
 
 
 def world_rank() -> int:
@@ -67,7 +124,7 @@ def ensure(rank_sets) -> None:
 
 def _new_group(ranks):
     """A group of ``ranks`` (collective over the world) and, off gloo, its control twin."""
-    group = dist.new_group(list(ranks), timeout=datetime.timedelta(seconds=_timeout_s))
+    group = dist.new_group(list(ranks), timeout=datetime.timedelta(seconds=get_timeout()))
     _add_twin(group, ranks)
     return group
 
@@ -76,7 +133,7 @@ def _add_twin(group, ranks) -> None:
     # Groups take the world's backend; a rank outside ``group`` still joins the twin's creation.
     # Only NCCL needs one (gloo carries host tensors itself; a rehearsal's "fake" world sends nothing).
     if _twin(group) is None and dist.get_backend() == "nccl":
-        twin = dist.new_group(list(ranks), timeout=datetime.timedelta(seconds=_timeout_s), backend="gloo")
+        twin = dist.new_group(list(ranks), timeout=datetime.timedelta(seconds=get_timeout()), backend="gloo")
         _twins[id(group)] = (group, twin)
 
 

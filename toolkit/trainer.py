@@ -67,6 +67,10 @@ class Job:
     def __init__(self, cfg, recipe, layout=None):
         """``layout``: what ``validate`` returned for ``cfg`` before the ranks started (``train.py``), or ``None``
         to validate here (a job started some other way: tests, scripts)."""
+        with sc.process_groups.initialising():  # peers may wait through one rank's preparing, building, loading
+            self._start(cfg, recipe, layout)
+
+    def _start(self, cfg, recipe, layout) -> None:
         self.recipe = recipe
         self.layout = lay = layout if layout is not None else validate(cfg, recipe, world_size=dist.get_world_size())
         if lay.world_size != dist.get_world_size():

@@ -103,7 +103,7 @@ import sbp_core as sc
 from sbp_core import GlobalTensor, Layout
 from sbp_core.dispatch import explaining
 from sbp_core.loss_scale import skips_on_device
-from sbp_core.process_groups import world_rank
+from sbp_core.process_groups import initialising, world_rank
 
 from ..executor import run
 from ..plan import ActorSpec, Plan
@@ -319,6 +319,7 @@ class PipelineStep:
         self.plan = self._plan(self.batches, cfg.micro_batches, train=True)
         self._quiet_plan = None  # the step's plan without the loss's trip to rank 0 (step(report=False))
         self._eval_plans: dict = {}
+        self._ran: set = set()  # id() of every plan run once (its first run waits under SBP_INIT_TIMEOUT)
 
     # -- actions ---------------------------------------------------------------------------
 
@@ -718,8 +719,13 @@ class PipelineStep:
             self._audit, self._verdicts = False, {}
         if self._local:
             self._shards.swap()
+        # A plan's first run holds one-time work that a rank's peers wait through: its channels' set-up
+        # and, under torch.compile, each stage's compilation, one stage after another along the pipeline.
+        first = initialising() if id(plan) not in self._ran else contextlib.nullcontext()
         try:
-            res = run(plan, pieces, timeout=self.cfg.timeout, trace=trace)
+            with first:
+                res = run(plan, pieces, timeout=self.cfg.timeout, trace=trace)
+            self._ran.add(id(plan))
         finally:  # evaluation, or a failed step: the module gets its global parameters back
             if self._shards is not None:
                 self._shards.restore()

@@ -23,6 +23,7 @@ split sizes, so no padding is ever sent.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import functools
 import pickle
 import threading
@@ -182,6 +183,32 @@ def all_reduce(t: torch.Tensor, ranks, op: str) -> torch.Tensor:
     return out
 
 
+def _wait(work, group) -> None:
+    """Wait for ``work`` on ``group``: on gloo for at most the groups' current timeout (``get_timeout``).
+
+    A gloo send or receive is bounded by the timeout its group was built
+    with, which ``process_groups.set_timeout`` and ``initialising`` cannot
+    change, so the wait passes the current one. A gloo collective and NCCL
+    read the group's (``_set_pg_timeout``) when they start; an NCCL wait
+    with a timeout would block the host, where it should only order the
+    current stream.
+    """
+    if dist.get_backend(group) == "gloo":
+        work.wait(datetime.timedelta(seconds=get_timeout()))
+    else:
+        work.wait()
+
+
+def _send(t: torch.Tensor, dst: int, group) -> None:
+    """``dist.send``, waited by ``_wait``."""
+    _wait(dist.isend(t, dst, group=group), group)
+
+
+def _recv(t: torch.Tensor, src: int, group) -> None:
+    """``dist.recv`` from ``src``, waited by ``_wait``."""
+    _wait(dist.irecv(t, src, group=group), group)
+
+
 class Pending:
     """A collective in flight (``async_op``): ``wait()`` blocks until it is done and returns its result.
 
@@ -199,7 +226,7 @@ class Pending:
     def _done_first(self):
         if self._work is not None:
             try:
-                self._work.wait()
+                self._work.wait()  # a collective's own bound (the group's timeout), or _AllOf's
             except RuntimeError as exc:
                 raise CollectiveError(f"collective with ranks {sorted(self._ranks)} failed on rank {world_rank()} "
                                       f"(timeout {get_timeout():g} s for sbp_core's groups): {exc}") from exc
@@ -399,12 +426,12 @@ def exchange(sends, recvs) -> list:
 class _AllOf:
     """Several works waited as one."""
 
-    def __init__(self, works):
-        self.works = works
+    def __init__(self, works, group=None):
+        self.works, self.group = works, group
 
     def wait(self) -> None:
         for w in self.works:
-            w.wait()
+            _wait(w, self.group)
 
 
 @_collective(lambda sends, recvs: {r for r, *_ in sends} | {r for r, *_ in recvs})
@@ -429,7 +456,7 @@ def exchange_start(sends, recvs) -> Pending:
         payload.clear()  # every send is done: its buffer may go
         return out
 
-    return Pending(_AllOf(works), received, {r for r, *_ in sends} | {r for r, *_ in recvs} | {world_rank()})
+    return Pending(_AllOf(works, dist.group.WORLD), received, {r for r, *_ in sends} | {r for r, *_ in recvs} | {world_rank()})
 
 
 @_by_ranks
@@ -563,10 +590,10 @@ def send_object(obj, dst: int, group, ready=None) -> None:
         on = control
         header[0], header[1], header[2], header[3] = 1, _DTYPES.index(torch.uint8), 1, len(data)
     ledger.record("send", 2, _nbytes(payload), (world_rank(), dst))
-    dist.send(header, dst=dst, group=control)
+    _send(header, dst, control)
     if payload.numel():
         with _settled(payload.device, ready=ready):
-            dist.send(moved(payload), dst=dst, group=on)
+            _send(moved(payload), dst, on)
 
 
 @_collective(lambda src, group, device=None: {src})
@@ -575,19 +602,19 @@ def recv_object(src: int, group, device=None):
     (``None``: where ``group``'s backend delivers it), or the unpickled object."""
     control = control_group(group)
     header = torch.empty(_HEADER, dtype=torch.int64)
-    dist.recv(header, src=src, group=control)
+    _recv(header, src, control)
     kind, code, ndim = header[:3].tolist()
     shape = header[3 : 3 + ndim].tolist()
     if kind == 1:
         buf = torch.empty(shape, dtype=torch.uint8)
         if buf.numel():
-            dist.recv(buf, src=src, group=control)
+            _recv(buf, src, control)
         return pickle.loads(buf.numpy().tobytes())
     on = tensor_device(group)
     with _settled(on, after_current=False):
         buf = torch.empty(shape, dtype=_DTYPES[code], device=on)
         if buf.numel():
-            dist.recv(moved(buf), src=src, group=group)
+            _recv(moved(buf), src, group)
     buf = _received(buf)
     return buf if device is None else buf.to(device)
 
@@ -607,9 +634,9 @@ def send_tensor(t: torch.Tensor, dst: int, group, ready=None) -> None:
     t, ready = _on_transfer_device(t, group, ready)
     control = control_group(group)
     if control is not group:
-        dist.send(torch.zeros(1, dtype=torch.uint8), dst=dst, group=control)
+        _send(torch.zeros(1, dtype=torch.uint8), dst, control)
     with _settled(t.device, ready=ready):
-        dist.send(moved(t), dst=dst, group=group)
+        _send(moved(t), dst, group)
 
 
 @_collective(lambda peer, group, send: {peer})
@@ -625,9 +652,9 @@ def open_p2p(peer: int, group, send: bool) -> None:
     with _settled(on, after_current=False):
         one = torch.zeros(1, device=on)
         if send:
-            dist.send(one, dst=peer, group=group)
+            _send(one, peer, group)
         else:
-            dist.recv(one, src=peer, group=group)
+            _recv(one, peer, group)
 
 
 @_collective(lambda shape, dtype, src, group, device=None: {src})
@@ -642,10 +669,10 @@ def recv_tensor(shape, dtype, src: int, group, device=None) -> torch.Tensor:
     it for data that the synchronising rank's own blocked work is to produce: a deadlock."""
     control = control_group(group)
     if control is not group:
-        dist.recv(torch.empty(1, dtype=torch.uint8), src=src, group=control)
+        _recv(torch.empty(1, dtype=torch.uint8), src, control)
     on = tensor_device(group)
     with _settled(on, after_current=False):
         buf = torch.empty(shape, dtype=dtype, device=on)
-        dist.recv(moved(buf), src=src, group=group)
+        _recv(moved(buf), src, group)
     buf = _received(buf)
     return buf if device is None else buf.to(device)

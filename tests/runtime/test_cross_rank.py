@@ -82,13 +82,13 @@ def test_an_error_on_one_rank_ends_every_rank():
 
 
 def _sends_per_value(shape, declared):
-    """Transfers of one 2-rank channel over 4 pieces: ``(dist.send calls on rank 0, values received on rank 1)``;
+    """Transfers of one 2-rank channel over 4 pieces: ``(dist.isend calls on rank 0, values received on rank 1)``;
     not counting the one element that opens the channel before the plan's first run (``executor._open``)."""
     from unittest import mock
 
     import torch.distributed as dist
 
-    real, calls = dist.send, []
+    real, calls = dist.isend, []
 
     def counting(*args, **kwargs):
         calls.append(1)
@@ -102,7 +102,7 @@ def _sends_per_value(shape, declared):
     from runtime.executor import _prepared
 
     _prepared(plan, dist.get_rank(), dist.get_world_size())  # opens the channel: counted out
-    with mock.patch.object(dist, "send", counting):
+    with mock.patch.object(dist, "isend", counting):
         res = run(plan, 4, timeout=30)
     return len(calls), res.outputs.get("sum")
 

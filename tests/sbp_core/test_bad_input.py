@@ -110,7 +110,7 @@ def test_a_failed_point_to_point_send_names_the_peer(send):
     def lost(*args, **kwargs):
         raise RuntimeError("Connection closed by peer")
 
-    with mock.patch.object(collectives.dist, "send", lost), pytest.raises(collectives.CollectiveError) as err:
+    with mock.patch.object(collectives.dist, "isend", lost), pytest.raises(collectives.CollectiveError) as err:
         getattr(collectives, send)(torch.zeros(3), 1, None)
     assert f"{send} with ranks [1] failed on rank 0" in str(err.value) and "Connection closed" in str(err.value)
 

@@ -98,13 +98,13 @@ def _receive_posted_after_the_token():
             time.sleep(0.5)
             collectives.send_tensor(torch.arange(4.0), 1, group)
             return None
-        posted, start, real = [], time.monotonic(), dist.recv
+        posted, start, real = [], time.monotonic(), dist.irecv
 
-        def recv(tensor, src=None, group=None, **kwargs):
+        def irecv(tensor, src=None, group=None, **kwargs):
             posted.append(("twin" if group is twin else "data", time.monotonic() - start))
             return real(tensor, src=src, group=group, **kwargs)
 
-        with mock.patch.object(dist, "recv", recv):
+        with mock.patch.object(dist, "irecv", irecv):
             got = collectives.recv_tensor((4,), torch.float32, 0, group)
         return [g for g, _ in posted], posted[-1][1], got
     finally:

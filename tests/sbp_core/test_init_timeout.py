@@ -1,0 +1,90 @@
+"""Two timeouts (``process_groups``): waits inside ``initialising()`` may take ``SBP_INIT_TIMEOUT``, every
+other wait ``SBP_TIMEOUT``, on groups built under either, for gloo's sends, receives and collectives alike."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+LATE_S, TIMEOUT_S, INIT_TIMEOUT_S = 3.0, 1.5, 30.0
+
+
+def _late_peer(where: str, op: str, tag: str):
+    """Rank 1 joins a transfer (``op``: ``p2p`` or ``all_reduce``) on a fresh group ``LATE_S`` late; rank 0 waits
+    for it ``inside`` or ``outside`` an ``initialising`` block. The group is built in the other state than the
+    wait's, so the bound must follow the wait, not the group's birth. Returns (what rank 0 got, its wait in s)."""
+    import contextlib
+    import time
+
+    import torch.distributed as dist
+
+    from sbp_core import process_groups
+    from sbp_core.boxing import collectives
+
+    saved = process_groups._timeout_s, process_groups._init_timeout_s
+    inside = where == "inside"
+    try:
+        process_groups.set_init_timeout(INIT_TIMEOUT_S)
+        process_groups.set_timeout(TIMEOUT_S)
+        with contextlib.nullcontext() if inside else process_groups.initialising():
+            group = process_groups.channel_group(f"late-{tag}", (0, 1))
+        with process_groups.initialising() if inside else contextlib.nullcontext():
+            start = time.monotonic()
+            try:
+                if dist.get_rank() == 1:
+                    time.sleep(LATE_S)
+                if op == "p2p" and dist.get_rank() == 1:
+                    collectives.send_tensor(torch.arange(3.0), 0, group)
+                    got = "sent"
+                elif op == "p2p":
+                    got = collectives.recv_tensor((3,), torch.float32, 1, group).tolist()
+                else:
+                    t = torch.ones(1)
+                    dist.all_reduce(t, group=group)
+                    got = t.item()
+            except RuntimeError as exc:
+                got = f"{type(exc).__name__}: {exc}"
+            waited = time.monotonic() - start
+    finally:
+        process_groups.set_timeout(saved[0])
+        process_groups.set_init_timeout(saved[1])
+    dist.barrier()  # under the pool's own timeout: both ranks are past the transfer before the next test's
+    return got, waited
+
+
+@pytest.mark.parametrize("op", ["p2p", "all_reduce"])
+def test_a_late_peer_is_waited_for_inside_initialising_and_not_outside(op):
+    from toolkit.rank_pool import get_pool
+
+    pool = get_pool(2)
+    (got, waited), _ = pool.run(_late_peer, "inside", op, f"in-{op}")
+    assert got == ([0.0, 1.0, 2.0] if op == "p2p" else 2.0), got
+    assert waited >= LATE_S - 0.1
+    (got, waited), _ = pool.run(_late_peer, "outside", op, f"out-{op}")
+    assert isinstance(got, str) and ("Timed out" in got or "timed out" in got or "timeout" in got), got
+    if op == "p2p":
+        assert got.startswith("CollectiveError") and f"timeout {TIMEOUT_S:g} s" in got, got
+    assert waited < LATE_S, waited
+
+
+def test_initialising_widens_the_bound_and_restores_it():
+    from sbp_core import process_groups
+
+    saved = process_groups._timeout_s, process_groups._init_timeout_s
+    try:
+        process_groups.set_timeout(30.0)
+        process_groups.set_init_timeout(100.0)
+        assert process_groups.get_timeout() == 30.0
+        with process_groups.initialising():
+            assert process_groups.get_timeout() == 100.0
+            with process_groups.initialising():
+                assert process_groups.get_timeout() == 100.0
+            assert process_groups.get_timeout() == 100.0
+        assert process_groups.get_timeout() == 30.0
+        process_groups.set_init_timeout(10.0)  # never below the steady one
+        with process_groups.initialising():
+            assert process_groups.get_timeout() == 30.0
+        with pytest.raises(ValueError, match="positive"):
+            process_groups.set_init_timeout(0)
+    finally:
+        process_groups.set_timeout(saved[0])
+        process_groups.set_init_timeout(saved[1])
