@@ -28,7 +28,9 @@ complex and float8 tensors only in some of its calls.
 - **Host messages** are pickles. torch pickles uint16-64 and float8 tensors
   but cannot unpickle them (its storage rebuild asks ``UntypedStorage`` for
   a dtype; torch 2.11 and 2.13). ``dumps`` pickles those as their bytes, and
-  plain ``pickle.loads`` rebuilds them.
+  plain ``pickle.loads`` rebuilds them. It pickles a CUDA tensor as a host
+  copy that ``pickle.loads`` puts on the receiver's current GPU, where torch
+  would put it on the sender's GPU index.
 """
 from __future__ import annotations
 
@@ -75,22 +77,38 @@ _UNPICKLED = frozenset({torch.uint16, torch.uint32, torch.uint64, torch.float8_e
                         torch.float8_e4m3fnuz, torch.float8_e5m2fnuz})
 
 
-def _from_bytes(data: bytes, dtype: str, shape, device: str) -> torch.Tensor:
+def _here(device_type: str) -> torch.device:
+    """This rank's device of ``device_type``: a CUDA tensor goes to the receiver's current GPU, whichever
+    index it had on the sender (ranks on one machine each use a GPU of their own)."""
+    if device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(device_type)
+
+
+def _from_bytes(data: bytes, dtype: str, shape, device_type: str) -> torch.Tensor:
     flat = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-    return flat.view(getattr(torch, dtype)).reshape(shape).to(device)
+    return flat.view(getattr(torch, dtype)).reshape(shape).to(_here(device_type))
+
+
+def _from_host(t: torch.Tensor, device_type: str, requires_grad: bool) -> torch.Tensor:
+    return t.to(_here(device_type)).requires_grad_(requires_grad)
 
 
 class _Pickler(pickle.Pickler):
     def reducer_override(self, obj):
         if isinstance(obj, torch.Tensor) and obj.dtype in _UNPICKLED:
             data = obj.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-            return _from_bytes, (data, str(obj.dtype).removeprefix("torch."), tuple(obj.shape), str(obj.device))
+            return _from_bytes, (data, str(obj.dtype).removeprefix("torch."), tuple(obj.shape), obj.device.type)
+        if isinstance(obj, torch.Tensor) and obj.device.type == "cuda":
+            # torch pickles a CUDA tensor with its device index, which on the receiver may be another rank's GPU
+            return _from_host, (obj.detach().cpu(), "cuda", obj.requires_grad)
         return NotImplemented
 
 
 def dumps(obj) -> bytes:
-    """``pickle.dumps(obj)``, with the tensors torch cannot unpickle (see above) carried as bytes, so
-    ``pickle.loads`` gives them back: same dtype, shape, values and device (not ``requires_grad``)."""
+    """``pickle.dumps(obj)``, with the tensors torch cannot unpickle (see above) carried as bytes and CUDA
+    tensors as host copies, so that ``pickle.loads`` gives them back: same dtype, shape and values, on the
+    loading rank's device of the same type (``requires_grad`` kept for CUDA tensors, not for the bytes)."""
     buf = io.BytesIO()
     _Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
     return buf.getvalue()

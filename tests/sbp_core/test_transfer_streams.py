@@ -47,6 +47,26 @@ def test_a_transfer_on_cuda_has_its_threads_own_stream_and_is_done_on_return():
     torch.testing.assert_close(seen["main y"], seen["other y"])
 
 
+
+@pytest.mark.cuda
+def test_a_cuda_tensor_in_a_host_message_lands_on_the_receivers_current_gpu():
+    """``wire.dumps`` carries a CUDA tensor as a host copy: ``pickle.loads`` puts it on the loading rank's
+    current GPU, where torch's own pickle would put it on the sender's GPU index (another rank's GPU)."""
+    import pickle
+
+    from sbp_core.boxing.wire import dumps
+
+    sender = torch.device("cuda", torch.cuda.device_count() - 1)  # a GPU other than the receiver's, given two
+    weight = torch.randn(3, 4, device=sender, requires_grad=True)
+    message = {"weight": weight, "ids": torch.arange(5, device=sender).to(torch.uint16), "step": 3}
+    data = dumps(message)
+    with torch.cuda.device(0):
+        got = pickle.loads(data)
+    assert got["weight"].device == torch.device("cuda", 0) and got["ids"].device == torch.device("cuda", 0)
+    assert got["weight"].requires_grad and got["step"] == 3
+    torch.testing.assert_close(got["weight"].detach().cpu(), weight.detach().cpu(), rtol=0, atol=0)
+    assert got["ids"].dtype == torch.uint16 and got["ids"].cpu().tolist() == [0, 1, 2, 3, 4]
+
 def test_off_cuda_a_value_has_no_ready_mark():
     assert ready_mark(torch.device("cpu")) is None
 
