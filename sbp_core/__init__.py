@@ -31,12 +31,13 @@ from .local_step import step_on_locals, steps_on_locals, takes_local_grads
 from .layout import Layout
 from .ledger import CommLedger, comm_ledger
 from .placement import Placement, placement
-from .process_groups import get_timeout, set_timeout
+from .process_groups import get_timeout, initialising, set_init_timeout, set_timeout
 
 __all__ = [
     "sbp", "placement", "cast", "SparseGlobalTensor", "cast_group", "cast_many", "remat_saved", "Placement", "GlobalTensor", "Layout", "NoSbpRule",
     "to_global", "distribute", "randn", "rand", "zeros", "ones",
     "comm_ledger", "CommLedger", "explain", "format_explain", "set_timeout", "get_timeout",
+    "set_init_timeout", "initialising",
     "boxing_plan", "clip_grad_norm_", "clip_local_", "LossScaler", "distribute_module", "describe_plan", "defer_grad_boxing", "box_grads", "same_placement_cost", "disjoint_cost",
     "LocalParameters", "replicated", "runs_local", "step_on_locals", "steps_on_locals", "takes_local_grads",
 ]

@@ -67,7 +67,7 @@ class Job:
     def __init__(self, cfg, recipe, layout=None):
         """``layout``: what ``validate`` returned for ``cfg`` before the ranks started (``train.py``), or ``None``
         to validate here (a job started some other way: tests, scripts)."""
-        with sc.process_groups.initialising():  # peers may wait through one rank's preparing, building, loading
+        with sc.initialising():  # peers may wait through one rank's preparing, building, loading
             self._start(cfg, recipe, layout)
 
     def _start(self, cfg, recipe, layout) -> None:
