@@ -382,6 +382,7 @@ def _dies_mid_step(rank, world, port, out_dir):
     from benchkit import pipeline_parity as vp
 
     process_groups.set_timeout(10.0)
+    process_groups.set_init_timeout(10.0)  # step 0 is the plan's first run
     start = time.monotonic()
     try:
         step, module = vp.build(1, 2, 2)
@@ -451,6 +452,7 @@ def _runs_behind_a_slow_last_stage(rank, world, port, out_dir):
     from benchkit import pipeline_parity as vp
 
     process_groups.set_timeout(TIMEOUT_S)
+    process_groups.set_init_timeout(TIMEOUT_S)  # both runs are their plans' first: the same bound
     try:
         step, _ = vp.build(1, 1, 2)
         if rank == 1:
@@ -481,3 +483,50 @@ def test_no_receive_on_rank_0_waits_for_a_whole_step_or_evaluation(tmp_path):
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
     got = [(tmp_path / f"rank{r}").read_text() for r in range(2)]
     assert got[0] == got[1] and min(eval(got[0])) > 0, got
+
+
+LATE_S = 4.0  # the last stage's one slow forward: over SBP_TIMEOUT, under SBP_INIT_TIMEOUT
+
+
+def _slow_first_and_third_step(rank, world, port, out_dir):
+    """pp2, timeout 2 s, init timeout 60 s: the last stage's first forward of steps 0 and 2 takes ``LATE_S``
+    (a stage compiling its forward; a hang later). What each rank got from steps 0, 1, 2."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    from sbp_core import process_groups
+    from benchkit import pipeline_parity as vp
+
+    process_groups.set_timeout(2.0)
+    process_groups.set_init_timeout(60.0)
+    got = []
+    try:
+        step, _ = vp.build(1, 1, 2)
+        if rank == 1:
+            forward, calls = step.forward, []
+
+            def late(m, x, labels):
+                calls.append(1)
+                if len(calls) in (1, 2 * MICRO + 1):
+                    time.sleep(LATE_S)
+                return forward(m, x, labels)
+
+            step.forward = late
+        for i in range(3):
+            got.append(f"{float(step.step(i)):.6f}")
+    except Exception as exc:  # noqa: BLE001  (what the rank ended with is the result)
+        got.append(f"{type(exc).__name__}: {exc}")
+    with open(os.path.join(out_dir, f"rank{rank}"), "w") as f:
+        f.write("\n".join(got))
+    os._exit(0)
+
+
+def test_a_plans_first_run_waits_under_the_init_timeout_and_later_runs_under_the_timeout(tmp_path):
+    """A first step (compilation, set-up) may keep a peer waiting up to ``SBP_INIT_TIMEOUT``; the same wait in a
+    later step ends every rank with an error after ``SBP_TIMEOUT``."""
+    procs = _spawn(_slow_first_and_third_step, 2, tmp_path)
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    for r in range(2):
+        got = (tmp_path / f"rank{r}").read_text().split("\n")
+        assert len(got) == 3 and float(got[0]) > 0 and float(got[1]) > 0, (r, got)
+        assert "Error" in got[2] or "Failure" in got[2], (r, got)
+    assert "timeout 2 s" in (tmp_path / "rank0").read_text(), (tmp_path / "rank0").read_text()
