@@ -32,8 +32,9 @@ inside a ``record_function`` span, then synchronizes the device. Per step:
 CUPTI records device activity and CUDA runtime calls from every thread, so
 ``busy``, ``launches`` and ``waits`` include our executor's queue threads.
 A sync warning reaches Python in the thread that ran the op, so ``sites``
-sees those threads too, but not autograd's own CUDA thread (backward),
-whose warnings torch prints to stderr instead. ``torch.profiler``'s op
+sees those threads too; autograd's own CUDA thread (backward) gathers its
+warnings and torch replays them in the thread that called backward, when
+it returns, so a sync inside backward counts at that call. ``torch.profiler``'s op
 events (``aten::...``) come only from the thread that started it, so
 nothing here counts them. Without CUDA only ``wall`` is measured.
 """
