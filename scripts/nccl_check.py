@@ -14,6 +14,7 @@ the CUDA driver's virtual memory calls, which a sandboxed driver may refuse).
 """
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
@@ -32,7 +33,8 @@ def _all_reduce(_cfg) -> str:
     return ".".join(map(str, torch.cuda.nccl.version()))
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
     if not torch.cuda.is_available():
         print("nccl: no CUDA device here (torch.cuda.is_available() is False); nothing was run")
         return 2

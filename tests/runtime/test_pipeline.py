@@ -375,14 +375,21 @@ def test_bad_pipeline_input_is_refused_before_anything_runs():
     assert [list(r) for r in stage_ranges(5, 2, [2, 3])] == [[0, 1], [2, 3, 4]]
 
 
-def _dies_mid_step(rank, world, port, out_dir):
+def _joined(rank, world, port, timeout: float, init_timeout: float):
+    """Join a fresh gloo world whose groups wait ``timeout`` s (``init_timeout`` s in a plan's first run);
+    returns ``benchkit.pipeline_parity``, which builds the pipelines."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     from sbp_core import process_groups
     from benchkit import pipeline_parity as vp
 
-    process_groups.set_timeout(10.0)
-    process_groups.set_init_timeout(10.0)  # step 0 is the plan's first run
+    process_groups.set_timeout(timeout)
+    process_groups.set_init_timeout(init_timeout)
+    return vp
+
+
+def _dies_mid_step(rank, world, port, out_dir):
+    vp = _joined(rank, world, port, 10.0, 10.0)  # step 0 is the plan's first run
     start = time.monotonic()
     try:
         step, module = vp.build(1, 2, 2)
@@ -446,13 +453,7 @@ SLOW_FORWARD_S, TIMEOUT_S = 0.6, 3.0  # MICRO slow forwards take longer than the
 
 def _runs_behind_a_slow_last_stage(rank, world, port, out_dir):
     """pp2: a training step and an evaluation whose last stage's forwards are slow; what each rank got."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
-    from sbp_core import process_groups
-    from benchkit import pipeline_parity as vp
-
-    process_groups.set_timeout(TIMEOUT_S)
-    process_groups.set_init_timeout(TIMEOUT_S)  # both runs are their plans' first: the same bound
+    vp = _joined(rank, world, port, TIMEOUT_S, TIMEOUT_S)  # both runs are their plans' first: the same bound
     try:
         step, _ = vp.build(1, 1, 2)
         if rank == 1:
@@ -491,13 +492,7 @@ LATE_S = 4.0  # the last stage's one slow forward: over SBP_TIMEOUT, under SBP_I
 def _slow_first_and_third_step(rank, world, port, out_dir):
     """pp2, timeout 2 s, init timeout 60 s: the last stage's first forward of steps 0 and 2 takes ``LATE_S``
     (a stage compiling its forward; a hang later). What each rank got from steps 0, 1, 2."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
-    from sbp_core import process_groups
-    from benchkit import pipeline_parity as vp
-
-    process_groups.set_timeout(2.0)
-    process_groups.set_init_timeout(60.0)
+    vp = _joined(rank, world, port, 2.0, 60.0)
     got = []
     try:
         step, _ = vp.build(1, 1, 2)
