@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 _groups: dict = {}
 _twins: dict = {}  # id(group) -> (group, its gloo control twin), where the group itself is not gloo
+_twinned: set = set()  # the keys of the groups whose twins exist (a rank outside a group builds its twin too)
 _timeout_s: float = float(os.environ.get("SBP_TIMEOUT", "300"))
 _init_timeout_s: float = float(os.environ.get("SBP_INIT_TIMEOUT", "900"))
 _initialising = 0  # depth of ``initialising`` blocks
@@ -117,23 +118,33 @@ def ensure(rank_sets) -> None:
     for key in missing:
         if len(key) == world_size():
             _groups[key] = dist.group.WORLD
-            _add_twin(dist.group.WORLD, key)
+            _add_twin(dist.group.WORLD, key, key)
         else:
-            _groups[key] = _new_group(key)
+            _groups[key] = _new_group(key, key)
 
 
-def _new_group(ranks):
-    """A group of ``ranks`` (collective over the world) and, off gloo, its control twin."""
+def _new_group(ranks, key):
+    """A group of ``ranks`` (collective over the world) and, off gloo, its control twin; ``key``: the group's
+    key in ``_groups``."""
     group = dist.new_group(list(ranks), timeout=datetime.timedelta(seconds=get_timeout()))
-    _add_twin(group, ranks)
+    _add_twin(group, ranks, key)
     return group
 
 
-def _add_twin(group, ranks) -> None:
-    # Groups take the world's backend; a rank outside ``group`` still joins the twin's creation.
-    # Only NCCL needs one (gloo carries host tensors itself; a rehearsal's "fake" world sends nothing).
-    if _twin(group) is None and dist.get_backend() == "nccl":
-        twin = dist.new_group(list(ranks), timeout=datetime.timedelta(seconds=get_timeout()), backend="gloo")
+def _add_twin(group, ranks, key) -> None:
+    """Build the control twin of the group ``key`` once, on every rank of the world.
+
+    Every rank outside a group gets torch's one ``NON_GROUP_MEMBER`` object
+    for it, so whether a twin exists is kept by the group's key, never by the
+    group object: a rank that skipped a twin's ``new_group`` because it is
+    outside an earlier group too would build every later group out of step
+    with the world. Only NCCL needs twins (gloo carries host tensors itself;
+    a rehearsal's "fake" world sends nothing)."""
+    if key in _twinned or dist.get_backend() != "nccl":
+        return
+    twin = dist.new_group(list(ranks), timeout=datetime.timedelta(seconds=get_timeout()), backend="gloo")
+    _twinned.add(key)
+    if not dist.distributed_c10d._rank_not_in_group(group):
         _twins[id(group)] = (group, twin)
 
 
@@ -194,7 +205,7 @@ def channel_group(name, ranks):
     key = ("channel", name, tuple(sorted(ranks)))
     g = _groups.get(key)
     if g is None:
-        g = _new_group(sorted(ranks))
+        g = _new_group(sorted(ranks), key)
         _groups[key] = g
     return g
 
@@ -211,5 +222,6 @@ def forget_groups() -> None:
     """Drop every cached group: call after destroying the default group (e.g. leaving a rehearsal's fake world)."""
     _groups.clear()
     _twins.clear()
+    _twinned.clear()
     for hook in _forget_hooks:
         hook()

@@ -51,3 +51,50 @@ def test_each_mesh_axis_reduces_over_its_own_ranks_on_gpus():
 
 def test_each_mesh_axis_reduces_over_its_own_ranks_on_cpus():
     assert get_pool(4).run(_mesh_axes_and_a_send, "cpu") == [True] * 4
+
+
+def _twins_under_nccl(rank_sets):
+    """``process_groups.ensure(rank_sets)`` as under NCCL (the world's backend read as ``nccl``; every group
+    still gloo), from no cached group: ``(the groups and twins this rank built, in order; for each group it
+    is in, the ranks of its control group)``."""
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    from sbp_core import process_groups as pg
+
+    me = dist.get_rank()
+    saved = dict(pg._groups), dict(pg._twins), set(pg._twinned)
+    real_new, real_backend, built = dist.new_group, dist.get_backend, []
+
+    def new_group(ranks, *args, **kwargs):
+        built.append((tuple(ranks), kwargs.get("backend") or "default"))
+        return real_new(ranks, *args, **kwargs)
+
+    def backend(group=None):
+        return "nccl" if group is None else real_backend(group)
+
+    pg._groups.clear(), pg._twins.clear(), pg._twinned.clear()
+    try:
+        with mock.patch.object(dist, "new_group", new_group), mock.patch.object(dist, "get_backend", backend):
+            pg.ensure(rank_sets)
+        controls = {key: dist.get_process_group_ranks(pg.control_group(g)) for key, g in pg._groups.items()
+                    if me in key}
+        return built, controls
+    finally:
+        pg._groups.clear(), pg._twins.clear(), pg._twinned.clear()
+        pg._groups.update(saved[0]), pg._twins.update(saved[1]), pg._twinned.update(saved[2])
+
+
+def test_every_rank_builds_every_twin_though_it_is_outside_several_groups():
+    """Under NCCL each group gets a gloo twin, built by every rank of the world in one order: a rank outside
+    two groups gets one object for both from torch (``NON_GROUP_MEMBER``), and must still build both twins,
+    or every group after them pairs up out of step. Each rank here is outside two of the four groups."""
+    sets = [(0, 1), (2, 3), (0, 2), (1, 3), (0, 1, 2, 3)]
+    got = get_pool(4).run(_twins_under_nccl, sets)
+    builds = [b for b, _ in got]
+    assert all(b == builds[0] for b in builds), builds
+    # In ensure's order (sorted): a group and its twin; the world group exists, only its twin is built.
+    assert builds[0] == [(s, kind) for s in sorted(sets) for kind in (("gloo",) if len(s) == 4 else ("default", "gloo"))]
+    for rank, (_, controls) in enumerate(got):
+        assert controls == {s: list(s) for s in sets if rank in s}, (rank, controls)
