@@ -14,7 +14,7 @@ Two timeouts, as torchtitan's ``init_timeout_seconds`` and
 training job's steady state, and ``SBP_INIT_TIMEOUT`` (900 s, never less)
 every wait inside ``initialising()``: one-time work that one rank may do
 while its peers wait, such as building the model, loading a checkpoint, and
-a plan's first run (compiling each stage, one after another along the
+a plan's first runs (compiling each stage, one after another along the
 pipeline; building communicators; the first reads of data).
 
 Under NCCL a group carries tensors on this rank's CUDA device only
@@ -71,14 +71,14 @@ def initialising():
     """Every wait that starts inside the block (on any group, any thread) may take ``SBP_INIT_TIMEOUT``.
 
     For one-time work whose length one rank cannot bound for its peers
-    (building, loading, a plan's first run). Every rank enters and leaves
+    (building, loading, a plan's first runs). Every rank enters and leaves
     its blocks at the same points of the job; a wait under way when the
     block ends keeps the bound it started with.
     """
     global _initialising
     _initialising += 1
-    _apply()
     try:
+        _apply()
         yield
     finally:
         _initialising -= 1

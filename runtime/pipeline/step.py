@@ -115,6 +115,9 @@ from .tied import TiedGrads
 from .weight_pass import input_first
 
 
+FIRST_RUNS = 2  # a plan's runs that may hold one-time work (set-up, audit, compilation): see PipelineStep._run
+
+
 @dataclass
 class Stash:
     """One micro-batch's activations held between its forward and its backward."""
@@ -319,7 +322,7 @@ class PipelineStep:
         self.plan = self._plan(self.batches, cfg.micro_batches, train=True)
         self._quiet_plan = None  # the step's plan without the loss's trip to rank 0 (step(report=False))
         self._eval_plans: dict = {}
-        self._ran: set = set()  # id() of every plan run once (its first run waits under SBP_INIT_TIMEOUT)
+        self._runs: dict = {}  # id(plan) -> its runs done (the first FIRST_RUNS wait under SBP_INIT_TIMEOUT)
 
     # -- actions ---------------------------------------------------------------------------
 
@@ -721,11 +724,14 @@ class PipelineStep:
             self._shards.swap()
         # A plan's first run holds one-time work that a rank's peers wait through: its channels' set-up
         # and, under torch.compile, each stage's compilation, one stage after another along the pipeline.
-        first = initialising() if id(plan) not in self._ran else contextlib.nullcontext()
+        # A data-parallel stage's first step runs (and audits) on global tensors, which stay eager: its
+        # second, on plain tensors, is where it compiles. Counted per plan, alike on every rank.
+        runs = self._runs.get(id(plan), 0)
+        first = initialising() if runs < FIRST_RUNS else contextlib.nullcontext()
         try:
             with first:
                 res = run(plan, pieces, timeout=self.cfg.timeout, trace=trace)
-            self._ran.add(id(plan))
+            self._runs[id(plan)] = runs + 1
         finally:  # evaluation, or a failed step: the module gets its global parameters back
             if self._shards is not None:
                 self._shards.restore()

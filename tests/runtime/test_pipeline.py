@@ -376,7 +376,7 @@ def test_bad_pipeline_input_is_refused_before_anything_runs():
 
 
 def _joined(rank, world, port, timeout: float, init_timeout: float):
-    """Join a fresh gloo world whose groups wait ``timeout`` s (``init_timeout`` s in a plan's first run);
+    """Join a fresh gloo world whose groups wait ``timeout`` s (``init_timeout`` s in a plan's first runs);
     returns ``benchkit.pipeline_parity``, which builds the pipelines."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
@@ -486,16 +486,20 @@ def test_no_receive_on_rank_0_waits_for_a_whole_step_or_evaluation(tmp_path):
     assert got[0] == got[1] and min(eval(got[0])) > 0, got
 
 
-LATE_S = 4.0  # the last stage's one slow forward: over SBP_TIMEOUT, under SBP_INIT_TIMEOUT
+LATE_S = 5.0  # the last stage's one slow forward: over SBP_TIMEOUT (3 s), under SBP_INIT_TIMEOUT
 
 
 def _slow_first_and_third_step(rank, world, port, out_dir):
-    """pp2, timeout 2 s, init timeout 60 s: the last stage's first forward of steps 0 and 2 takes ``LATE_S``
-    (a stage compiling its forward; a hang later). What each rank got from steps 0, 1, 2."""
-    vp = _joined(rank, world, port, 2.0, 60.0)
+    """pp2, timeout 3 s, init timeout 60 s: the last stage's first forward of steps 0 and 2 takes ``LATE_S``
+    (a stage compiling its forward; a hang later). What each rank got from steps 0, 1, 2 (the plan's first
+    two runs wait under the init timeout, ``runtime.pipeline.step.FIRST_RUNS``)."""
+    vp = _joined(rank, world, port, 3.0, 60.0)
+    from sbp_core import process_groups
+
     got = []
     try:
-        step, _ = vp.build(1, 1, 2)
+        with process_groups.initialising():  # built as a Job is
+            step, _ = vp.build(1, 1, 2)
         if rank == 1:
             forward, calls = step.forward, []
 
@@ -518,10 +522,13 @@ def _slow_first_and_third_step(rank, world, port, out_dir):
 def test_a_plans_first_run_waits_under_the_init_timeout_and_later_runs_under_the_timeout(tmp_path):
     """A first step (compilation, set-up) may keep a peer waiting up to ``SBP_INIT_TIMEOUT``; the same wait in a
     later step ends every rank with an error after ``SBP_TIMEOUT``."""
+    from runtime.pipeline.step import FIRST_RUNS
+
+    assert FIRST_RUNS == 2  # step 2 is the plan's first run under SBP_TIMEOUT
     procs = _spawn(_slow_first_and_third_step, 2, tmp_path)
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
     for r in range(2):
         got = (tmp_path / f"rank{r}").read_text().split("\n")
         assert len(got) == 3 and float(got[0]) > 0 and float(got[1]) > 0, (r, got)
         assert "Error" in got[2] or "Failure" in got[2], (r, got)
-    assert "timeout 2 s" in (tmp_path / "rank0").read_text(), (tmp_path / "rank0").read_text()
+    assert "timeout 3 s" in (tmp_path / "rank0").read_text(), (tmp_path / "rank0").read_text()
