@@ -519,7 +519,7 @@ def _slow_first_and_third_step(rank, world, port, out_dir):
     os._exit(0)
 
 
-def test_a_plans_first_run_waits_under_the_init_timeout_and_later_runs_under_the_timeout(tmp_path):
+def test_a_plans_first_runs_wait_under_the_init_timeout_and_later_runs_under_the_timeout(tmp_path):
     """A first step (compilation, set-up) may keep a peer waiting up to ``SBP_INIT_TIMEOUT``; the same wait in a
     later step ends every rank with an error after ``SBP_TIMEOUT``."""
     from runtime.pipeline.step import FIRST_RUNS
