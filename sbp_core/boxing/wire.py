@@ -90,8 +90,9 @@ def _from_bytes(data: bytes, dtype: str, shape, device_type: str) -> torch.Tenso
     return flat.view(getattr(torch, dtype)).reshape(shape).to(_here(device_type))
 
 
-def _from_host(t: torch.Tensor, device_type: str, requires_grad: bool) -> torch.Tensor:
-    return t.to(_here(device_type)).requires_grad_(requires_grad)
+def _from_host(t: torch.Tensor, device_type: str, requires_grad: bool, parameter: bool = False) -> torch.Tensor:
+    t = t.to(_here(device_type))
+    return torch.nn.Parameter(t, requires_grad=requires_grad) if parameter else t.requires_grad_(requires_grad)
 
 
 class _Pickler(pickle.Pickler):
@@ -99,9 +100,10 @@ class _Pickler(pickle.Pickler):
         if isinstance(obj, torch.Tensor) and obj.dtype in _UNPICKLED:
             data = obj.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
             return _from_bytes, (data, str(obj.dtype).removeprefix("torch."), tuple(obj.shape), obj.device.type)
-        if isinstance(obj, torch.Tensor) and obj.device.type == "cuda":
-            # torch pickles a CUDA tensor with its device index, which on the receiver may be another rank's GPU
-            return _from_host, (obj.detach().cpu(), "cuda", obj.requires_grad)
+        if type(obj) in (torch.Tensor, torch.nn.Parameter) and obj.device.type == "cuda":
+            # torch pickles a CUDA tensor with its device index, which on the receiver may be another rank's
+            # GPU. (Other subclasses pickle as they define: a global tensor's local comes back through here.)
+            return _from_host, (obj.detach().cpu(), "cuda", obj.requires_grad, type(obj) is torch.nn.Parameter)
         return NotImplemented
 
 

@@ -58,12 +58,15 @@ def test_a_cuda_tensor_in_a_host_message_lands_on_the_receivers_current_gpu():
 
     sender = torch.device("cuda", torch.cuda.device_count() - 1)  # a GPU other than the receiver's, given two
     weight = torch.randn(3, 4, device=sender, requires_grad=True)
-    message = {"weight": weight, "ids": torch.arange(5, device=sender).to(torch.uint16), "step": 3}
+    message = {"weight": weight, "ids": torch.arange(5, device=sender).to(torch.uint16), "step": 3,
+               "param": torch.nn.Parameter(torch.ones(2, device=sender))}
     data = dumps(message)
+    assert b"cuda:" not in data and b"cuda:" in pickle.dumps(weight)  # no device index, where torch's has one
     with torch.cuda.device(0):
         got = pickle.loads(data)
     assert got["weight"].device == torch.device("cuda", 0) and got["ids"].device == torch.device("cuda", 0)
     assert got["weight"].requires_grad and got["step"] == 3
+    assert type(got["param"]) is torch.nn.Parameter and got["param"].device == torch.device("cuda", 0)
     torch.testing.assert_close(got["weight"].detach().cpu(), weight.detach().cpu(), rtol=0, atol=0)
     assert got["ids"].dtype == torch.uint16 and got["ids"].cpu().tolist() == [0, 1, 2, 3, 4]
 
