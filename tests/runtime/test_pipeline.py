@@ -545,14 +545,18 @@ def _under_nccl_control(name: str, dtype: str):
     import runtime.executor as executor
     from sbp_core import process_groups
 
-    real = dist.get_backend
+    class WorldAsNccl:
+        """``torch.distributed`` for ``process_groups`` alone (torch itself sees gloo), the world's backend NCCL."""
 
-    def backend(group=None):
-        return "nccl" if group is None else real(group)
+        def __getattr__(self, name):
+            return getattr(dist, name)
+
+        def get_backend(self, group=None):
+            return "nccl" if group is None else dist.get_backend(group)
 
     host = lambda: torch.device("cpu")  # noqa: E731  (the job's device, which NCCL's would be a GPU)
-    with mock.patch.object(dist, "get_backend", backend), mock.patch.object(process_groups, "world_device", host), \
-            mock.patch.object(executor, "world_device", host):
+    with mock.patch.object(process_groups, "dist", WorldAsNccl()), \
+            mock.patch.object(process_groups, "world_device", host), mock.patch.object(executor, "world_device", host):
         return run_pipeline(name, dtype=dtype), len(process_groups._twinned)
 
 
