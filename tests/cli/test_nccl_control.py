@@ -1,0 +1,71 @@
+"""A whole training job as NCCL runs it, on CPU: gpt2 dp2_tp2 with an evaluation and checkpoints, the world read
+as NCCL by ``sbp_core.process_groups`` alone while every group stays gloo on the host. Each group then gets its
+gloo control twin on every rank, layout checks, headers, the checkpoint's object collectives and the
+runtime's tokens go over the twins, as on GPUs; the losses, evaluation and checkpoint must be the job's
+own, bit for bit."""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from omegaconf import OmegaConf
+
+from tests.cli.pooled import _rank_train
+from tests.cli.test_train_cli import TINY
+from toolkit.config import compose, save_resolved_config, validate
+
+JOB = [*TINY, "parallel=dp2_tp2", "trainer.eval_every=3", "trainer.eval_steps=1", "trainer.save_every=2"]
+
+
+def _train_as_nccl(container: dict):
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    import runtime.executor as executor
+    from sbp_core import process_groups
+
+    class WorldAsNccl:
+        def __getattr__(self, name):
+            return getattr(dist, name)
+
+        def get_backend(self, group=None):
+            return "nccl" if group is None else dist.get_backend(group)
+
+    host = lambda: torch.device("cpu")  # noqa: E731  (the job's device, which NCCL's would be a GPU)
+    with mock.patch.object(process_groups, "dist", WorldAsNccl()), \
+            mock.patch.object(process_groups, "world_device", host), mock.patch.object(executor, "world_device", host):
+        _rank_train(container)
+        return len(process_groups._twinned)
+
+
+def _rows(run_dir) -> list:
+    with open(os.path.join(str(run_dir), "metrics.jsonl")) as f:
+        return [{k: v for k, v in json.loads(line).items() if k not in ("tokens_per_s", "tflops", "mfu", "mem")}
+                for line in f]
+
+
+def test_a_job_under_nccls_control_messages_is_the_jobs_own(tmp_path, sbp_cache):
+    from recipes.registry import get
+    from toolkit import checkpoint as ckpt
+    from toolkit.rank_pool import RankPool, get_pool
+
+    runs = {}
+    for way in ("gloo", "as_nccl"):
+        run = tmp_path / way
+        cfg = compose([*JOB, f"data.cache_dir={sbp_cache}"], run_dir=str(run))
+        layout = validate(cfg, get(cfg.recipe.name))
+        save_resolved_config(cfg, run)
+        container = OmegaConf.to_container(cfg, resolve=True)
+        if way == "gloo":
+            get_pool(layout.world_size).run(_rank_train, container, call_timeout=600)
+        else:
+            with RankPool(layout.world_size, timeout=60.0) as pool:  # its own: the twins stay in its workers
+                twins = pool.run(_train_as_nccl, container, call_timeout=180)
+            assert len(set(twins)) == 1 and twins[0] > 1, twins
+        runs[way] = run
+    assert _rows(runs["gloo"]) == _rows(runs["as_nccl"])
+    assert any("val_loss" in r for r in _rows(runs["as_nccl"]))
+    a, b = (ckpt.load(str(runs[w] / "checkpoints"), {"model": None})["model"] for w in ("gloo", "as_nccl"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
