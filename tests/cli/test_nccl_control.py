@@ -19,23 +19,10 @@ JOB = [*TINY, "parallel=dp2_tp2", "trainer.eval_every=3", "trainer.eval_steps=1"
 
 
 def _train_as_nccl(container: dict):
-    from unittest import mock
-
-    import torch.distributed as dist
-
-    import runtime.executor as executor
     from sbp_core import process_groups
+    from tests.as_nccl import world_read_as_nccl
 
-    class WorldAsNccl:
-        def __getattr__(self, name):
-            return getattr(dist, name)
-
-        def get_backend(self, group=None):
-            return "nccl" if group is None else dist.get_backend(group)
-
-    host = lambda: torch.device("cpu")  # noqa: E731  (the job's device, which NCCL's would be a GPU)
-    with mock.patch.object(process_groups, "dist", WorldAsNccl()), \
-            mock.patch.object(process_groups, "world_device", host), mock.patch.object(executor, "world_device", host):
+    with world_read_as_nccl():
         _rank_train(container)
         return len(process_groups._twinned)
 

@@ -535,28 +535,11 @@ def test_a_plans_first_runs_wait_under_the_init_timeout_and_later_runs_under_the
 
 
 def _under_nccl_control(name: str, dtype: str):
-    """``run_pipeline`` with the world read as NCCL while every group stays gloo on the host: each group gets
-    its control twin, headers and objects go over the twins, and a tensor's receive waits for its sender's
-    token first (``collectives.recv_tensor``), as on GPUs. Returns (its result, the twins this rank built)."""
-    from unittest import mock
-
-    import torch.distributed as dist
-
-    import runtime.executor as executor
+    """``run_pipeline`` under NCCL's control flow (``tests.as_nccl``); (its result, the twins this rank built)."""
     from sbp_core import process_groups
+    from tests.as_nccl import world_read_as_nccl
 
-    class WorldAsNccl:
-        """``torch.distributed`` for ``process_groups`` alone (torch itself sees gloo), the world's backend NCCL."""
-
-        def __getattr__(self, name):
-            return getattr(dist, name)
-
-        def get_backend(self, group=None):
-            return "nccl" if group is None else dist.get_backend(group)
-
-    host = lambda: torch.device("cpu")  # noqa: E731  (the job's device, which NCCL's would be a GPU)
-    with mock.patch.object(process_groups, "dist", WorldAsNccl()), \
-            mock.patch.object(process_groups, "world_device", host), mock.patch.object(executor, "world_device", host):
+    with world_read_as_nccl():
         return run_pipeline(name, dtype=dtype), len(process_groups._twinned)
 
 
