@@ -426,7 +426,7 @@ def exchange(sends, recvs) -> list:
 class _AllOf:
     """Several works waited as one."""
 
-    def __init__(self, works, group=None):
+    def __init__(self, works, group):
         self.works, self.group = works, group
 
     def wait(self) -> None:

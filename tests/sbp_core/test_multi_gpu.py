@@ -54,29 +54,27 @@ def test_each_mesh_axis_reduces_over_its_own_ranks_on_cpus():
 
 
 def _twins_under_nccl(rank_sets):
-    """``process_groups.ensure(rank_sets)`` as under NCCL (the world's backend read as ``nccl``; every group
-    still gloo), from no cached group: ``(the groups and twins this rank built, in order; for each group it
-    is in, the ranks of its control group)``."""
+    """``process_groups.ensure(rank_sets)`` under NCCL's control flow (``tests.as_nccl``), from no cached group:
+    ``(the groups and twins this rank built, in order; for each group it is in, the ranks of its control
+    group)``."""
     from unittest import mock
 
     import torch.distributed as dist
 
     from sbp_core import process_groups as pg
+    from tests.as_nccl import world_read_as_nccl
 
     me = dist.get_rank()
     saved = dict(pg._groups), dict(pg._twins), set(pg._twinned)
-    real_new, real_backend, built = dist.new_group, dist.get_backend, []
+    real_new, built = dist.new_group, []
 
     def new_group(ranks, *args, **kwargs):
         built.append((tuple(ranks), kwargs.get("backend") or "default"))
         return real_new(ranks, *args, **kwargs)
 
-    def backend(group=None):
-        return "nccl" if group is None else real_backend(group)
-
     pg._groups.clear(), pg._twins.clear(), pg._twinned.clear()
     try:
-        with mock.patch.object(dist, "new_group", new_group), mock.patch.object(dist, "get_backend", backend):
+        with mock.patch.object(dist, "new_group", new_group), world_read_as_nccl():
             pg.ensure(rank_sets)
         controls = {key: dist.get_process_group_ranks(pg.control_group(g)) for key, g in pg._groups.items()
                     if me in key}
