@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from .. import ledger
 from ..layout import reduce_rows, shard_sizes
-from ..process_groups import group_of, world_rank
+from ..process_groups import get_timeout, group_of, world_rank
 from .collectives import (_REDUCE, _all_gather_flat, _failure, _group_order, _reduce_scatter_flat, all_gather,
                           all_reduce, all_to_all, reduce, reduce_scatter, sums_terms)
 from .wire import moved, reduces_as_is
@@ -81,10 +81,11 @@ def plan_all_to_all(ranks, split_dim: int, cat_dim: int, local_shape, cat_length
         else:
             inp = torch.cat(local.chunk(p, split_dim))
         out = inp.new_empty(stacked)
+        bound = get_timeout()
         try:
             dist.all_to_all_single(moved(out), moved(inp), group=group)
         except RuntimeError as exc:
-            raise _failure("all_to_all", ranks, exc) from exc
+            raise _failure("all_to_all", ranks, exc, bound) from exc
         return _joined(out, cat_dim, p)
 
     return run
@@ -110,10 +111,11 @@ def plan_all_gather(ranks, dim: int, local_shape, length: int):
     def run(local: torch.Tensor) -> torch.Tensor:
         ledger.record("all_gather", p, sent * local.element_size(), ranks)
         buf = local.new_empty(stacked)
+        bound = get_timeout()
         try:
             _all_gather_flat(moved(buf), moved(local.contiguous()), group=group)
         except RuntimeError as exc:
-            raise _failure("all_gather", ranks, exc) from exc
+            raise _failure("all_gather", ranks, exc, bound) from exc
         return _joined(buf, dim, p)
 
     return run
@@ -142,13 +144,14 @@ def plan_reduce_scatter(ranks, dim: int, full_shape, op: str):
         ledger.record("reduce_scatter", p, sent * full.element_size(), ranks)
         inp = full.contiguous() if dim == 0 else full.reshape(view).permute(order).contiguous()
         out = inp.new_empty((p,) + piece if by_terms else piece)
+        bound = get_timeout()
         try:
             if by_terms:  # in their own shapes, as plan_all_gather's (flat views: ~25 us more CPU on gloo)
                 dist.all_to_all_single(out, inp, group=group)
             else:
                 _reduce_scatter_flat(out.view(-1), inp.view(-1), op=red, group=group)
         except RuntimeError as exc:
-            raise _failure("reduce_scatter", ranks, exc) from exc
+            raise _failure("reduce_scatter", ranks, exc, bound) from exc
         return reduce_rows(out, op) if by_terms else out
 
     return run
@@ -164,10 +167,11 @@ def _planned_reduction(name: str, ranks, op: str, sent: int, collective, general
             return general(t)
         ledger.record(name, p, sent * t.element_size(), ranks)
         out = t.clone(memory_format=torch.contiguous_format)
+        bound = get_timeout()
         try:
             collective(out)
         except RuntimeError as exc:
-            raise _failure(name, ranks, exc) from exc
+            raise _failure(name, ranks, exc, bound) from exc
         return out
 
     return run

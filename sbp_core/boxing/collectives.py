@@ -42,9 +42,11 @@ class CollectiveError(RuntimeError):
     """A collective or transfer failed or timed out; names the op, the peers and the rank."""
 
 
-def _failure(name: str, peers, exc: RuntimeError) -> CollectiveError:
+def _failure(name: str, peers, exc: RuntimeError, bound: float | None = None) -> CollectiveError:
+    """``bound``: the timeout the wait started under (``get_timeout()`` then); now's when not given."""
+    bound = get_timeout() if bound is None else bound
     return CollectiveError(f"{name} with ranks {sorted(peers)} failed on rank {world_rank()} "
-                           f"(timeout {get_timeout():g} s for sbp_core's groups): {exc}")
+                           f"(timeout {bound:g} s for sbp_core's groups): {exc}")
 
 
 def _collective(peers_of):
@@ -53,12 +55,13 @@ def _collective(peers_of):
     def wrap(fn):
         @functools.wraps(fn)
         def call(*args, **kwargs):
+            bound = get_timeout()
             try:
                 return fn(*args, **kwargs)
             except RuntimeError as exc:
                 if isinstance(exc, CollectiveError):
                     raise
-                raise _failure(fn.__name__, peers_of(*args, **kwargs), exc) from exc
+                raise _failure(fn.__name__, peers_of(*args, **kwargs), exc, bound) from exc
 
         return call
 
@@ -222,14 +225,14 @@ class Pending:
     def __init__(self, work, finish, ranks, then=None):
         self._work, self._finish, self._ranks, self._then = work, finish, ranks, then
         self._next = None
+        self._bound = get_timeout()  # the bound the collective started under, for its error
 
     def _done_first(self):
         if self._work is not None:
             try:
                 self._work.wait()  # a collective's own bound (the group's timeout), or _AllOf's
             except RuntimeError as exc:
-                raise CollectiveError(f"collective with ranks {sorted(self._ranks)} failed on rank {world_rank()} "
-                                      f"(timeout {get_timeout():g} s for sbp_core's groups): {exc}") from exc
+                raise _failure("collective", self._ranks, exc, self._bound) from exc
             self._work = None
         return self._finish()
 

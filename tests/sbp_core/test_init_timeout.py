@@ -88,3 +88,45 @@ def test_initialising_widens_the_bound_and_restores_it():
     finally:
         process_groups.set_timeout(saved[0])
         process_groups.set_init_timeout(saved[1])
+
+
+def _late_for_a_collective_begun_inside(tag: str):
+    """Rank 0 starts an all-reduce inside ``initialising()`` and waits for it after the block has ended; rank 1
+    joins ``LATE_S`` late, after rank 0's bound. Returns (what rank 0 got, its wait in s)."""
+    import time
+
+    import torch.distributed as dist
+
+    from sbp_core import process_groups
+    from sbp_core.boxing import collectives
+
+    saved = process_groups._timeout_s, process_groups._init_timeout_s
+    try:
+        process_groups.set_timeout(TIMEOUT_S / 2)
+        process_groups.set_init_timeout(TIMEOUT_S)
+        group = process_groups.channel_group(f"begun-inside-{tag}", (0, 1))
+        start = time.monotonic()
+        try:
+            if dist.get_rank() == 1:
+                time.sleep(LATE_S)
+            t = torch.ones(1)
+            with process_groups.initialising():
+                pending = collectives.Pending(dist.all_reduce(t, group=group, async_op=True), lambda: t, (0, 1))
+            got = pending.wait().item()
+        except RuntimeError as exc:
+            got = f"{type(exc).__name__}: {exc}"
+        waited = time.monotonic() - start
+    finally:
+        process_groups.set_timeout(saved[0])
+        process_groups.set_init_timeout(saved[1])
+    dist.barrier()
+    return got, waited
+
+
+def test_a_failed_wait_names_the_bound_it_started_under():
+    """The collective began under the init bound and waits under it after the block: its error says so."""
+    from toolkit.rank_pool import get_pool
+
+    (got, waited), _ = get_pool(2).run(_late_for_a_collective_begun_inside, "a")
+    assert got.startswith("CollectiveError") and f"timeout {TIMEOUT_S:g} s" in got, got
+    assert TIMEOUT_S - 0.2 <= waited < LATE_S, waited
