@@ -149,11 +149,13 @@ class RowMoments:
         return f"{self.row0}:{self.col0}"
 
     def absorb(self, pieces: dict) -> None:
-        """Take the rows and columns of this shard from saved pieces of any layout."""
+        """Take the rows and columns of this shard from saved pieces of any layout, on any device (a
+        checkpoint loads them on the host; the moments live on the parameter's device)."""
+        here = self._m.device
         for piece in pieces.values():
             r0, nr, c0, nc = (int(v) for v in piece["box"])
             lo, hi = max(c0, self.col0), min(c0 + nc, self.col0 + self.n_cols)
-            index = piece["index"].to(torch.int64)
+            index = piece["index"].to(here, torch.int64)
             keep = (index >= self.row0) & (index < self.row0 + self.n_rows)
             if hi <= lo or not bool(keep.any()):
                 continue
@@ -161,7 +163,7 @@ class RowMoments:
             order = torch.argsort(rows)
             slots = self.slots(rows[order])
             for name, buf in (("exp_avg", self._m), ("exp_avg_sq", self._v)):
-                vals = piece[name][keep][order].to(buf.dtype)
+                vals = piece[name].to(here)[keep][order].to(buf.dtype)
                 buf[slots, lo - self.col0:hi - self.col0] = vals[:, lo - c0:hi - c0]
 
 

@@ -1,4 +1,4 @@
-"""Every recipe trains, evaluates and checkpoints on one GPU through ``train.py`` (``pytest -m cuda``).
+"""Every recipe trains, evaluates, checkpoints and resumes on one GPU through ``train.py`` (``pytest -m cuda``).
 
 These runs take the paths only CUDA takes beyond what ``scripts/gpu_check.py``
 runs (which evaluates nothing): cuDNN's batch norm in InsightFace's
@@ -31,16 +31,26 @@ CASES = {
 }
 
 
-@pytest.mark.cuda
-@pytest.mark.parametrize("recipe", sorted(CASES))
-def test_a_recipe_trains_evaluates_and_saves_on_one_gpu(recipe, tmp_path, sbp_cache):
-    overrides, metric = CASES[recipe]
+def _train(overrides: list, run_dir, sbp_cache: str) -> list:
+    """``train.py`` on the GPU into ``run_dir``; the rows of its metrics file."""
     env = {**os.environ, "SBP_CACHE_DIR": sbp_cache, "HYDRA_FULL_ERROR": "1", "SBP_TIMEOUT": "120"}
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *overrides, *COMMON,
-                          f"hydra.run.dir={tmp_path}"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *overrides, f"hydra.run.dir={run_dir}"],
+                         env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
-    with open(tmp_path / "metrics.jsonl") as f:
-        rows = [json.loads(line) for line in f]
+    with open(run_dir / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("recipe", ["wide_deep", "insightface", "gpt2"])  # the optimizer state of its own first
+def test_a_recipe_trains_evaluates_saves_and_resumes_on_one_gpu(recipe, tmp_path, sbp_cache):
+    """Two steps, an evaluation and a checkpoint; then a third step resumed from it, whose checkpoint loads
+    on the host and goes back to the GPU (model, optimizer state of every kind, random state)."""
+    overrides, metric = CASES[recipe]
+    rows = _train([*overrides, *COMMON], tmp_path, sbp_cache)
     assert [r["step"] for r in rows if "loss" in r] == [1, 2], rows
     assert [r["step"] for r in rows if metric in r] == [2], rows
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["latest", "step_2"]
+    rows = _train([*overrides, *COMMON, "trainer.max_steps=3", "trainer.resume=auto"], tmp_path, sbp_cache)
+    assert [r["step"] for r in rows if "loss" in r][-1:] == [3], rows
+    assert "step_3" in os.listdir(tmp_path / "checkpoints")
