@@ -161,6 +161,15 @@ def control_group(group):
     return group if twin is None else twin
 
 
+def world_control_group():
+    """The world's group for host-side messages (a checkpoint's agreement and planning): under NCCL its
+    gloo twin, built on first use, which is collective over the world as every group's building is; the
+    world group itself otherwise."""
+    if world_size() > 1:
+        ensure([tuple(range(world_size()))])
+    return control_group(dist.group.WORLD)
+
+
 def tensor_device(group) -> torch.device:
     """Where tensors sent on ``group`` must live: this rank's CUDA device under NCCL, else the host."""
     if group is not None and dist.get_backend(group) == "nccl":

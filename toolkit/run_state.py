@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 
+import sbp_core as sc
 from toolkit import checkpoint as ckpt
 from toolkit.checkpoint._dist import agree
 
@@ -37,9 +38,13 @@ def _state(job, step: int) -> dict:
 
 
 def save(job, step: int) -> str:
-    """Every rank: checkpoint ``step`` under the run directory (keeps ``trainer.keep_last``)."""
-    return ckpt.save(checkpoint_root(job.cfg.run_dir), step, _state(job, step),
-                     keep_last=int(job.cfg.trainer.keep_last), tied=job.recipe.tied)
+    """Every rank: checkpoint ``step`` under the run directory (keeps ``trainer.keep_last``).
+
+    Under ``SBP_INIT_TIMEOUT``: ranks wait for the slowest writer and for rank 0's publishing, which a
+    large state on a slow file system can keep past ``SBP_TIMEOUT``."""
+    with sc.initialising():
+        return ckpt.save(checkpoint_root(job.cfg.run_dir), step, _state(job, step),
+                         keep_last=int(job.cfg.trainer.keep_last), tied=job.recipe.tied)
 
 
 def resume(job) -> int:

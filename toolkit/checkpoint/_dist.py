@@ -4,7 +4,9 @@
 ``torch.distributed`` initialised they run as a world of one, so scripts
 (``convert_hf.py``) need no process group. Object collectives here carry
 our own small Python values between live processes; nothing read from disk
-is ever unpickled.
+is ever unpickled. They go over ``group()``, the world's gloo group (its
+control twin under NCCL), as ``torch.distributed.checkpoint``'s own planning
+messages do: on the host, off the GPUs' streams.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from contextlib import contextmanager
 
 import torch.distributed as dist
 
+from sbp_core.process_groups import world_control_group
 from sbp_core.process_groups import world_rank as rank  # noqa: F401  (this rank; 0 without a process group)
 
 from .errors import CheckpointError
@@ -31,11 +34,16 @@ def world_size() -> int:
     return dist.get_world_size() if initialized() else 1
 
 
+def group():
+    """The world's group for host messages (``None`` without a process group)."""
+    return world_control_group() if initialized() else None
+
+
 def all_gather_object(obj) -> list:
     if not initialized():
         return [obj]
     out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=group())
     return out
 
 

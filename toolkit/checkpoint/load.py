@@ -212,6 +212,7 @@ def load(path: str, template: dict | None = None, *, per_rank=None, tied=()) -> 
     try:
         with _dist.single_process_quiet():
             dcp.load(filler.flat, storage_reader=reader, no_dist=not _dist.initialized(),
+                     process_group=_dist.group(),
                      planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False))
     except CheckpointException as exc:
         raise unwrap(exc, f"reading {ckpt.path}") from None

@@ -196,6 +196,7 @@ def _write_mine(tmp: str, tensors: dict, writers: dict) -> tuple:
     try:
         with _dist.single_process_quiet():
             dcp.save(flat, storage_writer=writer, no_dist=not _dist.initialized(),
+                     process_group=_dist.group(),
                      planner=DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False))
     except CheckpointException as exc:
         raise unwrap(exc, f"writing {tmp}") from None
