@@ -743,15 +743,22 @@ class PipelineStep:
         return self.last_loss
 
     def evaluate(self, batches, micro_batches: int, index: int = 0):
-        """Mean loss of ``micro_batches`` micro-batches of ``batches`` (step ``index``), forward only."""
+        """Mean loss of ``micro_batches`` micro-batches of ``batches`` (step ``index``), forward only, in eval
+        mode (no dropout, batch norm's running statistics; each module's mode is restored after)."""
         key = (id(batches), micro_batches)
         if key not in self._eval_plans:
             self._eval_plans[key] = self._plan(batches, micro_batches, train=False)
         saved, self.step_index = self.step_index, index
+        modules = list({id(m): m for m in (self.module, *self.chunks.values()) if m is not None}.values())
+        modes = [[(m, m.training) for m in root.modules()] for root in modules]
+        for root in modules:
+            root.train(False)
         try:
             return self._run(self._eval_plans[key], micro_batches, batches, train=False)
         finally:
             self.step_index = saved
+            for m, mode in (pair for pairs in modes for pair in pairs):
+                m.training = mode
 
     def step(self, index: int | None = None, report: bool = True):
         """One optimizer step over ``micro_batches`` micro-batches; the mean loss where known, else ``None``.

@@ -105,6 +105,29 @@ def test_an_evaluation_leaves_the_step_index_where_training_was():
         assert with_eval == without and with_eval[2] == 2, (with_eval, without)
 
 
+def _evaluations_with_dropout():
+    """pp2 with dropout 0.5, virtual stages (the chunks are views of the rank's module): two evaluations of
+    one batch, the modes of the rank's modules and views after them, and a training step's loss."""
+    import dataclasses
+
+    from benchkit.pipeline_parity import CFG, build
+
+    step, module = build(1, 1, 2, cfg=dataclasses.replace(CFG, embd_pdrop=0.5, resid_pdrop=0.5, attn_pdrop=0.5),
+                         virtual=2)
+    first = step.evaluate(step.batches, MICRO, index=1)
+    second = step.evaluate(step.batches, MICRO, index=1)
+    roots = [module, *step.chunks.values()] if module is not None else []
+    training = all(m.training for root in roots for m in root.modules())
+    return (None if first is None else float(first), None if second is None else float(second), training,
+            float(step.step(0) or 0.0))
+
+
+def test_an_evaluation_runs_without_dropout_and_leaves_training_on():
+    for first, second, training, loss in get_pool(8).run(_evaluations_with_dropout)[:2]:
+        assert first is not None and first == second  # dropout would draw other masks the second time
+        assert training and loss > 0
+
+
 def _one_device_one_stage():
     """pp1 on rank 0 (the other ranks hold no stage): three clipped steps with the global clip forbidden."""
     from unittest import mock
