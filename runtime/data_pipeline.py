@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import torch
 
+from sbp_core.boxing.collectives import block_until_done
+
 from .plan import ActorSpec
 
 STAGES = ("read", "decode", "collate", "to_device")
@@ -90,7 +92,7 @@ def to_device(batch, device):
     for t in copied:
         t.record_stream(compute)
     if copied:
-        stream.synchronize()
+        block_until_done(stream)
     return out
 
 

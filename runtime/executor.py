@@ -292,10 +292,15 @@ def _local_specs(plan: Plan, me: int) -> list:
     channels = _channels(plan)
     local = [s for s in plan.actors if s.rank == me]
     # On a GPU each local producer with a consumer elsewhere marks its value's kernels (``_marking``), so
-    # its sends wait for them alone, not for the compute its thread queued after them.
+    # its sends wait for them alone, not for the compute its thread queued after them. One off the compute
+    # thread (a boundary's cut) runs its kernels behind the marks of its compute inputs alone
+    # (``collectives.after_marks``), which their actors take as they make them.
     device = None if host_only() else world_device()
     marks = {src: {} for src, a, _ in channels if a == me and device is not None and device.type == "cuda"}
-    local = [replace(s, action=_marking(s.action, marks[s.name], device)) if s.name in marks else s for s in local]
+    by_name = {s.name: s for s in local}
+    upstream = {i: {} for s in local if s.name in marks and s.queue != "compute"
+                for i in s.inputs if i in by_name and by_name[i].queue == "compute"}
+    local = [_marked(s, marks, upstream, device) for s in local]
     for c, (src, a, b) in enumerate(channels):
         group = _channel_group(src, a, b)
         queue_name = f"network:{c}"
@@ -358,13 +363,41 @@ def _after(receive):
     return act
 
 
-def _marking(action, marks: dict, device):
-    """``action``, then a ``collectives.ready_mark`` of what it queued, kept in ``marks`` under its piece
-    for the sends of its value (a producer and each of its senders count the same pieces in order)."""
+def _marked(spec: ActorSpec, marks: dict, upstream: dict, device) -> ActorSpec:
+    """``spec``, marking its values for its sends (``marks``) and for the actors off the compute thread that
+    read them (``upstream``); one of those runs behind its inputs' marks (``_marking_after``)."""
+    kept = [m[spec.name] for m in (marks, upstream) if spec.name in m]
+    if not kept:
+        return spec
+    if spec.queue != "compute" and spec.name in marks:
+        ups = [upstream.get(i) for i in spec.inputs]
+        return replace(spec, action=_marking_after(spec.action, marks[spec.name], ups, device))
+    return replace(spec, action=_marking(spec.action, kept, device))
+
+
+def _marking(action, kept: list, device):
+    """``action``, then a ``collectives.ready_mark`` of what it queued, kept in each dict of ``kept`` under its
+    piece for the sends of its value and the actors that read it (a producer and each of its readers count
+    the same pieces in order)."""
 
     def act(piece, *values):
         out = action(piece, *values)
-        marks[piece] = collectives.ready_mark(device)
+        mark = collectives.ready_mark(device)
+        for marks in kept:
+            marks[piece] = mark
+        return out
+
+    return act
+
+
+def _marking_after(action, marks: dict, upstream: list, device):
+    """``action`` with its kernels behind its inputs' marks alone (``upstream``: each input's marks by piece,
+    or ``None`` for an input its actor does not mark), then the mark of its value in ``marks``."""
+
+    def act(piece, *values):
+        with collectives.after_marks(device, [None if u is None else u.get(piece) for u in upstream]):
+            out = action(piece, *values)
+            marks[piece] = collectives.ready_mark(device)
         return out
 
     return act

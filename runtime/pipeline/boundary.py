@@ -28,11 +28,17 @@ def as_tuple(out) -> tuple:
 
 def _cut(slices, select, dtype):
     """The cut's action: ``slices`` of the selected local, contiguous, in the boundary layout's ``dtype``
-    (the shape and dtype the cut declares as its ``out``, so its channel sends the data alone)."""
+    (the shape and dtype the cut declares as its ``out``, so its channel sends the data alone).
+
+    On a GPU a copy it makes runs on the copy thread's own stream (the executor's ``after_marks``), so the
+    local it reads is recorded as in use there: its memory belongs to the compute thread's stream."""
     def cut(piece, value):
         value = select(value)
         local = value.to_local() if isinstance(value, GlobalTensor) else value
-        return local.detach()[slices].to(dtype).contiguous()
+        out = local.detach()[slices].to(dtype).contiguous()
+        if out.is_cuda:
+            local.record_stream(torch.cuda.current_stream(out.device))
+        return out
 
     return cut
 

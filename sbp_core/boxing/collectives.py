@@ -521,6 +521,61 @@ def _on_transfer_device(t: torch.Tensor, group, ready):
     return u, None if copied else ready
 
 
+def block_until_done(stream) -> None:
+    """Block this thread until what ``stream`` has queued is done, yielding its core while it waits.
+
+    ``stream.synchronize()`` spins a core where a process has one CUDA
+    context (CUDA's default scheduling), one per waiting thread: a rank's
+    transfer and read-ahead threads would take cores its compute thread and
+    NCCL's proxy threads need. A blocking event sleeps instead.
+    """
+    done = torch.cuda.Event(blocking=True)
+    done.record(stream)
+    done.synchronize()
+
+
+def _own_stream(device: torch.device):
+    """This thread's own stream on ``device``, for its transfers (``_settled``) or kernels (``after_marks``)."""
+    streams = _P2P.__dict__.setdefault("streams", {})
+    if device not in streams:
+        # High priority: torch hands streams out round-robin from a pool of 32 per priority, and NCCL's
+        # communicators take theirs from the normal pool. Two threads' transfers on one stream would
+        # queue a send behind a receive posted ahead; from their own pool these streams are distinct
+        # up to 32 threads (a dp2_tp2_pp2 rank with two stages per pipeline rank runs 7 transfer threads).
+        streams[device] = torch.cuda.Stream(device, priority=-1)
+    return streams[device]
+
+
+@contextlib.contextmanager
+def after_marks(device: torch.device, marks):
+    """Queue the block's kernels on this thread's own stream, behind the ``ready_mark``s ``marks`` alone
+    (``None`` among them: behind everything this thread's current stream has queued so far).
+
+    For an actor off the compute thread that works on the compute thread's
+    values (a pipeline boundary's cut on the copy thread): on the device's
+    default stream, which every thread shares, its kernels and a
+    ``ready_mark`` taken after them would also wait for whatever compute the
+    compute thread queued since its value, such as a step-end all-reduce
+    that waits for the other stage, which waits for this very send. Inside
+    the block a ``ready_mark`` covers the block's kernels and the marked
+    values' alone. A tensor the block reads and a kernel of the block uses
+    must be ``record_stream``-ed on the current stream by the block (its
+    memory belongs to the stream that made it). Anything not CUDA: nothing
+    to do.
+    """
+    if device.type != "cuda":
+        yield
+        return
+    stream = _own_stream(device)
+    for mark in marks:
+        if mark is None:
+            stream.wait_stream(torch.cuda.current_stream(device))
+        else:
+            stream.wait_event(mark)
+    with torch.cuda.stream(stream):
+        yield
+
+
 @contextlib.contextmanager
 def _settled(device: torch.device, after_current: bool = True, ready=None):
     """Run the block's transfers on a stream of this thread's own, and return once they are done.
@@ -544,21 +599,14 @@ def _settled(device: torch.device, after_current: bool = True, ready=None):
     if device.type != "cuda":
         yield
         return
-    streams = _P2P.__dict__.setdefault("streams", {})
-    if device not in streams:
-        # High priority: torch hands streams out round-robin from a pool of 32 per priority, and NCCL's
-        # communicators take theirs from the normal pool. Two threads' transfers on one stream would
-        # queue a send behind a receive posted ahead; from their own pool these streams are distinct
-        # up to 32 transfer threads (a dp2_tp2_pp2 rank with two stages per pipeline rank runs 7).
-        streams[device] = torch.cuda.Stream(device, priority=-1)
-    stream = streams[device]
+    stream = _own_stream(device)
     if ready is not None:
         stream.wait_event(ready)
     elif after_current:
         stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
         yield
-    stream.synchronize()
+    block_until_done(stream)
 
 
 def _received(buf: torch.Tensor) -> torch.Tensor:

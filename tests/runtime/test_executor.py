@@ -345,3 +345,48 @@ def test_on_a_host_only_rank_producers_are_left_unwrapped():
     with mock.patch.object(executor, "channel_group", return_value=None):
         specs = {s.name: s for s in executor._local_specs(plan, 0)}
     assert specs["p"].action is plan.actors[0].action
+
+
+def test_on_a_gpu_a_producer_off_the_compute_thread_runs_behind_its_inputs_marks_alone():
+    """A boundary's cut (the copy thread) sends a compute actor's value: the compute actor marks each value it
+    makes; the cut runs behind that mark alone (``after_marks``) and takes its own mark inside, which its send
+    waits for. So the send never waits for compute queued after the value on the shared default stream."""
+    from contextlib import contextmanager
+
+    from runtime import executor
+
+    plan = Plan([ActorSpec("F", lambda k: torch.full((2,), float(k))),
+                 ActorSpec("cut", lambda k, x: x * 2, inputs=("F",), queue="copy", out=((2,), torch.float32)),
+                 ActorSpec("asm", lambda k, x: x, inputs=("cut",), queue="copy", rank=1)])
+    marks, events = iter(range(100, 200)), []
+
+    def ready_mark(device):
+        events.append(("mark", mark := next(marks), inside))
+        return mark
+
+    @contextmanager
+    def after_marks(device, waits):
+        nonlocal inside
+        events.append(("behind", list(waits)))
+        inside = True
+        try:
+            yield
+        finally:
+            inside = False
+
+    inside = False
+    with mock.patch.object(executor, "host_only", return_value=False), \
+            mock.patch.object(executor, "world_device", return_value=torch.device("cuda", 0)), \
+            mock.patch.object(executor, "channel_group", return_value=None), \
+            mock.patch.object(executor.collectives, "ready_mark", side_effect=ready_mark), \
+            mock.patch.object(executor.collectives, "after_marks", side_effect=after_marks), \
+            mock.patch.object(executor.collectives, "send_tensor",
+                              side_effect=lambda t, dst, group, ready: events.append(("send", float(t[0]), ready))):
+        specs = {s.name: s for s in executor._local_specs(plan, 0)}
+        values = [specs["F"].action(k) for k in range(2)]  # marked 100, 101 on the compute thread
+        cuts = [specs["cut"].action(k, values[k]) for k in range(2)]
+        for k in range(2):
+            specs["send:cut->1"].action(k, cuts[k])
+    assert events == [("mark", 100, False), ("mark", 101, False),
+                      ("behind", [100]), ("mark", 102, True), ("behind", [101]), ("mark", 103, True),
+                      ("send", 0.0, 102), ("send", 2.0, 103)], events

@@ -5,7 +5,9 @@ receive posted ahead of its data on the default stream would hold up every
 kernel queued after it (``collectives._settled``). Two GPUs would show the
 deadlock itself; one shows the contract: inside the block the current
 stream is the thread's own, and on return what the block queued is done;
-given a producer's ready mark, the transfer waits for that alone.
+given a producer's ready mark, the transfer waits for that alone. Work of
+another thread on a value (a pipeline boundary's cut) runs behind the
+value's mark alone too (``after_marks``).
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import threading
 import pytest
 import torch
 
-from sbp_core.boxing.collectives import _settled, ready_mark
+from sbp_core.boxing.collectives import _settled, after_marks, ready_mark
 
 
 def test_a_transfer_off_cuda_runs_on_the_current_stream_unchanged():
@@ -99,6 +101,42 @@ def test_a_send_waits_for_its_producers_mark_not_for_compute_queued_after_it():
         sent = y + 1
     assert current.query()  # without a mark the transfer waited for the sleep as well
     torch.testing.assert_close(sent, x * 3 + 1)
+
+
+def test_off_cuda_work_behind_marks_runs_as_it_is():
+    with after_marks(torch.device("cpu"), [None]):
+        x = torch.ones(3) * 2
+    assert x.sum() == 6
+
+
+@pytest.mark.cuda
+def test_a_cut_on_another_thread_runs_behind_its_producers_mark_not_behind_later_compute():
+    """The compute thread marks its value, then queues a long kernel; a copy thread's cut of the value, run
+    behind that mark (``after_marks``), and the mark taken after it are done while the long kernel runs.
+    On the shared default stream the cut's mark would wait for that kernel too."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    x = torch.randn(1024, device=device)
+    torch.cuda.synchronize(device)
+    y = x * 2  # the producer's value, on the compute thread's (default) stream
+    produced = ready_mark(device)
+    torch.cuda._sleep(2_000_000_000)  # compute queued after it: about a second on any current GPU
+    got = {}
+
+    def cut():
+        with after_marks(device, [produced]):
+            out = y[::2].to(torch.bfloat16).contiguous()  # a cut that copies
+            y.record_stream(torch.cuda.current_stream(device))
+            got["mark"] = ready_mark(device)
+        got["mark"].synchronize()
+        got["busy"] = not torch.cuda.current_stream(device).query()  # the default stream, still sleeping
+        got["out"] = out
+
+    t = threading.Thread(target=cut)
+    t.start()
+    t.join()
+    assert got["busy"], "the cut's mark waited for the compute queued after its value"
+    torch.testing.assert_close(got["out"].float(), (x * 2)[::2].to(torch.bfloat16).float())
+    torch.cuda.synchronize(device)
 
 
 def _receive_posted_after_the_token():

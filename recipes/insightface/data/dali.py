@@ -22,6 +22,7 @@ import threading
 import torch
 
 from runtime.data_pipeline import copy_stream
+from sbp_core.boxing.collectives import block_until_done
 
 _PIPES: dict = {}  # key -> (pipeline, its lock)
 _BUILD = threading.Lock()
@@ -73,6 +74,6 @@ def decode(payloads: list, size: int, device) -> torch.Tensor:
         (out,) = pipe.run()
         with torch.cuda.stream(stream):
             batch = torch.utils.dlpack.from_dlpack(out.as_tensor()).clone()
-        stream.synchronize()  # the copy has read DALI's buffer before its next run
+        block_until_done(stream)  # the copy has read DALI's buffer before its next run
     batch.record_stream(torch.cuda.default_stream(device))  # where the step reads it
     return batch
