@@ -17,6 +17,7 @@ import os
 
 import sbp_core as sc
 from toolkit import checkpoint as ckpt
+from toolkit.checkpoint import rng
 from toolkit.checkpoint._dist import agree
 
 
@@ -64,6 +65,10 @@ def resume(job) -> int:
     ckpt.load_optimizer_state_dict(job.optimizer, job.module, out["optim"])
     job.scheduler.load_state_dict(out["scheduler"])
     ckpt.set_rng_state(out["rng"])
+    ranks = job.placements[job.stage].ranks
+    if rng.agree_within(ranks) and job.rank == min(ranks):
+        print(f"resume: ranks {sorted(ranks)} (a stage's placement) restored different random states (a checkpoint "
+              f"saved in another layout); each takes rank {min(ranks)}'s", flush=True)
     if out.get("loss_scale") and job.pipe.loss_scale is not None:  # fp16 resumes its scale
         job.pipe.loss_scale.load_state_dict(out["loss_scale"])
     _refresh(job)

@@ -5,7 +5,8 @@ generator of this rank's device where the job uses CUDA
 (``torch.cuda.current_device()``: one GPU per rank, so a job resumed on
 another machine or node count restores each rank's own), Python's
 ``random`` and numpy's global generator as tensors and plain data;
-``set_rng_state`` restores them.
+``set_rng_state`` restores them, and ``agree_within`` puts one placement's
+ranks back in step after a resume in another layout.
 """
 from __future__ import annotations
 
@@ -26,6 +27,35 @@ def rng_state() -> dict:
     state["numpy"] = {"name": name, "keys": keys.tolist(), "pos": int(pos), "has_gauss": int(has_gauss),
                       "cached_gaussian": float(cached)}
     return state
+
+
+def agree_within(ranks) -> bool:
+    """Give every rank of ``ranks`` (this rank among them) the torch generators' states of ``ranks[0]``
+    where they differ; returns whether they did. Collective over ``ranks`` (a host message).
+
+    A dispatched random op (dropout on a global tensor) draws the global
+    draw on every rank of its placement from torch's generators, so they
+    must be in step there. Restored per rank from a checkpoint saved in
+    another layout, they need not be: the ranks of one new placement may
+    hold the states of different old stages.
+    """
+    from sbp_core.boxing.collectives import all_gather_object
+
+    ranks = sorted(ranks)
+    if len(ranks) < 2:
+        return False
+    mine = {k: v for k, v in rng_state().items() if k in ("torch", "cuda")}
+    states = all_gather_object(mine, ranks)
+    if all(_same(states[0], s) for s in states[1:]):
+        return False
+    torch.set_rng_state(states[0]["torch"])
+    if states[0].get("cuda") is not None and torch.cuda.is_initialized():
+        torch.cuda.set_rng_state(states[0]["cuda"], torch.cuda.current_device())
+    return True
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def set_rng_state(state: dict) -> None:
