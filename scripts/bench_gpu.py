@@ -18,7 +18,9 @@ One process, one device (a 1-rank process group, as ``train.py`` on one
 device). ``ours``: ``toolkit.trainer.Job`` stepping ``job.pipe.step(i)``,
 its data read by the runtime's pipeline.
 ``plain``: ``toolkit.plain_loop.PlainLoop``, the same model class, seed,
-optimizer family (fused on CUDA), schedule, precision and clipping; on a
+optimizer (GPT-2's AdamW fused on CUDA; InsightFace's Partial FC SGD and
+Wide&Deep's lazy Adam are the recipes' own on both sides), schedule,
+precision and clipping; on a
 GPU its batches are copied to the device before any timing (ours reads
 its batches ahead on worker threads, ``toolkit.data.ReadAhead``, which also
 copy them to the device on a side stream, beside the GPU's work); with
@@ -48,12 +50,14 @@ with its 90% bootstrap interval.
 the device was busy (the rest of the step it waited for the host), the
 kernel launches, the copies by direction, the CUDA calls that blocked a
 thread, and where each synchronizing op was called; ``--trace-dir`` keeps
-each way's Chrome trace. Those steps are not in the ratios.
+each way's Chrome trace. Those steps are not in the ratios; a case's
+profile runs after its ratio is printed, so a profiler that fails or hangs
+loses no timing.
 
 Last line: ``gpu bench: gpt2 A.AAx eager, B.BBx compiled; insightface C.CCx;
 wide_deep D.DDx (512), E.EEx (16384)`` (``-`` where a case did not run). The
 same line follows every case but the last with what has run so far, so a
-run cut short by a time limit still ends with one.
+run cut short by a time limit still has one (its last ``gpu bench:`` line).
 A case that raises prints its traceback and the next case runs; the exit
 status is then 1.
 """
@@ -90,6 +94,9 @@ class Ours:
         loads do, and none of its work runs in the plain loop's time."""
         self.job.pipe.batches.settle()
 
+    def close(self):
+        self.job.close()  # its read-ahead threads
+
 
 class Plain:
     def __init__(self, cfg, device, preload: int, compile: bool):
@@ -103,6 +110,9 @@ class Plain:
 
     def settle(self):
         pass  # nothing of the plain loop's runs after its step
+
+    def close(self):
+        pass
 
 
 def _clock(device):
@@ -118,8 +128,8 @@ def _sync(device, value):
 
 
 def _case(name, overrides, o, root):
-    """``{way: [seconds per step, per round]}`` of one case (ways: ours, plain); with ``o.profile``, it
-    prints each way's ``benchkit.device_profile`` of that many further steps."""
+    """``({way: [seconds per step, per round]}, the ways, the first step left)`` of one case (ways: ours,
+    plain)."""
     from toolkit.config import compose
 
     device = "cpu" if o.host_only else "cuda"
@@ -151,8 +161,14 @@ def _case(name, overrides, o, root):
             _sync(device, value)
             ways[w].settle()
             times[w].append((clock() - start) / o.steps)
-    first = o.warmup + o.rounds * o.steps
-    for w in list(ways) if o.profile else []:
+    return times, ways, o.warmup + o.rounds * o.steps
+
+
+def _profile(name, ways, o, first: int) -> None:
+    """Print each way's ``benchkit.device_profile`` of ``o.profile`` steps from ``first`` (after the case's
+    ratio is printed: a profiler that fails or hangs loses no timing)."""
+    device = "cpu" if o.host_only else "cuda"
+    for w in ways:
         trace = os.path.join(o.trace_dir, f"{name}-{w}.json.gz") if o.trace_dir else None
         try:
             prof = profile_steps(ways[w].step, range(first, first + o.profile), device, trace)
@@ -162,7 +178,6 @@ def _case(name, overrides, o, root):
         finally:
             ways[w].settle()
         print("\n".join(prof.lines(w)), flush=True)
-    return times
 
 
 def bench(o) -> list:
@@ -178,7 +193,7 @@ def bench(o) -> list:
             start = time.perf_counter()
             error = None
             try:
-                times = _case(name, overrides, o, root)
+                times, ways, first = _case(name, overrides, o, root)
             except Exception as e:  # the next cases still run: one GPU session gives one try
                 traceback.print_exc()
                 error = f"{type(e).__name__}: {e}"
@@ -196,11 +211,17 @@ def bench(o) -> list:
                   f"ours/plain throughput {med:.2f}x ({lo:.2f}-{hi:.2f})  [{r['seconds']:.0f} s]", flush=True)
             if name != cases[-1][0]:  # main prints the last one
                 print(summary(rows), flush=True)
+            if o.profile:
+                _profile(name, ways, o, first)
+            for way in ways.values():  # threads and device memory, freed before the next case
+                way.close()
+            del ways
+            _release(o)
     return rows
 
 
 def _release(o) -> None:
-    """Free what a failed case left behind (its ways, its cached GPU blocks) before the next one."""
+    """Free what a case left behind (its ways, its cached GPU blocks) before the next one."""
     gc.collect()
     if not o.host_only:
         torch.cuda.empty_cache()

@@ -43,7 +43,7 @@ def test_a_case_that_raises_is_reported_and_the_next_cases_still_run(monkeypatch
     def case(name, overrides, o, root):
         if name == "insightface":
             raise RuntimeError("CUDA error: out of memory")
-        return {"ours": [1.0, 1.0], "plain": [1.1, 1.1]}
+        return {"ours": [1.0, 1.0], "plain": [1.1, 1.1]}, {}, 0
 
     threads = torch.get_num_threads()
     monkeypatch.setattr(bench_gpu, "_case", case)
@@ -77,6 +77,9 @@ def test_a_round_of_ours_ends_after_its_read_ahead_loads_and_each_case_leaves_a_
         def settle(self):
             events.append((self.name, "settle"))
 
+        def close(self):
+            events.append((self.name, "close"))
+
     def clock():
         events.append(("clock",))
         return float(next(ticks))
@@ -92,6 +95,7 @@ def test_a_round_of_ours_ends_after_its_read_ahead_loads_and_each_case_leaves_a_
     finally:
         torch.set_num_threads(threads)
     assert code == 0
+    assert events.count(("ours", "close")) == events.count(("plain", "close")) == 2  # after each case
     marks = [i for i, e in enumerate(events) if e == ("clock",)]
     assert len(marks) == 2 * 2 * 2 * 2  # a start and an end per way, round and case
     for start, end in zip(marks[::2], marks[1::2]):
