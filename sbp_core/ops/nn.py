@@ -11,10 +11,11 @@ communicates except the boxing the dispatcher does to reach a signature.
   mean, rstd, w, b)`` -> ``(dx, dw, db)``: ``S(d)`` everywhere, ``w``/``b``
   ``B`` -> ``(S(d), P, P)``; all ``B`` -> ``B``; ``g`` ``P`` -> ``(P, P, P)``.
 - Dropout: ``F.dropout`` on CPU runs ``empty_like``, ``bernoulli_.float``,
-  ``div_``, ``mul``; ``native_dropout`` is what fused paths call. Both are
-  decomposed on *every* rank (inside the placement or not): the mask is drawn
-  for the global shape from the default generator exactly like single-device
-  aten, then each member keeps its piece (``take_local``). So the mask equals
+  ``div_``, ``mul``; ``native_dropout`` is what fused paths call (CUDA's
+  ``F.dropout``). Both are decomposed on *every* rank (inside the placement
+  or not): the mask is drawn for the global shape from the default
+  generator exactly like single-device aten (``native_dropout``'s by the
+  device's own kernel), then each member keeps its piece (``take_local``). So the mask equals
   single-device torch's for any layout, and all ranks' generators stay in
   step. Layouts: the mask takes the input's (``P`` -> ``B``), the output the
   input's (``P`` through the mask-multiply). ``native_dropout_backward(g,
@@ -118,15 +119,17 @@ def _bernoulli_(self, p=0.5, *, generator=None):
 
 
 def _native_dropout(x, p, train):
+    """The mask is the device's own ``native_dropout`` kernel's, run on a contiguous tensor of the global shape:
+    CPU's draws ``bernoulli_``; CUDA's fused kernel maps its random numbers to elements (and advances the
+    generator) its own way, which ``bernoulli_`` would not reproduce."""
     if train is not None and not train:
         return x.clone(), torch.ones_like(x, dtype=torch.bool)
     keep = 1.0 - p
     scale = 0.0 if keep == 0 else 1.0 / keep
-    full = _draw(x.shape, torch.empty(x.shape, device="meta").stride(), x.dtype, x.device, keep)
+    _, full = torch.ops.aten.native_dropout(torch.ones(x.shape, dtype=x.dtype, device=x.device), p, True)
     sbp = _no_partial(x.sbp)
-    mask = distribute(full, x.placement, sbp)
-    out = (x * mask).mul_(scale)
-    return out, distribute(full.to(torch.bool), x.placement, sbp)
+    out = (x * distribute(full.to(x.dtype), x.placement, sbp)).mul_(scale)
+    return out, distribute(full, x.placement, sbp)
 
 
 def _always(call) -> bool:

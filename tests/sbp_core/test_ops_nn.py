@@ -7,6 +7,7 @@ case names the output SBP it expects.
 """
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -206,3 +207,25 @@ def _vocab_parallel_grad_layout():
 def test_vocab_parallel_gradient_stays_row_split():
     out = get_pool(parity.WORLD).run(_vocab_parallel_grad_layout)
     assert out[0] in ((P, S0), (B, S0)), out[0]
+
+
+def _dropout_on_a_gpu(_):
+    """In a 1-rank NCCL job: ``F.dropout`` of a global tensor on the GPU (CUDA's fused ``native_dropout``)
+    against a plain tensor from the same generator state: (outputs equal, the draw after equal)."""
+    import sbp_core as sc
+
+    p = sc.placement("cuda", [0])
+    x = torch.randn(64, 33, device="cuda", dtype=torch.bfloat16)
+    g = sc.distribute(x, p, S0)
+    torch.manual_seed(5)
+    plain, after = F.dropout(x, 0.3), torch.rand(4, device="cuda")
+    torch.manual_seed(5)
+    glob, glob_after = F.dropout(g, 0.3).full_tensor(), torch.rand(4, device="cuda")
+    return bool(torch.equal(plain, glob)), bool(torch.equal(after, glob_after))
+
+
+@pytest.mark.cuda
+def test_dropout_of_a_global_tensor_on_a_gpu_draws_cudas_own_mask():
+    from toolkit.launcher import launch
+
+    assert launch(_dropout_on_a_gpu, None, 1, device="cuda") == (True, True)
