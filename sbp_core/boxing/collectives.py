@@ -33,7 +33,8 @@ import torch.distributed as dist
 
 from .. import ledger
 from ..layout import reduce_rows, reduce_terms, shard_sizes
-from ..process_groups import control_group, get_timeout, group_of, tensor_device, world_rank
+from ..process_groups import (control_group, get_timeout, group_of, tensor_device, world_control_group, world_rank,
+                              world_size)
 from ..torch_compat import all_gather_flat as _all_gather_flat, reduce_scatter_flat as _reduce_scatter_flat
 from .wire import dumps, moved, reduced, summable
 
@@ -466,12 +467,14 @@ def exchange_start(sends, recvs) -> Pending:
 def all_gather_object(obj, ranks) -> list:
     """Gather one small picklable object per rank (layout checks); records no tensor bytes.
 
-    Goes over the ranks' control group (gloo), so no device round trip under NCCL."""
+    Goes over the ranks' control group (gloo), so no device round trip under NCCL; the whole world's is built
+    on its first use here where no placement spans the world (every rank is in this call)."""
     p = len(ranks)
     if p == 1:
         return [obj]
     out = [None] * p
-    dist.all_gather_object(out, obj, group=control_group(group_of(ranks)))
+    control = world_control_group() if p == world_size() else control_group(group_of(ranks))
+    dist.all_gather_object(out, obj, group=control)
     order = _group_order(ranks)
     res = [None] * p
     for g, k in enumerate(order):

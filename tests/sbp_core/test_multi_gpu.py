@@ -96,3 +96,39 @@ def test_every_rank_builds_every_twin_though_it_is_outside_several_groups():
     assert builds[0] == [(s, kind) for s in sorted(sets) for kind in (("gloo",) if len(s) == 4 else ("default", "gloo"))]
     for rank, (_, controls) in enumerate(got):
         assert controls == {s: list(s) for s in sets if rank in s}, (rank, controls)
+
+
+def _world_gather_under_nccl():
+    """Groups (0, 1) and (2, 3) only, no placement over the world, under NCCL's control flow: an object
+    all-gather over every rank; ``(what it gathered, whether it went over a gloo twin)``."""
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    from sbp_core import process_groups as pg
+    from sbp_core.boxing import collectives
+    from tests.as_nccl import world_read_as_nccl
+
+    saved = dict(pg._groups), dict(pg._twins), set(pg._twinned)
+    real, groups = dist.all_gather_object, []
+
+    def all_gather_object(out, obj, group=None):
+        groups.append(group)
+        return real(out, obj, group=group)
+
+    pg._groups.clear(), pg._twins.clear(), pg._twinned.clear()
+    try:
+        with mock.patch.object(dist, "all_gather_object", all_gather_object), world_read_as_nccl():
+            pg.ensure([(0, 1), (2, 3)])
+            got = collectives.all_gather_object(dist.get_rank() * 10, [0, 1, 2, 3])
+            twins = {id(twin) for _, twin in pg._twins.values()}
+        return got, [id(g) in twins for g in groups]
+    finally:
+        pg._groups.clear(), pg._twins.clear(), pg._twinned.clear()
+        pg._groups.update(saved[0]), pg._twins.update(saved[1]), pg._twinned.update(saved[2])
+
+
+def test_an_object_gather_over_the_world_goes_over_a_twin_though_no_placement_spans_it():
+    """A pipeline without data or tensor parallelism has no placement over the world; its world-wide host
+    messages (the tied weights' layouts) still go over gloo, not through a device."""
+    assert get_pool(4).run(_world_gather_under_nccl) == [([0, 10, 20, 30], [True])] * 4
