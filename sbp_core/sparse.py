@@ -254,10 +254,12 @@ def rows_in_box(grad: SparseGlobalTensor | torch.Tensor, shape, mesh_shape, sbp,
     pbox = local_box(shape, mesh_shape, sbp, coords) if sbp else tuple((0, n) for n in shape)
     rows, vals = local._indices()[0], local._values()
     (r0, nr) = pbox[0]
-    if (r0, nr) != (0, shape[0]):  # else the shard has every row: no host read of a mask
-        keep = (rows >= r0) & (rows < r0 + nr)
-        if not bool(keep.all()):
-            rows, vals = rows[keep], vals[keep]
+    if (r0, nr) != (0, shape[0]):  # else the shard has every row: no host read
+        # Coalesced rows ascend: the shard's are one run of them, found with one host read (a mask would
+        # take one to test it and one per masked index on a GPU).
+        lo, hi = torch.searchsorted(rows, torch.tensor([r0, r0 + nr], device=rows.device)).tolist()
+        if (lo, hi) != (0, rows.numel()):
+            rows, vals = rows[lo:hi], vals[lo:hi]
     for d in range(1, len(shape)):
         (g0, gn), (p0, pn) = gbox[d], pbox[d]
         if p0 < g0 or p0 + pn > g0 + gn:
