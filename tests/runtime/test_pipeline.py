@@ -128,6 +128,34 @@ def test_an_evaluation_runs_without_dropout_and_leaves_training_on():
         assert training and loss > 0
 
 
+def _audit_of_a_compiled_plain_forward():
+    """The data-parallel audit of a stage whose plain forward is compiled: (its verdict, whether that forward
+    ran inside a compiled frame, call by call)."""
+    import sbp_core as sc
+    from runtime.pipeline import plain_stage
+    from runtime.pipeline.step import Stash
+    from sbp_core import sbp
+
+    placement = sc.placement("cpu", [0, 1])
+    x = sc.distribute(torch.arange(8.0).reshape(4, 2), placement, (sbp.split(0),))
+    seen = []
+
+    def forward(t):
+        seen.append(torch.compiler.is_compiling())
+        return t * 2
+
+    compiled = torch.compile(forward, backend="eager")
+    _, ok = plain_stage.audit(lambda: Stash(None, (x * 2,)), lambda: Stash(None, (compiled(x.to_local()),)),
+                              placement, 2, last=False)
+    return ok, seen
+
+
+def test_the_audit_runs_a_compiled_stages_plain_forward_eager():
+    """The audit tells whether rows couple, not how a compiler rounds: a compiled forward (``trainer.compile``,
+    whose bf16 kernels round otherwise than eager ones) runs eager on its plain side, as on the global one."""
+    assert get_pool(2).run(_audit_of_a_compiled_plain_forward) == [(True, [False])] * 2
+
+
 def _one_device_one_stage():
     """pp1 on rank 0 (the other ranks hold no stage): three clipped steps with the global clip forbidden."""
     from unittest import mock
