@@ -272,17 +272,23 @@ def _dispatched_step(optimizer) -> None:
     single-tensor ops read it without waiting for the device.
     A ``found_inf`` flag on the optimizer (fp16's overflow, ``LossScaler``),
     which only the fused kernels read, is read here: a step that overflowed
-    is skipped.
+    is skipped, and the single-tensor update, which refuses the flags, runs
+    without them (they are back on the optimizer after).
     """
     found = getattr(optimizer, "found_inf", None)
     if found is not None and float(found):  # only a fused kernel skips by the flag: the host decides here
         return
+    flags = {k: getattr(optimizer, k) for k in ("found_inf", "grad_scale") if getattr(optimizer, k, None) is not None}
     fused = [g for g in optimizer.param_groups if g.get("fused")]
     for g in fused:
         g["fused"] = False
+    for k in flags:
+        setattr(optimizer, k, None)
     try:
         optimizer.step()
     finally:
+        for k, v in flags.items():
+            setattr(optimizer, k, v)
         for g in fused:
             g["fused"] = True
         for g in fused if _may_step_locals(optimizer) else ():

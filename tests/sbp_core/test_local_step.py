@@ -114,6 +114,31 @@ def test_unboxed_gradients_partial_parameters_and_step_hooks_take_the_dispatched
         assert torch.equal(after, -torch.ones(4, 2))
 
 
+def _fused_with_a_flag_through_the_dispatched_step():
+    """A fused AdamW given fp16's overflow flag (``found_inf``, as ``PipelineStep.update`` hands it) whose
+    gradient is left partial, so it takes the dispatched step: (after a clean flag, after an overflow flag)."""
+    p = sc.placement("cpu", [0, 1])
+    q = torch.nn.Parameter(sc.distribute(torch.ones(4, 2), p, (sbp.broadcast,)))
+    opt = torch.optim.AdamW([q], lr=0.5, fused=True)
+    out = []
+    for flag in (0.0, 1.0):
+        q.grad = sc.to_global(torch.full((4, 2), 0.5), placement=p, sbp=(sbp.partial_sum,))
+        opt.found_inf, opt.grad_scale = torch.tensor(flag), None
+        try:
+            sc.step_on_locals(opt)
+        finally:
+            opt.found_inf = None
+        out.append(q.full_tensor().clone())
+    return out
+
+
+def test_a_fused_optimizers_overflow_flag_is_read_by_the_dispatched_step_too():
+    """The dispatched fallback runs the single-tensor update, which refuses the fused-only flags: it reads the
+    flag itself (an overflow skips the step) and hands the update none."""
+    for stepped, skipped in get_pool(WORLD).run(_fused_with_a_flag_through_the_dispatched_step)[:2]:
+        assert (stepped < 1).all() and torch.equal(skipped, stepped)
+
+
 def test_a_state_changed_between_local_steps_is_what_the_next_one_reads():
     """The locals' view of the optimizer is kept between steps; a replaced state entry, a loaded state dict and a
     new parameter group are seen by the next step (the same values as dispatched steps through the same events)."""
