@@ -59,6 +59,8 @@ class PlainLoop:
         torch.manual_seed(int(tr.seed))  # as the trainer seeds right before it builds the model
         self.model = materialized(recipe.build_model(cfg.model)).to(self.device)
         self.model.train()
+        if tr.activation_checkpointing:  # as the trainer does: each layer recomputed in backward
+            recipe.checkpoint_layers(self.model, cfg.model)
         self.forward = torch.compile(self.model) if compile else self.model
         self.optimizer = recipe.build_optimizer(self.model, cfg)
         self.scheduler = build_scheduler(self.optimizer, tr)

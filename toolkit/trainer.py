@@ -190,9 +190,9 @@ AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _holds_global(x) -> bool:
-    if isinstance(x, dict):
-        return any(isinstance(v, sc.GlobalTensor) for v in x.values())
-    return isinstance(x, sc.GlobalTensor)
+    """Whether ``x`` (a tensor, or a dict, tuple or list of them: a batch, a stage's boundary tensors) holds a
+    global tensor."""
+    return any(isinstance(t, sc.GlobalTensor) for t in torch.utils._pytree.tree_leaves(x))
 
 
 def compiled_forward(forward, modules: list, verbose: bool = False):
