@@ -83,7 +83,7 @@ class GradBuckets:
                              f"first_bucket_bytes={first_bucket_bytes}")
         self.on_done, self.always = on_done, always
         self.buckets: list = []  # [[weakref to leaf]]
-        self._where: dict = {}  # id(leaf) -> (bucket index, target sbp)
+        self._where: dict = {}  # id(leaf) -> (bucket index, target sbp, place in the bucket)
         size, cap = 0, first_bucket_bytes
         for leaf, target in reversed(list(zip(leaves, targets))):
             n = _nbytes(leaf)
@@ -92,8 +92,8 @@ class GradBuckets:
                     cap = bucket_bytes
                 self.buckets.append([])
                 size = 0
+            self._where[id(leaf)] = (len(self.buckets) - 1, target, len(self.buckets[-1]))
             self.buckets[-1].append(weakref.ref(leaf))
-            self._where[id(leaf)] = (len(self.buckets) - 1, target)
             size += n
             leaf.register_post_accumulate_grad_hook(self._ready)
         self._reset()
@@ -107,7 +107,7 @@ class GradBuckets:
     def _ready(self, leaf) -> None:
         if _deferred[0] and not self.always:
             return
-        b, target = self._where[id(leaf)]
+        b, target, _ = self._where[id(leaf)]
         if not self._queued:  # this backward's first gradient (a failed backward left nothing behind)
             self._reset()
             self._queued = True
@@ -120,7 +120,10 @@ class GradBuckets:
     def _start(self, b: int) -> None:
         for pending, _, _ in self._started:
             pending.advance()
-        ready, self._ready_in[b] = self._ready_in[b], []
+        # In the bucket's own order, not the hooks': every rank packs its pieces alike, whatever order
+        # autograd's threads hand the gradients in (a misaligned pack would sum unrelated pieces).
+        ready = sorted(self._ready_in[b], key=lambda item: self._where[id(item[0])][2])
+        self._ready_in[b] = []
         items, boxed, done = [], [], []
         for leaf, target in ready:
             grad = leaf.grad

@@ -123,3 +123,30 @@ def test_always_buckets_box_under_defer_grad_boxing():
         for i, sbp, full in got:
             assert sbp == S0, (i, sbp)
             assert (full - ref[i]).abs().max().item() <= 1e-5 * ref[i].abs().max().item(), i
+
+
+def test_a_bucket_packs_its_gradients_in_its_own_order_whatever_order_the_hooks_fire_in():
+    """Every rank must pack a bucket's pieces alike: the hooks' order (autograd's threads) is not trusted."""
+    from unittest import mock
+
+    from sbp_core import grad_buckets
+
+    p = sc.placement("cpu", [0])
+    leaves = [sc.distribute(torch.zeros(n), p, (sc.sbp.broadcast,), requires_grad=True) for n in (3, 4, 5)]
+    packed = []
+
+    def box_many_async(items):
+        packed.append([local.numel() for local, _, _ in items])
+        return mock.Mock()
+
+    gb = grad_buckets.GradBuckets(leaves, [(sc.sbp.broadcast,)] * 3, lambda leaf, g: None, bucket_bytes=1 << 20,
+                                  first_bucket_bytes=1 << 20)
+    with mock.patch.object(grad_buckets, "box_many_async", box_many_async):
+        for order in ((0, 1, 2), (2, 0, 1)):
+            gb._reset()
+            gb._queued = True  # as in a backward whose end-of-backward callback is queued (none here)
+            for i in order:
+                leaf = leaves[i]
+                leaf.grad = sc.GlobalTensor(torch.ones(leaf.shape), leaf.layout.with_sbp((sc.sbp.partial_sum,)))
+                gb._ready(leaf)
+    assert packed == [[5, 4, 3], [5, 4, 3]], packed  # the bucket's order: from the last leaf
