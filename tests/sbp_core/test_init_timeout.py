@@ -2,29 +2,41 @@
 other wait ``SBP_TIMEOUT``, on groups built under either, for gloo's sends, receives and collectives alike."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
 LATE_S, TIMEOUT_S, INIT_TIMEOUT_S = 3.0, 1.5, 30.0
 
 
+@contextlib.contextmanager
+def _bounds(steady: float, init: float):
+    """``process_groups``' two timeouts set for the block, then put back."""
+    from sbp_core import process_groups
+
+    saved = process_groups._timeout_s, process_groups._init_timeout_s
+    try:
+        process_groups.set_init_timeout(init)
+        process_groups.set_timeout(steady)
+        yield process_groups
+    finally:
+        process_groups.set_timeout(saved[0])
+        process_groups.set_init_timeout(saved[1])
+
+
 def _late_peer(where: str, op: str, tag: str):
     """Rank 1 joins a transfer (``op``: ``p2p`` or ``all_reduce``) on a fresh group ``LATE_S`` late; rank 0 waits
     for it ``inside`` or ``outside`` an ``initialising`` block. The group is built in the other state than the
     wait's, so the bound must follow the wait, not the group's birth. Returns (what rank 0 got, its wait in s)."""
-    import contextlib
     import time
 
     import torch.distributed as dist
 
-    from sbp_core import process_groups
     from sbp_core.boxing import collectives
 
-    saved = process_groups._timeout_s, process_groups._init_timeout_s
     inside = where == "inside"
-    try:
-        process_groups.set_init_timeout(INIT_TIMEOUT_S)
-        process_groups.set_timeout(TIMEOUT_S)
+    with _bounds(TIMEOUT_S, INIT_TIMEOUT_S) as process_groups:
         with contextlib.nullcontext() if inside else process_groups.initialising():
             group = process_groups.channel_group(f"late-{tag}", (0, 1))
         with process_groups.initialising() if inside else contextlib.nullcontext():
@@ -44,9 +56,6 @@ def _late_peer(where: str, op: str, tag: str):
             except RuntimeError as exc:
                 got = f"{type(exc).__name__}: {exc}"
             waited = time.monotonic() - start
-    finally:
-        process_groups.set_timeout(saved[0])
-        process_groups.set_init_timeout(saved[1])
     dist.barrier()  # under the pool's own timeout: both ranks are past the transfer before the next test's
     return got, waited
 
@@ -67,12 +76,7 @@ def test_a_late_peer_is_waited_for_inside_initialising_and_not_outside(op):
 
 
 def test_initialising_widens_the_bound_and_restores_it():
-    from sbp_core import process_groups
-
-    saved = process_groups._timeout_s, process_groups._init_timeout_s
-    try:
-        process_groups.set_timeout(30.0)
-        process_groups.set_init_timeout(100.0)
+    with _bounds(30.0, 100.0) as process_groups:
         assert process_groups.get_timeout() == 30.0
         with process_groups.initialising():
             assert process_groups.get_timeout() == 100.0
@@ -85,9 +89,6 @@ def test_initialising_widens_the_bound_and_restores_it():
             assert process_groups.get_timeout() == 30.0
         with pytest.raises(ValueError, match="positive"):
             process_groups.set_init_timeout(0)
-    finally:
-        process_groups.set_timeout(saved[0])
-        process_groups.set_init_timeout(saved[1])
 
 
 def _late_for_a_collective_begun_inside(tag: str):
@@ -97,13 +98,9 @@ def _late_for_a_collective_begun_inside(tag: str):
 
     import torch.distributed as dist
 
-    from sbp_core import process_groups
     from sbp_core.boxing import collectives
 
-    saved = process_groups._timeout_s, process_groups._init_timeout_s
-    try:
-        process_groups.set_timeout(TIMEOUT_S / 2)
-        process_groups.set_init_timeout(TIMEOUT_S)
+    with _bounds(TIMEOUT_S / 2, TIMEOUT_S) as process_groups:
         group = process_groups.channel_group(f"begun-inside-{tag}", (0, 1))
         start = time.monotonic()
         try:
@@ -116,9 +113,6 @@ def _late_for_a_collective_begun_inside(tag: str):
         except RuntimeError as exc:
             got = f"{type(exc).__name__}: {exc}"
         waited = time.monotonic() - start
-    finally:
-        process_groups.set_timeout(saved[0])
-        process_groups.set_init_timeout(saved[1])
     dist.barrier()
     return got, waited
 
