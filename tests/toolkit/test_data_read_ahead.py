@@ -267,17 +267,18 @@ def test_a_load_stuck_in_io_does_not_keep_the_process_from_ending(tmp_path):
     assert out.returncode == 0 and "leaving" in out.stdout, out.stdout + out.stderr
 
 
-@pytest.mark.parametrize("host, affinity, ranks, threads", [
-    (64, 64, 8, 4),   # 8 cores a rank: at most 4
-    (16, 16, 8, 1),   # 2 cores a rank: one for the step, one to read ahead
-    (64, 8, 8, 4),    # bound to its 8 cores: its share already, not divided again
-    (64, 3, 8, 2),
+@pytest.mark.parametrize("mine, parents, ranks, threads", [
+    (64, 64, 8, 4),   # the host's 64 cores shared by 8 ranks: 8 a rank, at most 4 threads
+    (16, 16, 8, 1),   # a container's 16 cores shared by 8 ranks: 2 a rank, one for the step
+    (8, 64, 8, 4),    # bound to 8 cores of its own: its share already, not divided again
+    (3, 64, 8, 2),
     (2, 2, 1, 1),
 ])
-def test_read_ahead_threads_are_a_ranks_share_of_the_cores(host, affinity, ranks, threads, monkeypatch):
+def test_read_ahead_threads_are_a_ranks_share_of_the_cores(mine, parents, ranks, threads, monkeypatch):
     from toolkit.data import batches
 
-    monkeypatch.setattr(batches.os, "cpu_count", lambda: host)
-    monkeypatch.setattr(batches.os, "sched_getaffinity", lambda pid: set(range(affinity)), raising=False)
+    me = os.getpid()
+    monkeypatch.setattr(batches.os, "sched_getaffinity",
+                        lambda pid: set(range(mine if pid in (0, me) else parents)), raising=False)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(ranks))
     assert batches.read_ahead_threads() == threads

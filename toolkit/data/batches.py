@@ -57,15 +57,25 @@ from .sampler import GlobalBatchSampler, micro_batch_rows
 
 
 def read_ahead_threads() -> int:
-    """Worker threads a rank reads ahead with: its share of this host's cores, less one for its step's own
-    thread, at most 4 and at least 1. A rank bound to fewer cores than the host has (``srun --cpu-bind``,
-    ``numactl``, torchrun's NUMA binding) has its share already; otherwise it is the cores divided among
-    the host's ``LOCAL_WORLD_SIZE`` ranks."""
-    host = os.cpu_count() or 1
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else host
-    ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    share = cores if cores < host else cores // ranks
-    return max(1, min(4, share - 1))
+    """Worker threads a rank reads ahead with: its share of the cores it may run on, less one for its step's
+    own thread, at most 4 and at least 1.
+
+    A rank bound to cores of its own (``srun --cpu-bind``, ``numactl``,
+    torchrun's NUMA binding: cores other than its parent process's) has its
+    share already. Otherwise the host's ``LOCAL_WORLD_SIZE`` ranks share the
+    cores (all of the host's, or a container's).
+    """
+    if not hasattr(os, "sched_getaffinity"):
+        cores, own = os.cpu_count() or 1, False
+    else:
+        mine = os.sched_getaffinity(0)
+        try:
+            own = mine != os.sched_getaffinity(os.getppid())
+        except OSError:  # the parent is gone or not ours to ask
+            own = False
+        cores = len(mine)
+    ranks = 1 if own else max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return max(1, min(4, cores // ranks - 1))
 
 
 class MicroBatches:
