@@ -220,36 +220,48 @@ class Pending:
     result and returns its ``Pending``: ``advance()`` waits for the first and
     starts the follow-up early (so it too overlaps whatever runs next);
     ``wait()`` does what is left. Every rank must start, advance and wait its
-    collectives in the same order.
+    collectives in the same order. ``ordered``: the follow-up runs after the
+    first by itself (NCCL: one communicator's collectives run in order on its
+    stream) and ``finish`` only hands over the first's output, so ``advance``
+    starts it without waiting; under NCCL a wait makes the current stream
+    (backward's, in a gradient bucket's hook) wait for the first collective.
+    ``wait()`` waits for both.
     """
 
-    def __init__(self, work, finish, ranks, then=None):
+    def __init__(self, work, finish, ranks, then=None, ordered: bool = False):
         self._work, self._finish, self._ranks, self._then = work, finish, ranks, then
         self._next = None
+        self._ordered = ordered
         self._bound = get_timeout()  # the bound the collective started under, for its error
 
-    def _done_first(self):
+    def _wait_first(self) -> None:
         if self._work is not None:
             try:
                 self._work.wait()  # a collective's own bound (the group's timeout), or _AllOf's
             except RuntimeError as exc:
                 raise _failure("collective", self._ranks, exc, self._bound) from exc
             self._work = None
+
+    def _done_first(self):
+        self._wait_first()
         return self._finish()
 
     def advance(self) -> None:
-        """Wait for the first collective and start the follow-up, if any and not yet started.
+        """Wait for the first collective (unless ``ordered``) and start the follow-up, if any and not yet
+        started.
 
         Always waits rather than only when the first is already done: whether it is
         differs between ranks, and collectives must start in one order on all of them."""
         if self._then is not None and self._next is None:
-            self._next = self._then(self._done_first())
+            self._next = self._then(self._finish() if self._ordered else self._done_first())
 
     def wait(self):
         if self._then is None:
             return self._done_first()
         self.advance()
-        return self._next.wait()
+        out = self._next.wait()
+        self._wait_first()  # where ordered, not waited yet (done: the follow-up ran after it)
+        return out
 
 
 def _done(value, ranks) -> Pending:
@@ -292,10 +304,11 @@ def reduce_scatter_start(chunks: torch.Tensor, ranks, op: str, record: bool = Tr
     work = _reduce_scatter_flat(reduced(out), reduced(inp), op=_REDUCE[op], group=group, async_op=True)
 
     def finish():
-        held.clear()
+        held.clear()  # the backend keeps its own hold on ``inp`` until its work is waited
         return out
 
-    return Pending(work, finish, ranks)
+    # NCCL: a collective started after this one on its group runs after it (``Pending``'s ``ordered``).
+    return Pending(work, finish, ranks, ordered=dist.get_backend(group) == "nccl")
 
 
 @_by_ranks
@@ -351,7 +364,7 @@ def all_reduce_packed_start(packed: torch.Tensor, ranks, op: str, counts, owned:
         return Pending(work, lambda: out.view(p, -1), ranks)
     first = reduce_scatter_start(packed, ranks, op, record=False)
     return Pending(first._work, first._finish, ranks,
-                   then=lambda mine: all_gather_start(mine, ranks, record=False))
+                   then=lambda mine: all_gather_start(mine, ranks, record=False), ordered=first._ordered)
 
 
 @_by_ranks
