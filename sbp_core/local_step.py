@@ -272,23 +272,27 @@ def _dispatched_step(optimizer) -> None:
     single-tensor ops read it without waiting for the device.
     A ``found_inf`` flag on the optimizer (fp16's overflow, ``LossScaler``),
     which only the fused kernels read, is read here: a step that overflowed
-    is skipped, and the single-tensor update, which refuses the flags, runs
-    without them (they are back on the optimizer after).
+    is skipped, and the single-tensor update, which refuses the flag, runs
+    without it (it is back on the optimizer after). A ``grad_scale`` (scaled
+    gradients the fused kernel would unscale) is refused: the gradients must
+    be unscaled first, as ``LossScaler`` does.
     """
+    if getattr(optimizer, "grad_scale", None) is not None:
+        raise ValueError(f"{type(optimizer).__name__}.grad_scale is set, but this step runs unfused on global "
+                         "tensors: unscale the gradients first (sc.LossScaler's unscale) and leave grad_scale None")
     found = getattr(optimizer, "found_inf", None)
     if found is not None and float(found):  # only a fused kernel skips by the flag: the host decides here
         return
-    flags = {k: getattr(optimizer, k) for k in ("found_inf", "grad_scale") if getattr(optimizer, k, None) is not None}
     fused = [g for g in optimizer.param_groups if g.get("fused")]
     for g in fused:
         g["fused"] = False
-    for k in flags:
-        setattr(optimizer, k, None)
+    if found is not None:
+        optimizer.found_inf = None
     try:
         optimizer.step()
     finally:
-        for k, v in flags.items():
-            setattr(optimizer, k, v)
+        if found is not None:
+            optimizer.found_inf = found
         for g in fused:
             g["fused"] = True
         for g in fused if _may_step_locals(optimizer) else ():

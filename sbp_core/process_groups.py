@@ -21,8 +21,9 @@ Under NCCL a group carries tensors on this rank's CUDA device only
 (``tensor_device``). Small host-side messages (a channel's header, a
 pickled object, a gang's pick, a layout check) go over the group's
 *control twin* instead: a gloo group of the same ranks, built with it, so
-they never cost a device round trip. Under any other backend a group is
-its own twin.
+they never cost a device round trip (the world's, where no placement spans
+the world, on its first use: ``world_control_group``). Under any other
+backend a group is its own twin.
 """
 from __future__ import annotations
 

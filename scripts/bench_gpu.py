@@ -142,7 +142,17 @@ def _case(name, overrides, o, root):
     # On a GPU the plain loop's batches wait on the device (ours reads ahead on worker threads while
     # the GPU works). On a CPU host nothing can overlap the step, so there both loops read
     # their batches each step and the ratio is the runtime's own host work.
-    ways = {"ours": Ours(cfg), "plain": Plain(cfg, device, 0 if o.host_only else total, compiled)}
+    ways = {"ours": Ours(cfg)}
+    try:
+        ways["plain"] = Plain(cfg, device, 0 if o.host_only else total, compiled)
+        return _timed(ways, o, device)
+    except BaseException:
+        _close(ways)  # a case that fails leaves no read-ahead threads behind
+        raise
+
+
+def _timed(ways, o, device):
+    """``_case``'s result for built ``ways``: warm-up, then the balanced rounds."""
     for way in ways.values():
         for i in range(o.warmup):
             _sync(device, way.step(i))
@@ -209,15 +219,26 @@ def bench(o) -> list:
             r = rows[-1]
             print(f"{name:18s} ours {r['ours_ms']:9.2f} ms  plain {r['plain_ms']:9.2f} ms  "
                   f"ours/plain throughput {med:.2f}x ({lo:.2f}-{hi:.2f})  [{r['seconds']:.0f} s]", flush=True)
-            if name != cases[-1][0]:  # main prints the last one
+            if name != cases[-1][0] or o.profile:  # main prints the last one, after any profile
                 print(summary(rows), flush=True)
             if o.profile:
-                _profile(name, ways, o, first)
-            for way in ways.values():  # threads and device memory, freed before the next case
-                way.close()
+                try:
+                    _profile(name, ways, o, first)
+                except Exception:  # the case's timings stand, and the next cases still run
+                    traceback.print_exc()
+            _close(ways)
             del ways
             _release(o)
     return rows
+
+
+def _close(ways) -> None:
+    """Close every way (its threads; its device memory goes with it), whatever one raises."""
+    for way in ways.values():
+        try:
+            way.close()
+        except Exception:  # the others still close; the case's timings stand
+            traceback.print_exc()
 
 
 def _release(o) -> None:

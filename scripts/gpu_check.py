@@ -157,7 +157,7 @@ def main(argv=None) -> int:
             except Exception as e:  # the next recipes still run: one GPU session gives one try
                 traceback.print_exc()
                 results.append({"recipe": name, "ok": False, "error": f"{type(e).__name__}: {e}"})
-            row = _table(results[-1:]).splitlines()[-1]  # now: a step cut by its time limit keeps the rows so far
+            row = _table(results[-1:]).splitlines()[-1]  # each as it comes: a run cut short keeps the rows so far
             print(f"{name}: checked in {time.perf_counter() - start:.0f} s: {row}", flush=True)
     print(_table(results))
     gpt2 = next((r for r in results if r["recipe"] == "gpt2"), None)

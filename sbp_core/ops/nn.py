@@ -121,12 +121,13 @@ def _bernoulli_(self, p=0.5, *, generator=None):
 def _native_dropout(x, p, train):
     """The mask is the device's own ``native_dropout`` kernel's, run on a contiguous tensor of the global shape:
     CPU's draws ``bernoulli_``; CUDA's fused kernel maps its random numbers to elements (and advances the
-    generator) its own way, which ``bernoulli_`` would not reproduce."""
+    generator) its own way, which ``bernoulli_`` would not reproduce. So the mask is one device's for a
+    contiguous input (CUDA's kernel maps a strided one otherwise)."""
     if train is not None and not train:
         return x.clone(), torch.ones_like(x, dtype=torch.bool)
     keep = 1.0 - p
     scale = 0.0 if keep == 0 else 1.0 / keep
-    _, full = torch.ops.aten.native_dropout(torch.ones(x.shape, dtype=x.dtype, device=x.device), p, True)
+    _, full = torch.ops.aten.native_dropout(torch.empty(x.shape, dtype=x.dtype, device=x.device), p, True)
     sbp = _no_partial(x.sbp)
     out = (x * distribute(full.to(x.dtype), x.placement, sbp)).mul_(scale)
     return out, distribute(full, x.placement, sbp)

@@ -129,14 +129,22 @@ def _fused_with_a_flag_through_the_dispatched_step():
         finally:
             opt.found_inf = None
         out.append(q.full_tensor().clone())
+    q.grad = sc.to_global(torch.full((4, 2), 0.5), placement=p, sbp=(sbp.partial_sum,))
+    opt.grad_scale = torch.tensor(1024.0)  # still-scaled gradients: the unfused step cannot unscale them
+    try:
+        sc.step_on_locals(opt)
+        out.append("stepped")
+    except ValueError as exc:
+        out.append(str(exc))
     return out
 
 
 def test_a_fused_optimizers_overflow_flag_is_read_by_the_dispatched_step_too():
     """The dispatched fallback runs the single-tensor update, which refuses the fused-only flags: it reads the
-    flag itself (an overflow skips the step) and hands the update none."""
-    for stepped, skipped in get_pool(WORLD).run(_fused_with_a_flag_through_the_dispatched_step)[:2]:
+    overflow flag itself (an overflow skips the step) and hands the update none; scaled gradients it refuses."""
+    for stepped, skipped, scaled in get_pool(WORLD).run(_fused_with_a_flag_through_the_dispatched_step)[:2]:
         assert (stepped < 1).all() and torch.equal(skipped, stepped)
+        assert "unscale the gradients first" in scaled, scaled
 
 
 def test_a_state_changed_between_local_steps_is_what_the_next_one_reads():

@@ -5,8 +5,9 @@
 (``convert_hf.py``) need no process group. Object collectives here carry
 our own small Python values between live processes; nothing read from disk
 is ever unpickled. They go over ``group()``, the world's gloo group (its
-control twin under NCCL), as ``torch.distributed.checkpoint``'s own planning
-messages do: on the host, off the GPUs' streams.
+control twin under NCCL; a world of one rank has none), as
+``torch.distributed.checkpoint``'s own planning messages do: on the host,
+off the GPUs' streams.
 """
 from __future__ import annotations
 

@@ -30,7 +30,7 @@ def rng_state() -> dict:
 
 
 def agree_within(ranks) -> bool:
-    """Give every rank of ``ranks`` (this rank among them) the torch generators' states of ``ranks[0]``
+    """Give every rank of ``ranks`` (this rank among them) the torch generators' states of the lowest of them
     where they differ; returns whether they did. Collective over ``ranks`` (a host message).
 
     A dispatched random op (dropout on a global tensor) draws the global
@@ -44,7 +44,9 @@ def agree_within(ranks) -> bool:
     ranks = sorted(ranks)
     if len(ranks) < 2:
         return False
-    mine = {k: v for k, v in rng_state().items() if k in ("torch", "cuda")}
+    mine = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_initialized():
+        mine["cuda"] = torch.cuda.get_rng_state(torch.cuda.current_device())
     states = all_gather_object(mine, ranks)
     if all(_same(states[0], s) for s in states[1:]):
         return False

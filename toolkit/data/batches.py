@@ -63,7 +63,9 @@ def read_ahead_threads() -> int:
     A rank bound to cores of its own (``srun --cpu-bind``, ``numactl``,
     torchrun's NUMA binding: cores other than its parent process's) has its
     share already. Otherwise the host's ``LOCAL_WORLD_SIZE`` ranks share the
-    cores (all of the host's, or a container's).
+    cores (all of the host's, or a container's). A rank started through a
+    shell that carries its binding (``srun --cpu-bind ... bash -c``) looks
+    unbound: its share is divided again, fewer threads than its cores allow.
     """
     if not hasattr(os, "sched_getaffinity"):
         cores, own = os.cpu_count() or 1, False
