@@ -1,6 +1,7 @@
 """``trainer.compile``'s forward wrapper: plain tensors go to the compiled module, global ones run eager."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 import sbp_core as sc
@@ -8,6 +9,8 @@ from sbp_core import sbp
 from toolkit.trainer import compiled_forward
 
 
+# torch.compile's first use in this process imports torch._dynamo, which imports deprecated torch.jit helpers.
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 def test_a_forward_on_global_tensors_anywhere_in_its_inputs_runs_eager():
     """A batch dict, a stage's boundary tuple, or labels: any global tensor in them keeps the call eager."""
     module = torch.nn.Identity()
