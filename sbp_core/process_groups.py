@@ -22,8 +22,8 @@ Under NCCL a group carries tensors on this rank's CUDA device only
 pickled object, a gang's pick, a layout check) go over the group's
 *control twin* instead: a gloo group of the same ranks, built with it, so
 they never cost a device round trip (the world's, where no placement spans
-the world, on its first use: ``world_control_group``). Under any other
-backend a group is its own twin.
+the world, on its first use: ``control_group``). Under any other backend a
+group is its own twin.
 """
 from __future__ import annotations
 
@@ -155,20 +155,17 @@ def _twin(group):
 
 
 def control_group(group):
-    """The gloo group of ``group``'s ranks for host-side messages; ``group`` itself under gloo, and
-    where no twin was built (the world group before a placement spans it): torch's object
-    collectives then stage through this rank's device."""
+    """The gloo group of ``group``'s ranks for host-side messages; ``group`` itself under gloo.
+
+    Under NCCL the world's twin, where no placement spans the world, is
+    built here on first use: every use of the world's group is collective
+    over the world, as building a group is.
+    """
     twin = _twin(group)
-    return group if twin is None else twin
-
-
-def world_control_group():
-    """The world's group for host-side messages (a checkpoint's agreement and planning): under NCCL its
-    gloo twin, built on first use, which is collective over the world as every group's building is; the
-    world group itself otherwise."""
-    if world_size() > 1:
+    if twin is None and group is dist.group.WORLD and world_size() > 1 and dist.get_backend() == "nccl":
         ensure([tuple(range(world_size()))])
-    return control_group(dist.group.WORLD)
+        twin = _twin(group)
+    return group if twin is None else twin
 
 
 def tensor_device(group) -> torch.device:

@@ -37,6 +37,7 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_leaves
 
 import sbp_core as sc
 from runtime.host_memory import keep_freed_host_memory
@@ -192,7 +193,7 @@ AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 def _holds_global(x) -> bool:
     """Whether ``x`` (a tensor, or a dict, tuple or list of them: a batch, a stage's boundary tensors) holds a
     global tensor."""
-    return any(isinstance(t, sc.GlobalTensor) for t in torch.utils._pytree.tree_leaves(x))
+    return any(isinstance(t, sc.GlobalTensor) for t in tree_leaves(x))
 
 
 def compiled_forward(forward, modules: list, verbose: bool = False):

@@ -33,8 +33,7 @@ import torch.distributed as dist
 
 from .. import ledger
 from ..layout import reduce_rows, reduce_terms, shard_sizes
-from ..process_groups import (control_group, get_timeout, group_of, tensor_device, world_control_group, world_rank,
-                              world_size)
+from ..process_groups import control_group, get_timeout, group_of, tensor_device, world_rank
 from ..torch_compat import all_gather_flat as _all_gather_flat, reduce_scatter_flat as _reduce_scatter_flat
 from .wire import dumps, moved, reduced, summable
 
@@ -43,9 +42,8 @@ class CollectiveError(RuntimeError):
     """A collective or transfer failed or timed out; names the op, the peers and the rank."""
 
 
-def _failure(name: str, peers, exc: RuntimeError, bound: float | None = None) -> CollectiveError:
-    """``bound``: the timeout the wait started under (``get_timeout()`` then); now's when not given."""
-    bound = get_timeout() if bound is None else bound
+def _failure(name: str, peers, exc: RuntimeError, bound: float) -> CollectiveError:
+    """``bound``: the timeout the wait started under (``get_timeout()`` when it started)."""
     return CollectiveError(f"{name} with ranks {sorted(peers)} failed on rank {world_rank()} "
                            f"(timeout {bound:g} s for sbp_core's groups): {exc}")
 
@@ -480,14 +478,12 @@ def exchange_start(sends, recvs) -> Pending:
 def all_gather_object(obj, ranks) -> list:
     """Gather one small picklable object per rank (layout checks); records no tensor bytes.
 
-    Goes over the ranks' control group (gloo), so no device round trip under NCCL; the whole world's is built
-    on its first use here where no placement spans the world (every rank is in this call)."""
+    Goes over the ranks' control group (gloo), so no device round trip under NCCL."""
     p = len(ranks)
     if p == 1:
         return [obj]
     out = [None] * p
-    control = world_control_group() if p == world_size() else control_group(group_of(ranks))
-    dist.all_gather_object(out, obj, group=control)
+    dist.all_gather_object(out, obj, group=control_group(group_of(ranks)))
     order = _group_order(ranks)
     res = [None] * p
     for g, k in enumerate(order):

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 
 import torch.distributed as dist
 
-from sbp_core.process_groups import world_control_group
+from sbp_core.process_groups import control_group
 from sbp_core.process_groups import world_rank as rank  # noqa: F401  (this rank; 0 without a process group)
 
 from .errors import CheckpointError
@@ -37,7 +37,7 @@ def world_size() -> int:
 
 def group():
     """The world's group for host messages (``None`` without a process group)."""
-    return world_control_group() if initialized() else None
+    return control_group(dist.group.WORLD) if initialized() else None
 
 
 def all_gather_object(obj) -> list:

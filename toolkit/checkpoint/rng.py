@@ -14,6 +14,8 @@ import random
 
 import torch
 
+from sbp_core.boxing.collectives import all_gather_object
+
 
 def rng_state() -> dict:
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
@@ -39,8 +41,6 @@ def agree_within(ranks) -> bool:
     another layout, they need not be: the ranks of one new placement may
     hold the states of different old stages.
     """
-    from sbp_core.boxing.collectives import all_gather_object
-
     ranks = sorted(ranks)
     if len(ranks) < 2:
         return False
