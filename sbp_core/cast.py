@@ -22,6 +22,13 @@ instead; unpacking it in backward casts again without autograd (a group
 casts all its members once and keeps them until the group's backward has
 run). So gathered tensors live only while forward uses them and while
 backward needs them: ZeRO-3's gather on use, free after, gather again.
+
+Prefetch: ``cast_many_start`` starts a cast's collectives and returns at
+once, and ``cast_group(..., started=...)`` takes its result as the
+forward's; a ``Remat`` group linked to the next group backward rebuilds
+(``then``) starts that rebuild when it is itself rebuilt. So the next
+gather runs while the current group's compute does (on NCCL its own
+stream; on gloo the backend's threads), as FSDP's prefetch does.
 """
 from __future__ import annotations
 
@@ -92,14 +99,31 @@ def cast(x: GlobalTensor, sbp=None, dtype: torch.dtype | None = None, placement=
     return out
 
 
-@torch.no_grad()
-def cast_many(tensors, sbps, dtype: torch.dtype | None = None, into=None) -> list:
-    """``[cast(t, s, dtype) for ...]`` without autograd; one collective per kind of step and axis.
+class StartedCast:
+    """``cast_many``'s collectives in flight (``cast_many_start``): ``wait()`` gives the casts."""
 
-    ``into`` (optional): one local tensor per result, of its local shape and
-    dtype, that receives it (ZeRO's refresh writes the gathered copies into
-    the compute copies' storage without an intermediate tensor)."""
-    from .boxing.coalesced import box_many
+    def __init__(self, pending, dsts, tensors, dtype, into, widening):
+        self._pending, self._dsts, self._tensors = pending, dsts, tensors
+        self._dtype, self._into, self._widening = dtype, into, widening
+
+    @torch.no_grad()
+    def wait(self) -> list:
+        dtype = self._dtype
+        outs = [GlobalTensor(loc, dst) for loc, dst in zip(self._pending.wait(), self._dsts)]
+        outs = [o if _narrowing(t, dtype) else _convert(o, dtype) for o, t in zip(outs, self._tensors)]
+        if self._into is not None:
+            for o, t, w in zip(outs, self._into, self._widening):
+                if w:
+                    t.copy_(o._local)
+        return outs
+
+
+@torch.no_grad()
+def cast_many_start(tensors, sbps, dtype: torch.dtype | None = None, into=None) -> StartedCast:
+    """Start ``cast_many``: its collectives run while the caller goes on (a prefetch); ``wait()`` on
+    the result gives what ``cast_many`` returns. Every rank of the world starts and waits its casts
+    in one order. The tensors may change once this returns (the collectives read packed copies)."""
+    from .boxing.coalesced import box_many_async
 
     tensors = list(tensors)
     for t in tensors:
@@ -108,25 +132,28 @@ def cast_many(tensors, sbps, dtype: torch.dtype | None = None, into=None) -> lis
     dsts = [Layout(x.placement, nd_sbp(s, x.placement.ndim), x.shape, x.dtype) for x, s in zip(xs, sbps)]
     widening = [not _narrowing(t, dtype) and dtype not in (None, t.dtype) for t in tensors]
     direct = None if into is None else [None if w else o for o, w in zip(into, widening)]
-    locals_ = box_many([(x._local, x.layout, dst) for x, dst in zip(xs, dsts)], direct)
-    outs = [GlobalTensor(loc, dst) for loc, dst in zip(locals_, dsts)]
-    outs = [o if _narrowing(t, dtype) else _convert(o, dtype) for o, t in zip(outs, tensors)]
-    if into is not None:
-        for o, t, w in zip(outs, into, widening):
-            if w:
-                t.copy_(o._local)
-    return outs
+    pending = box_many_async([(x._local, x.layout, dst) for x, dst in zip(xs, dsts)], direct)
+    return StartedCast(pending, dsts, tensors, dtype, into, widening)
+
+
+def cast_many(tensors, sbps, dtype: torch.dtype | None = None, into=None) -> list:
+    """``[cast(t, s, dtype) for ...]`` without autograd; one collective per kind of step and axis.
+
+    ``into`` (optional): one local tensor per result, of its local shape and
+    dtype, that receives it (ZeRO's refresh writes the gathered copies into
+    the compute copies' storage without an intermediate tensor)."""
+    return cast_many_start(tensors, sbps, dtype, into).wait()
 
 
 class _CastGroup(torch.autograd.Function):
     """``cast_many`` with a gradient: each input's gradient boxed back to its layout, coalesced."""
 
     @staticmethod
-    def forward(ctx, sbps, dtype, group, *xs):
+    def forward(ctx, sbps, dtype, group, started, *xs):
         ctx.layouts = [x.layout for x in xs]
         ctx.group = group
         ctx.set_materialize_grads(False)
-        return tuple(cast_many(xs, sbps, dtype))
+        return tuple(cast_many(xs, sbps, dtype) if started is None else started.wait())
 
     @staticmethod
     def backward(ctx, *grads):
@@ -146,18 +173,28 @@ class _CastGroup(torch.autograd.Function):
         for (i, g), local, (_, _, dst) in zip(todo, box_many(items), items):
             src = ctx.layouts[i]
             out[i] = GlobalTensor(local.to(src.dtype), Layout(src.placement, dst.sbp, src.shape, src.dtype))
-        return (None, None, None) + tuple(out)
+        return (None, None, None, None) + tuple(out)
 
 
-def cast_group(xs, sbps, dtype: torch.dtype | None = None, remat: bool = False) -> list:
+def cast_group(xs, sbps, dtype: torch.dtype | None = None, remat=False, started: "StartedCast | None" = None) -> list:
     """``[cast(x, s, dtype) for ...]`` as one differentiable op: one collective per kind of step
-    in forward and in backward. ``remat=True``: rematerialised as one group (module docstring)."""
+    in forward and in backward.
+
+    ``remat``: ``True`` or a fresh ``Remat`` (which then names the group):
+    the outputs are rematerialised as one group (module docstring).
+    ``started``: ``cast_many_start(xs, sbps, dtype)``, begun earlier (a
+    prefetch); its result is the forward's, so this cast communicates
+    nothing more in forward.
+    """
     xs = list(xs)
     sbps = [nd_sbp(s, x.placement.ndim) for x, s in zip(xs, sbps)]
     if not torch.is_grad_enabled() or not any(x.requires_grad for x in xs):
-        return cast_many(xs, sbps, dtype)
-    group = _Group(xs, sbps, dtype) if remat else None
-    outs = list(_CastGroup.apply(sbps, dtype, group, *xs))
+        return cast_many(xs, sbps, dtype) if started is None else started.wait()
+    group = None
+    if remat:
+        group = Remat() if remat is True else remat
+        group._bind(xs, sbps, dtype)
+    outs = list(_CastGroup.apply(sbps, dtype, group, started, *xs))
     if group is not None:
         for i, o in enumerate(outs):
             if o._local.numel():
@@ -191,28 +228,53 @@ class _Single:
             return cast(self.x, self.sbp, self.dtype, self.placement)._local
 
 
-class _Group:
-    """Rebuilds a ``cast_group``'s outputs together, once, and keeps them until ``release``."""
+class Remat:
+    """A ``cast_group``'s outputs rebuilt in backward together, once, and kept until the group's
+    backward has run (``release``).
 
-    def __init__(self, xs, sbps, dtype):
+    ``then``: the group backward rebuilds next; its collectives start as soon
+    as this group is rebuilt (``prefetch``), so they run while backward uses
+    this one (ZeRO-3's backward prefetch). Every rank links its groups alike.
+    """
+
+    def __init__(self):
+        self.xs = None
+        self.cache = None
+        self.started = None  # a prefetched rebuild in flight
+        self.then = None
+
+    def _bind(self, xs, sbps, dtype) -> None:
+        if self.xs is not None:
+            raise ValueError("a Remat names one cast_group; make a new one per call")
         self.xs, self.sbps, self.dtype = xs, sbps, dtype
         self.versions = [x._version for x in xs]
-        self.cache = None
+
+    def prefetch(self) -> None:
+        """Start rebuilding, unless built or started already (or never cast)."""
+        if self.xs is not None and self.cache is None and self.started is None:
+            for x, v in zip(self.xs, self.versions):
+                _check_version(x, v)
+            self.started = cast_many_start(self.xs, self.sbps, self.dtype)
 
     def local(self, i: int) -> torch.Tensor:
         if self.cache is None:
-            for x, v in zip(self.xs, self.versions):
-                _check_version(x, v)
-            self.cache = [o._local for o in cast_many(self.xs, self.sbps, self.dtype)]
+            self.prefetch()
+            started, self.started = self.started, None
+            self.cache = [o._local for o in started.wait()]
+            if self.then is not None:
+                self.then.prefetch()
         return self.cache[i]
 
     def release(self) -> None:
         self.cache = None
+        if self.started is not None:  # prefetched, never used: let its collectives finish
+            self.started, started = None, self.started
+            started.wait()
 
 
 @dataclass
 class _Member:
-    group: _Group
+    group: Remat
     index: int
 
     def rebuild(self) -> torch.Tensor:

@@ -30,7 +30,13 @@ rows (a view), so it costs no memory. Stage 3 gathers a *unit* (FSDP's
 wrapping: by default each block of a ``ModuleList``, and the rest) when
 forward first reads one of its parameters, frees it when the unit's forward
 returns, and gathers it again when backward first needs a saved weight of it
-(``sbp_core.cast``'s rematerialisation). Many parameters share one
+(``sbp_core.cast``'s rematerialisation). Each gather starts the next one
+early, as FSDP's prefetch does: in forward the unit the last forward
+gathered next (the first forward guesses the modules' order), in backward
+the unit whose forward ended before this one's. So the next unit's
+collective runs while this one computes, and at most two units are
+gathered at a time besides the root's (held from its first use to the end
+of forward, and from the start of backward). Many parameters share one
 collective (``cast_many``/``cast_group``), as DDP's and DeepSpeed's buckets
 do. Stages 0-2 box the grad leaves' gradients in buckets that overlap
 backward (``sbp_core.grad_buckets``: a bucket of about ``bucket_bytes``
@@ -50,7 +56,7 @@ import torch
 from torch import nn
 
 import sbp_core as sc
-from sbp_core.cast import cast, cast_group, cast_many, remat_saved
+from sbp_core.cast import Remat, cast, cast_group, cast_many, cast_many_start, remat_saved
 from sbp_core.grad_buckets import BUCKET_BYTES, FIRST_BUCKET_BYTES, GradBuckets
 from sbp_core.layout import Layout, local_box
 from sbp_core.process_groups import world_rank
@@ -83,15 +89,36 @@ class _Slot:
 class _Unit:
     """Stage 3: parameters gathered together (one collective) and freed together, like an FSDP unit."""
 
-    def __init__(self, name: str):
-        self.name, self.slots = name, []
+    def __init__(self, zero, name: str):
+        self.zero, self.name, self.slots = zero, name, []
+        self.started = None  # a prefetched gather in flight
+        self.remat = None  # this forward's rematerialisation group (backward's gather), once gathered
+
+    def gathered(self) -> bool:
+        return self.slots[0].cache is not None
+
+    def prefetch(self) -> None:
+        """Start the gather now (it runs while the current unit computes), unless gathered or started."""
+        if self.started is None and not self.gathered():
+            self.started = cast_many_start([s.leaf for s in self.slots], [s.compute_sbp for s in self.slots])
 
     def gather(self) -> None:
-        outs = cast_group([s.leaf for s in self.slots], [s.compute_sbp for s in self.slots], remat=True)
+        started, self.started = self.started, None
+        remat = Remat()
+        outs = cast_group([s.leaf for s in self.slots], [s.compute_sbp for s in self.slots], remat=remat,
+                          started=started)
         for s, o in zip(self.slots, outs):
             s.cache = o
+        self.remat = remat if remat.xs is not None else None  # None: cast without autograd
+        self.zero._gathered(self)
 
     def free(self, *_) -> None:
+        if self.remat is not None:
+            self.zero._freed.append(self.remat)
+            self.remat = None
+        if self.started is not None:  # prefetched, not used in this forward
+            self.started, started = None, self.started
+            started.wait()
         for s in self.slots:
             s.cache = None
 
@@ -166,6 +193,9 @@ class Zero:
         self.compute_dtype = compute_dtype
         self._depth = 0
         self._remat = None
+        self._order: list = []  # stage 3: the units in the order the last forward gathered them
+        self._gathers: list = []  # ... and this forward
+        self._freed: list = []  # the last forward's remat groups in the order their units were freed
         self.slots: list = []
         self._apart: list = []  # slots whose grad leaf is not the master (a compute copy of its own)
         self.units: list = []
@@ -194,7 +224,7 @@ class Zero:
             slot = self._slot(params[i], msbp_of[i])
             names = {_unit_of(mod_name, units) for mod_name, _, _ in held}
             unit = names.pop() if len(names) == 1 else ""  # tied across units: the root's
-            slot.unit = by_unit.setdefault(unit, _Unit(unit))
+            slot.unit = by_unit.setdefault(unit, _Unit(self, unit))
             slot.unit.slots.append(slot)
             for _, mod, name in held:
                 mod._parameters[name] = slot.master
@@ -203,6 +233,7 @@ class Zero:
             mod._zero_slots = by_name
             _swap_class(mod, by_name)
         self.units = list(by_unit.values())
+        self._order = list(self.units)  # the first forward's guess: the modules' order
         self._apart = [s for s in self.slots if s.leaf is not s.master]
         if stage < 3:
             self.buckets = GradBuckets([s.leaf for s in self.slots], [s.master.sbp for s in self.slots], self._reduced,
@@ -255,12 +286,21 @@ class Zero:
             s.grad = _compact(g)
         leaf.grad = None
 
-    # -- stage 3: gather on use, free after ---------------------------------
+    # -- stage 3: gather on use, prefetch the next, free after ---------------------
     def _enter(self, mod, args) -> None:
         self._depth += 1
         if self._depth == 1:
             self._remat = remat_saved()
             self._remat.__enter__()
+            self._gathers, self._freed = [], []
+
+    def _gathered(self, unit: _Unit) -> None:
+        """``unit`` was gathered: start the gather of the unit that came next in the last forward,
+        while this forward follows the last one's order (one unit ahead, as FSDP's forward prefetch)."""
+        i = len(self._gathers)
+        self._gathers.append(unit)
+        if i + 1 < len(self._order) and self._order[i] is unit:
+            self._order[i + 1].prefetch()
 
     def _leave(self, mod, args, out) -> None:
         self._depth -= 1
@@ -269,6 +309,11 @@ class Zero:
                 unit.free()
             self._remat.__exit__(None, None, None)
             self._remat = None
+            # Backward needs the units' weights in the reverse of the order their forwards ended
+            # (FSDP's reverse post-forward order): each group's rebuild starts the next one's.
+            for later, earlier in zip(self._freed[1:], self._freed):
+                later.then = earlier
+            self._order, self._gathers = self._gathers, []
 
     # -- the optimizer step ----------------------------------------------------
     def parameters(self):
