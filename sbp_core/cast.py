@@ -145,38 +145,57 @@ def cast_many(tensors, sbps, dtype: torch.dtype | None = None, into=None) -> lis
     return cast_many_start(tensors, sbps, dtype, into).wait()
 
 
+class StartedGrads:
+    """A ``cast_group``'s input gradients being boxed back (``grads_to``): ``wait()`` gives
+    ``[(input index, gradient)]``, each gradient in its input's placement, shape and dtype."""
+
+    def __init__(self, pending, todo: list, dsts: list):
+        self._pending, self._todo, self._dsts = pending, todo, dsts
+
+    @torch.no_grad()
+    def wait(self) -> list:
+        return [(i, GlobalTensor(local.to(dst.dtype), dst))
+                for i, local, dst in zip(self._todo, self._pending.wait(), self._dsts)]
+
+
 class _CastGroup(torch.autograd.Function):
     """``cast_many`` with a gradient: each input's gradient boxed back to its layout, coalesced."""
 
     @staticmethod
-    def forward(ctx, sbps, dtype, group, started, *xs):
+    def forward(ctx, sbps, dtype, group, started, grads_to, *xs):
         ctx.layouts = [x.layout for x in xs]
-        ctx.group = group
+        ctx.group, ctx.grads_to = group, grads_to
         ctx.set_materialize_grads(False)
         return tuple(cast_many(xs, sbps, dtype) if started is None else started.wait())
 
     @staticmethod
     def backward(ctx, *grads):
         from .boxing.autograd import grad_sbp
-        from .boxing.coalesced import box_many
+        from .boxing.coalesced import box_many_async
 
         if ctx.group is not None:
             ctx.group.release()
-        todo = [(i, g) for i, g in enumerate(grads) if g is not None]
-        items = []
-        for i, g in todo:
-            src = ctx.layouts[i]
+        todo = [i for i, g in enumerate(grads) if g is not None]
+        items, dsts = [], []
+        for i in todo:
+            src, g = ctx.layouts[i], grads[i]
             if any(s.is_partial and s.op != "sum" for s in src.sbp):
                 raise ValueError(f"cast_group's gradient through {src.sbp} (a partial max/min) is not defined")
-            items.append((g._local, g.layout, Layout(src.placement, grad_sbp(src, g.layout), src.shape, g.dtype)))
+            sbp = grad_sbp(src, g.layout)
+            items.append((g._local, g.layout, Layout(src.placement, sbp, src.shape, g.dtype)))
+            dsts.append(Layout(src.placement, sbp, src.shape, src.dtype))
+        started = StartedGrads(box_many_async(items), todo, dsts)
         out = [None] * len(grads)
-        for (i, g), local, (_, _, dst) in zip(todo, box_many(items), items):
-            src = ctx.layouts[i]
-            out[i] = GlobalTensor(local.to(src.dtype), Layout(src.placement, dst.sbp, src.shape, src.dtype))
-        return (None, None, None, None) + tuple(out)
+        if ctx.grads_to is not None:
+            ctx.grads_to(started)
+        else:
+            for i, g in started.wait():
+                out[i] = g
+        return (None, None, None, None, None) + tuple(out)
 
 
-def cast_group(xs, sbps, dtype: torch.dtype | None = None, remat=False, started: "StartedCast | None" = None) -> list:
+def cast_group(xs, sbps, dtype: torch.dtype | None = None, remat=False, started: "StartedCast | None" = None,
+               grads_to=None) -> list:
     """``[cast(x, s, dtype) for ...]`` as one differentiable op: one collective per kind of step
     in forward and in backward.
 
@@ -185,6 +204,11 @@ def cast_group(xs, sbps, dtype: torch.dtype | None = None, remat=False, started:
     ``started``: ``cast_many_start(xs, sbps, dtype)``, begun earlier (a
     prefetch); its result is the forward's, so this cast communicates
     nothing more in forward.
+    ``grads_to``: backward starts boxing the inputs' gradients and hands the
+    ``StartedGrads`` to ``grads_to`` instead of returning them to autograd
+    (the inputs get no ``.grad`` from it): the caller waits when it needs
+    them, so the collective runs while backward goes on (ZeRO-3's
+    reduce-scatter). Every rank waits its casts' gradients in one order.
     """
     xs = list(xs)
     sbps = [nd_sbp(s, x.placement.ndim) for x, s in zip(xs, sbps)]
@@ -194,7 +218,7 @@ def cast_group(xs, sbps, dtype: torch.dtype | None = None, remat=False, started:
     if remat:
         group = Remat() if remat is True else remat
         group._bind(xs, sbps, dtype)
-    outs = list(_CastGroup.apply(sbps, dtype, group, started, *xs))
+    outs = list(_CastGroup.apply(sbps, dtype, group, started, grads_to, *xs))
     if group is not None:
         for i, o in enumerate(outs):
             if o._local.numel():

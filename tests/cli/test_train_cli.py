@@ -66,8 +66,10 @@ def test_sixteen_processes_from_the_command_line(single, sbp_cache, tmp_path):
 @pytest.mark.parametrize("layout, option, tolerance", [
     ("tp2_pp2", "trainer.activation_checkpointing=true", 1e-4), ("tp2_pp2", "trainer.precision=bf16", 2e-2),
     # pp4: one-device stages run on plain tensors; checkpointed layers recompute in backward on them too
-    ("pp4", "trainer.activation_checkpointing=true", 1e-4)])
-def test_activation_checkpointing_and_bf16_under_pipelines(layout, option, tolerance, single, sbp_cache, tmp_path):
+    ("pp4", "trainer.activation_checkpointing=true", 1e-4),
+    # ZeRO-3: checkpointed layers gather their weights again in backward, outside the units' gathers
+    ("dp2_tp2_zero3", "trainer.activation_checkpointing=true", 1e-4)])
+def test_activation_checkpointing_and_bf16_under_pipelines_and_zero3(layout, option, tolerance, single, sbp_cache, tmp_path):
     losses = train_pooled([*TINY, f"parallel={layout}", option], tmp_path, sbp_cache)
     assert len(losses) == 3 and all(abs(a - b) <= tolerance * abs(b) for a, b in zip(losses, single)), (losses, single)
 

@@ -328,22 +328,24 @@ def test_plan_rewrite_shards_a_dim_of_exactly_dp_rows():
 
 
 def _prefetch_counts():
-    """Stage 3, dp2, 4 blocks, two steps: all-gathers started, and blocks whose weights are gathered or on
-    their way, when each block's forward begins, when its MLP's begins, and when backward reaches each
-    block's output and its attention's output."""
+    """Stage 3, dp2, 4 blocks, two steps: all-gathers started, blocks whose weights are gathered or on
+    their way, reduce-scatters started and blocks whose gradients landed, when each block's forward
+    begins, when its MLP's begins, and when backward reaches each block's output and its attention's."""
     cfg = dataclasses.replace(GPT_CFG, n_layer=4)
     torch.manual_seed(0)
     model = GPT2LMHeadModel(cfg)
     p = sc.placement("cpu", [0, 1])
     model, zero = apply_zero(model, p, {}, stage=3)
     events, ledger = [], {}
+    blocks = [next(u for u in zero.units if u.name == f"transformer.h.{i}") for i in range(cfg.n_layer)]
 
     def seen(kind, i):
         if kind.startswith("forward"):  # blocks' units gathered or on their way
             busy = sum(u.gathered() or u.started is not None for u in zero.units if u.name)
         else:  # blocks' rebuilt or rebuilding remat groups (the root's, freed last, is the last group)
             busy = sum(g.cache is not None or g.started is not None for g in zero._freed[:-1])
-        events.append((kind, i, ledger["now"].count("all_gather"), busy))
+        landed = [j for j, u in enumerate(blocks) if all(sl.leaf.grad is not None for sl in u.slots)]
+        events.append((kind, i, ledger["now"].count("all_gather"), busy, ledger["now"].count("reduce_scatter"), landed))
 
     def at_output(out, kind, i):
         out.register_hook(lambda g: seen(kind, i))
@@ -356,6 +358,7 @@ def _prefetch_counts():
     steps = []
     for _ in range(2):
         events.clear()
+        model.zero_grad(set_to_none=True)
         x = sc.distribute(torch.randint(0, cfg.vocab_size, (4, 16)), p, (S0,))
         with sc.comm_ledger() as ledger["now"]:
             model(x, x)[1].backward()
@@ -367,16 +370,21 @@ def test_stage3_starts_each_units_gather_while_the_unit_before_computes(pool):
     """Forward: the root's gather starts block 0's and block i's starts block i+1's (so when block i's
     forward begins, i + 2 gathers have started, and while it computes, blocks i and i+1 hold or fetch
     their weights). Backward rebuilds the root first (the LM head's tied weight), then the blocks from
-    the last, and each rebuild starts the next one's. No gather more than without prefetch."""
+    the last, and each rebuild starts the next one's. No gather more than without prefetch. Block i+1's
+    gradient reduce-scatter is in flight while block i's backward computes: its gradients land when
+    block i's reduce-scatter starts (the rest when backward ends: ``_stage3_frees_gathered_weights``)."""
     for steps, n in pool.run(_prefetch_counts)[:2]:
         for events, total in steps:
             assert total == 2 * (n + 1), total  # forward and backward gather each unit once
             fwd = n + 1
             want = []
             for i in range(n):
-                want += [("forward", i, i + 2, 1), ("forward mlp", i, min(i + 3, n + 1), 1 + (i < n - 1))]
+                want += [("forward", i, i + 2, 1, 0, []), ("forward mlp", i, min(i + 3, n + 1), 1 + (i < n - 1), 0, [])]
             for i in reversed(range(n)):
-                want += [("backward", i, fwd + 1 + n - i, 1), ("backward attn", i, fwd + 1 + min(n - i + 1, n), 1 + (i > 0))]
+                # blocks i+1.. have started their reduce-scatters; block i+1's is in flight while block i computes
+                rs, landed = n - 1 - i, list(range(i + 2, n))
+                want += [("backward", i, fwd + 1 + n - i, 1, rs, landed),
+                         ("backward attn", i, fwd + 1 + min(n - i + 1, n), 1 + (i > 0), rs, landed)]
             assert events == want, events
 
 

@@ -36,7 +36,10 @@ gathered next (the first forward guesses the modules' order), in backward
 the unit whose forward ended before this one's. So the next unit's
 collective runs while this one computes, and at most two units are
 gathered at a time besides the root's (held from its first use to the end
-of forward, and from the start of backward). Many parameters share one
+of forward, and from the start of backward). A unit's gradients are
+reduce-scattered in its cast's backward and land on the grad leaves when
+the next unit's reduce-scatter starts, or when backward ends, so each runs
+while backward computes the next unit's gradients. Many parameters share one
 collective (``cast_many``/``cast_group``), as DDP's and DeepSpeed's buckets
 do. Stages 0-2 box the grad leaves' gradients in buckets that overlap
 backward (``sbp_core.grad_buckets``: a bucket of about ``bucket_bytes``
@@ -106,11 +109,21 @@ class _Unit:
         started, self.started = self.started, None
         remat = Remat()
         outs = cast_group([s.leaf for s in self.slots], [s.compute_sbp for s in self.slots], remat=remat,
-                          started=started)
+                          started=started, grads_to=self.reducing)
         for s, o in zip(self.slots, outs):
             s.cache = o
         self.remat = remat if remat.xs is not None else None  # None: cast without autograd
         self.zero._gathered(self)
+
+    def reducing(self, started) -> None:
+        """Backward started the reduce-scatter of this unit's gradients (``StartedGrads``)."""
+        self.zero._reducing(self, started)
+
+    def land(self, started) -> None:
+        """Add the reduced gradients to the grad leaves' ``.grad`` (what autograd's accumulation did)."""
+        for i, g in started.wait():
+            leaf = self.slots[i].leaf
+            leaf.grad = _compact(g) if leaf.grad is None else leaf.grad + g
 
     def free(self, *_) -> None:
         if self.remat is not None:
@@ -196,6 +209,8 @@ class Zero:
         self._order: list = []  # stage 3: the units in the order the last forward gathered them
         self._gathers: list = []  # ... and this forward
         self._freed: list = []  # the last forward's remat groups in the order their units were freed
+        self._reducing_now: list = []  # stage 3: (unit, StartedGrads) whose reduce-scatter is in flight
+        self._task = None  # the backward (autograd graph task) whose end lands them
         self.slots: list = []
         self._apart: list = []  # slots whose grad leaf is not the master (a compute copy of its own)
         self.units: list = []
@@ -302,6 +317,24 @@ class Zero:
         if i + 1 < len(self._order) and self._order[i] is unit:
             self._order[i + 1].prefetch()
 
+    def _reducing(self, unit: _Unit, started) -> None:
+        """Backward started ``unit``'s reduce-scatter: land the one started before it (which ran while
+        backward computed this unit's gradients) and keep this one in flight, until the next one or the
+        end of this backward (FSDP's one reduce-scatter in flight)."""
+        task = torch._C._current_graph_task_id()
+        if task != self._task:  # this backward's first: land the rest when it ends
+            self._task = task
+            torch.autograd.Variable._execution_engine.queue_callback(self._land)
+        self._land()
+        self._reducing_now.append((unit, started))
+
+    @torch.no_grad()
+    def _land(self) -> None:
+        """Wait for the reduce-scatters in flight and add their gradients to the grad leaves."""
+        now, self._reducing_now = self._reducing_now, []
+        for unit, started in now:
+            unit.land(started)
+
     def _leave(self, mod, args, out) -> None:
         self._depth -= 1
         if self._depth == 0:
@@ -333,6 +366,7 @@ class Zero:
         if not self.slots:
             sc.box_grads(self.module)
             return
+        self._land()  # stage 3: anything a failed backward left in flight
         todo, done = [], []  # to box or convert; already in the master's layout and dtype (the buckets')
         for s in self._apart:
             g = s.grad if s.grad is not None else s.leaf.grad
@@ -356,6 +390,9 @@ class Zero:
     def zero_grad(self) -> None:
         """Drop compute-dtype gradients not yet synced (after a skipped step); ``optimizer.zero_grad``
         drops the masters'."""
+        for _, started in self._reducing_now:  # let their collectives finish
+            started.wait()
+        self._reducing_now = []
         for s in self._apart:
             s.leaf.grad = None
         for s in self.slots:
