@@ -14,7 +14,12 @@ in one order wherever it sits in the buffer, the coalesced reduce-scatter's
 group-rank order, which a per-tensor gloo collective's ring may differ from
 in the last bit; ``collectives.all_reduce_packed_start``). The
 ledger records the one collective with its bytes, which equal the sum of
-the per-tensor ones when no chunk is padded. Anything else is boxed one by
+the per-tensor ones when no chunk is padded. Layouts that differ on several
+mesh axes (a replicated weight's gradient, partial on the data- and
+tensor-parallel axes under sequence parallelism) take the steps a single
+boxing plans (``nd_plan.plan``), in rounds: round ``r`` boxes every item's
+``r``-th step, coalesced as above, once the round before is done, wherever
+every step is one of the three kinds. Anything else is boxed one by
 one. Every rank of the world calls it with the same tensors in the same order.
 
 ``box_many_async`` starts the same collectives without waiting (gradient
@@ -36,7 +41,7 @@ import torch
 
 from ..layout import Layout, shard_sizes, view_shape
 from ..process_groups import world_rank
-from . import box, collectives
+from . import box, collectives, nd_plan
 from .collective_plans import _pieces_back, _pieces_first
 from .nd_plan import step_is_valid
 
@@ -167,22 +172,59 @@ def _gather_or_scatter(items, axis: int, kind: str, ranks, coords):
 
 
 class PendingBoxing:
-    """``box_many_async``'s boxings in flight: ``advance()`` waits for each first half and starts
-    what follows it (an all-reduce's all-gather), ``wait()`` returns the boxed locals in the items' order."""
+    """``box_many_async``'s boxings in flight, round by round (a round: every item's next one-axis step).
 
-    def __init__(self, out: list, parts: list, into=None):
-        self._out, self._parts, self._into = out, parts, into
+    ``advance()`` moves every collective of the current round on (an
+    all-reduce's all-gather starts after its reduce-scatter) and, where
+    items have steps left, waits for the round and starts the next;
+    ``wait()`` runs the rounds to the end and returns the boxed locals in the
+    items' order.
+    """
+
+    def __init__(self, out: list, plan: "_Plan", locals_: list, into=None):
+        self._out, self._plan, self._into = out, plan, into
+        self._now = list(locals_)  # each item's local as of the current round
+        self._round, self._parts = -1, []
+        self._start_next()
+
+    def _start_next(self) -> None:
+        self._round += 1
+        if self._round >= len(self._plan.rounds):
+            self._parts = []
+            return
+        into, last = self._into, self._plan.last
+        parts = []
+        for idxs, axis, kind, ranks, even, steps in self._plan.rounds[self._round]:
+            locals_ = [self._now[i] for i in idxs]
+            if even is not None and not (kind == "all_reduce" and len(ranks) == 2):  # two: _start packs whole
+                sub_into = [into[i] if into is not None and last[i] == self._round else None for i in idxs]
+                parts.append((idxs, *even.start(locals_, ranks, sub_into)))
+            else:
+                parts.append((idxs, *_start([(t, src, dst) for t, (src, dst) in zip(locals_, steps)], axis, kind)))
+        self._parts = parts
+
+    def _finish_round(self) -> None:
+        into, last = self._into, self._plan.last
+        for idxs, pending, unpack in self._parts:
+            for i, t in zip(idxs, unpack(pending.wait())):
+                if last[i] == self._round:
+                    self._out[i] = t if into is None or into[i] is None or into[i] is t else into[i].copy_(t)
+                else:
+                    self._now[i] = t
+        self._parts = []
 
     def advance(self) -> None:
         for _, pending, _ in self._parts:
             pending.advance()
+        if self._round + 1 < len(self._plan.rounds):
+            self._finish_round()
+            self._start_next()
 
     def wait(self) -> list:
-        for idxs, pending, unpack in self._parts:
-            for i, t in zip(idxs, unpack(pending.wait())):
-                self._out[i] = t if self._into is None or self._into[i] is None or self._into[i] is t \
-                    else self._into[i].copy_(t)
-        self._parts = []
+        while self._parts:
+            self._finish_round()
+            self._start_next()
+        self._now = []
         return self._out
 
 
@@ -263,27 +305,60 @@ class _EvenGroup:
         return collectives.reduce_scatter_start(packed.view(-1), ranks, "sum"), unpack_scattered
 
 
+def _steps(src: Layout, dst: Layout):
+    """``src -> dst`` as one-axis coalescable steps (``(from, to)`` layouts), or ``None`` where a step is not.
+
+    More than one step where the layouts differ on several mesh axes (a
+    gradient partial on the data- and tensor-parallel axes at once): the
+    steps single boxing plans (``nd_plan.plan``), so each is one coalesced
+    collective of its round."""
+    if _kind(src, dst) is not None:
+        return [(src, dst)]
+    if src.placement != dst.placement or src.shape != dst.shape or src.dtype != dst.dtype:
+        return None
+    path, _ = nd_plan.plan(src.sbp, dst.sbp, src.placement.shape, tuple(src.shape), src.dtype.itemsize)
+    steps, now = [], src
+    for axis, new in path:
+        to = Layout(src.placement, now.sbp[:axis] + (new,) + now.sbp[axis + 1:], src.shape, src.dtype)
+        if _kind(now, to) is None:
+            return None
+        steps.append((now, to))
+        now = to
+    return steps or None  # none: the same layout, boxed by nothing
+
+
 class _Plan:
-    """How ``box_many_async`` boxes one list of ``(src, dst)`` layouts on this rank:
-    the items boxed one by one, and per coalescable group its items and its collective's plan."""
+    """How ``box_many_async`` boxes one list of ``(src, dst)`` layouts on this rank: the items boxed one
+    by one, and per round (every coalescable item's next step) its groups, each one collective.
+
+    ``rounds[r]``: ``(item indices, axis, kind, ranks, _EvenGroup or None, their steps' layouts)`` per
+    group; ``last[i]``: item ``i``'s last round."""
 
     def __init__(self, layouts, me: int):
-        self.single = []
-        groups: dict = {}
+        self.single, paths = [], {}
         for i, (src, dst) in enumerate(layouts):
-            kind = _kind(src, dst)
-            if kind is None or me not in src.placement:
+            steps = _steps(src, dst) if me in src.placement else None
+            if steps is None:
                 self.single.append(i)
             else:
-                groups.setdefault((src.placement, kind, src.dtype), []).append(i)
-        self.groups = []  # (item indices, axis, kind, ranks, _EvenGroup or None)
-        for (placement, (axis, kind), _), idxs in groups.items():
-            coords = placement.coords(me)
-            ranks = placement.axis_ranks(axis, me)
-            sub = [layouts[i] for i in idxs]
-            even = _EvenGroup(sub, axis, kind, coords, len(ranks)) \
-                if _EvenGroup.fits(sub, axis, kind, coords, len(ranks)) else None
-            self.groups.append((idxs, axis, kind, ranks, even))
+                paths[i] = steps
+        self.last = {i: len(steps) - 1 for i, steps in paths.items()}
+        self.rounds = []
+        for r in range(max(self.last.values(), default=-1) + 1):
+            groups: dict = {}
+            for i, steps in paths.items():
+                if r < len(steps):
+                    src, dst = steps[r]
+                    groups.setdefault((src.placement, _kind(src, dst), src.dtype), []).append(i)
+            this = []
+            for (placement, (axis, kind), _), idxs in groups.items():
+                coords = placement.coords(me)
+                ranks = placement.axis_ranks(axis, me)
+                sub = [paths[i][r] for i in idxs]
+                even = _EvenGroup(sub, axis, kind, coords, len(ranks)) \
+                    if _EvenGroup.fits(sub, axis, kind, coords, len(ranks)) else None
+                this.append((idxs, axis, kind, ranks, even, sub))
+            self.rounds.append(this)
 
 
 _plans: dict = {}  # (rank, tuple of (src, dst) layouts (interned: hashed by identity)) -> _Plan
@@ -302,8 +377,8 @@ def _plan(layouts: tuple) -> _Plan:
 
 def box_many_async(items, into=None) -> PendingBoxing:
     """Start boxing each ``(local, src, dst)`` to ``dst``: one asynchronous collective per coalescable
-    group; anything else is boxed now, one by one. The locals may change once this returns
-    (the collectives read packed copies). ``into`` (optional, one per item, ``None`` allowed):
+    group of each round; anything else is boxed now, one by one. The locals may change once this
+    returns (the collectives read packed copies). ``into`` (optional, one per item, ``None`` allowed):
     tensors of the boxed locals' shapes and dtypes that receive the results (then returned)."""
     out = [None] * len(items)
     plan = _plan(tuple((src, dst) for _, src, dst in items))
@@ -312,14 +387,7 @@ def box_many_async(items, into=None) -> PendingBoxing:
         out[i] = box(local, src, dst)
         if into is not None and into[i] is not None:
             out[i] = into[i].copy_(out[i])
-    parts = []
-    for idxs, axis, kind, ranks, even in plan.groups:
-        if even is not None and not (kind == "all_reduce" and len(ranks) == 2):  # two: _start packs whole
-            sub_into = [None] * len(idxs) if into is None else [into[i] for i in idxs]
-            parts.append((idxs, *even.start([items[i][0] for i in idxs], ranks, sub_into)))
-        else:
-            parts.append((idxs, *_start([items[i] for i in idxs], axis, kind)))
-    return PendingBoxing(out, parts, into)
+    return PendingBoxing(out, plan, [local for local, _, _ in items], into)
 
 
 def box_many(items, into=None) -> list:

@@ -1,8 +1,9 @@
 """The cast ZeRO is written with: coalesced boxing, differentiable group casts, rematerialisation.
 
 - ``box_many`` equals boxing each tensor on its own to 1e-6 relative (uneven splits on 3
-  ranks, a 2x2 mesh, a step that cannot be coalesced) with one collective
-  per kind of step, sending the same bytes when splits are even;
+  ranks, a 2x2 mesh, a step that cannot be coalesced, layouts that differ on
+  both mesh axes) with one collective per kind of step (and round), sending
+  the same bytes when splits are even;
 - ``cast`` and ``cast_group`` (fp32 -> bf16 narrowing, ``S -> B``) have the
   gradient of ``x.to(dtype).to_global(sbp)``: ``S`` back, reduce-scattered;
 - with ``remat=True`` inside ``remat_saved()`` no gathered tensor is alive
@@ -66,6 +67,8 @@ def test_box_many_equals_boxing_each():
         ([0, 1], [((P,), (B,)), ((P,), (B,)), ((P,), (S1,)), ((S0,), (B,))], UNEVEN),
         ([[0, 1], [2, 3]], [((S0, S1), (B, S1)), ((S0, B), (B, B)), ((P, S1), (S0, S1)), ((S0, S0), (B, S0))], EVEN),
         ([0, 1, 2, 3], [((S1,), (B,)), ((P,), (B,)), ((P,), (S1,)), ((S0,), (B,))], EVEN_BOTH),
+        # partial on both mesh axes (sequence parallelism's replicated weights): two rounds of coalesced steps
+        ([[0, 1], [2, 3]], [((P, P), (B, B)), ((P, P), (B, B)), ((P, P), (B, S0)), ((P, S0), (B, S0))], EVEN),
     ]
     for ranks, pairs, shapes in cases:
         res = [r for r in pool.run(_box_many_case, ranks, pairs, shapes) if r is not None]
