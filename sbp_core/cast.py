@@ -206,8 +206,9 @@ def cast_group(xs, sbps, dtype: torch.dtype | None = None, remat=False, started:
     nothing more in forward.
     ``grads_to``: backward starts boxing the inputs' gradients and hands the
     ``StartedGrads`` to ``grads_to`` instead of returning them to autograd
-    (the inputs get no ``.grad`` from it): the caller waits when it needs
-    them, so the collective runs while backward goes on (ZeRO-3's
+    (the inputs get no ``.grad``, and their hooks see nothing, from this
+    op; ``torch.autograd.grad`` of them gets none): the caller waits when
+    it needs them, so the collective runs while backward goes on (ZeRO-3's
     reduce-scatter). Every rank waits its casts' gradients in one order.
     """
     xs = list(xs)
@@ -256,9 +257,14 @@ class Remat:
     """A ``cast_group``'s outputs rebuilt in backward together, once, and kept until the group's
     backward has run (``release``).
 
-    ``then``: the group backward rebuilds next; its collectives start as soon
-    as this group is rebuilt (``prefetch``), so they run while backward uses
-    this one (ZeRO-3's backward prefetch). Every rank links its groups alike.
+    ``saved``: an op saved one of its outputs (a handle), so backward
+    rebuilds it when it unpacks that. ``then``: the group rebuilt next in
+    backward, as the caller expects (ZeRO-3: the unit whose forward ended
+    before); when this group is rebuilt, ``then``'s rebuild starts
+    (``prefetch``) so that its collectives run while backward uses this one,
+    if ``then`` saved outputs too, or if this group was not (it is being
+    rebuilt for a recomputed forward, activation checkpointing's, as the
+    groups before it will be). Every rank links its groups alike.
     """
 
     def __init__(self):
@@ -266,6 +272,8 @@ class Remat:
         self.cache = None
         self.started = None  # a prefetched rebuild in flight
         self.then = None
+        self.saved = False
+        self.released = False  # its backward ran: never prefetched again
 
     def _bind(self, xs, sbps, dtype) -> None:
         if self.xs is not None:
@@ -273,24 +281,34 @@ class Remat:
         self.xs, self.sbps, self.dtype = xs, sbps, dtype
         self.versions = [x._version for x in xs]
 
+    def current(self) -> bool:
+        """Whether the tensors it was cast from are unchanged (it can be rebuilt)."""
+        return self.xs is not None and all(x._version == v for x, v in zip(self.xs, self.versions))
+
     def prefetch(self) -> None:
-        """Start rebuilding, unless built or started already (or never cast)."""
-        if self.xs is not None and self.cache is None and self.started is None:
-            for x, v in zip(self.xs, self.versions):
-                _check_version(x, v)
-            self.started = cast_many_start(self.xs, self.sbps, self.dtype)
+        """Start rebuilding, unless built or started already, released, or never cast."""
+        if self.xs is not None and not self.released and self.cache is None and self.started is None:
+            self._start()
+
+    def _start(self) -> None:
+        for x, v in zip(self.xs, self.versions):
+            _check_version(x, v)
+        self.started = cast_many_start(self.xs, self.sbps, self.dtype)
 
     def local(self, i: int) -> torch.Tensor:
         if self.cache is None:
-            self.prefetch()
+            if self.started is None:
+                self._start()
             started, self.started = self.started, None
             self.cache = [o._local for o in started.wait()]
-            if self.then is not None:
-                self.then.prefetch()
+            nxt = self.then
+            if nxt is not None and (nxt.saved or not self.saved):
+                nxt.prefetch()
         return self.cache[i]
 
     def release(self) -> None:
         self.cache = None
+        self.released = True
         if self.started is not None:  # prefetched, never used: let its collectives finish
             self.started, started = None, self.started
             started.wait()
@@ -340,6 +358,8 @@ def _pack(t):
     if base is None:
         return t
     local = t._local
+    if isinstance(entry[1], _Member):
+        entry[1].group.saved = True
     return _Handle(entry[1], t.layout, t.stride(), tuple(local.shape), local.stride(),
                    local.storage_offset() - base._local.storage_offset())
 

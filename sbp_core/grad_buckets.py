@@ -11,8 +11,9 @@ boxing to the targets starts asynchronously
 ``P -> B`` all-reduce for data parallel, ``P -> S(d)`` reduce-scatter for
 ZeRO) and backward goes on computing earlier layers; the buckets started
 before it advance first (each waits for its all-reduce's reduce-scatter and
-starts the all-gather: waiting, not polling, because collectives must start
-in one order on every rank). When backward ends (an autograd-engine callback),
+starts the all-gather, and where gradients take several rounds of steps,
+waits for the round and starts the next: waiting, not polling, because
+collectives must start in one order on every rank). When backward ends (an autograd-engine callback),
 buckets not yet started (some leaf got no gradient in this backward) start
 with the leaves that are ready, every bucket is waited for, and
 ``on_done(leaf, boxed)`` receives each boxed gradient (a ``GlobalTensor``

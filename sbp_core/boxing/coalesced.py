@@ -23,7 +23,8 @@ every step is one of the three kinds. Anything else is boxed one by
 one. Every rank of the world calls it with the same tensors in the same order.
 
 ``box_many_async`` starts the same collectives without waiting (gradient
-buckets overlapping backward, ``sbp_core.grad_buckets``); ``box_many`` is it
+buckets overlapping backward, ``sbp_core.grad_buckets``): the first round's,
+and each later one on ``advance()`` or ``wait()``; ``box_many`` is it
 followed by ``wait()``.
 
 Planned: the grouping, piece shapes, chunk sizes and offsets depend only on
@@ -177,8 +178,9 @@ class PendingBoxing:
     ``advance()`` moves every collective of the current round on (an
     all-reduce's all-gather starts after its reduce-scatter) and, where
     items have steps left, waits for the round and starts the next;
-    ``wait()`` runs the rounds to the end and returns the boxed locals in the
-    items' order.
+    ``wait()`` runs the rounds to the end (starting what ``advance`` has
+    not) and returns the boxed locals in the items' order. It holds no
+    reference to the items' locals once their first round has started.
     """
 
     def __init__(self, out: list, plan: "_Plan", locals_: list, into=None):
@@ -201,6 +203,8 @@ class PendingBoxing:
                 parts.append((idxs, *even.start(locals_, ranks, sub_into)))
             else:
                 parts.append((idxs, *_start([(t, src, dst) for t, (src, dst) in zip(locals_, steps)], axis, kind)))
+            for i in idxs:  # the collectives read packed copies: the locals (a unit's gradients) may go
+                self._now[i] = None
         self._parts = parts
 
     def _finish_round(self) -> None:

@@ -30,16 +30,22 @@ rows (a view), so it costs no memory. Stage 3 gathers a *unit* (FSDP's
 wrapping: by default each block of a ``ModuleList``, and the rest) when
 forward first reads one of its parameters, frees it when the unit's forward
 returns, and gathers it again when backward first needs a saved weight of it
-(``sbp_core.cast``'s rematerialisation). Each gather starts the next one
+(``sbp_core.cast``'s rematerialisation), or when backward recomputes a
+forward that reads it (activation checkpointing: the unit's group is
+rebuilt, one collective for the unit). Each gather starts the next one
 early, as FSDP's prefetch does: in forward the unit the last forward
 gathered next (the first forward guesses the modules' order), in backward
-the unit whose forward ended before this one's. So the next unit's
-collective runs while this one computes, and at most two units are
-gathered at a time besides the root's (held from its first use to the end
-of forward, and from the start of backward). A unit's gradients are
-reduce-scattered in its cast's backward and land on the grad leaves when
-the next unit's reduce-scatter starts, or when backward ends, so each runs
-while backward computes the next unit's gradients. Many parameters share one
+the unit whose forward ended before this one's, if backward will rebuild
+it. So the next unit's collective runs while this one computes, and at
+most two units are gathered at a time besides the root's (held from its
+first use to the end of forward, and in backward from its first saved use
+to its backward). A unit's gradients are reduce-scattered in its cast's
+backward and land on the grad leaves when the next unit's reduce-scatter
+starts, or when backward ends, so each runs while backward computes the
+next unit's gradients. So autograd does not accumulate stage 3's
+gradients: hooks on the grad leaves (the masters in fp32) do not run, and
+``torch.autograd.grad`` of the masters is not supported; ``backward()``
+returns with ``.grad`` set. Many parameters share one
 collective (``cast_many``/``cast_group``), as DDP's and DeepSpeed's buckets
 do. Stages 0-2 box the grad leaves' gradients in buckets that overlap
 backward (``sbp_core.grad_buckets``: a bucket of about ``bucket_bytes``
@@ -54,6 +60,7 @@ Communication is never written here: it is boxing between the layouts above.
 from __future__ import annotations
 
 import weakref
+from functools import partial
 
 import torch
 from torch import nn
@@ -83,8 +90,12 @@ class _Slot:
         if self.zero.stage < 3:
             return self.leaf
         if self.cache is None:
-            if not self.zero._depth:  # read outside the module's forward: a one-off copy
-                return cast(self.leaf, self.compute_sbp)
+            if not self.zero._depth:  # read outside the module's forward
+                if torch._C._current_graph_task_id() != -1:  # a forward recomputed in backward
+                    rebuilt = self.unit.rebuilt(self)
+                    if rebuilt is not None:
+                        return rebuilt
+                return cast(self.leaf, self.compute_sbp)  # a one-off copy
             self.unit.gather()
         return self.cache
 
@@ -96,6 +107,7 @@ class _Unit:
         self.zero, self.name, self.slots = zero, name, []
         self.started = None  # a prefetched gather in flight
         self.remat = None  # this forward's rematerialisation group (backward's gather), once gathered
+        self.live: list = []  # weak references to the groups of forwards whose backward has not run yet
 
     def gathered(self) -> bool:
         return self.slots[0].cache is not None
@@ -113,7 +125,24 @@ class _Unit:
         for s, o in zip(self.slots, outs):
             s.cache = o
         self.remat = remat if remat.xs is not None else None  # None: cast without autograd
+        if self.remat is not None:
+            self.live.append(weakref.ref(remat))
         self.zero._gathered(self)
+
+    def rebuilt(self, slot):
+        """``slot``'s compute copy for a forward that backward recomputes (activation checkpointing), or
+        ``None``: a member of the oldest group whose backward has not run (1F1B's backward takes the
+        oldest micro-batch first; any such group holds the same values), rebuilt for all the unit's
+        parameters in one collective that starts the next group's, as backward's gathers do.
+        The recomputed graph is not differentiated (only its saved tensors are used), so the copy is a
+        leaf that requires grad, as the cast it stands for."""
+        while self.live:
+            remat = self.live[0]()
+            if remat is not None and not remat.released and remat.current():
+                local = remat.local(self.slots.index(slot))
+                return sc.GlobalTensor(local, slot.leaf.layout.with_sbp(slot.compute_sbp), requires_grad=True)
+            self.live.pop(0)
+        return None
 
     def reducing(self, started) -> None:
         """Backward started the reduce-scatter of this unit's gradients (``StartedGrads``)."""
@@ -209,7 +238,7 @@ class Zero:
         self._order: list = []  # stage 3: the units in the order the last forward gathered them
         self._gathers: list = []  # ... and this forward
         self._freed: list = []  # the last forward's remat groups in the order their units were freed
-        self._reducing_now: list = []  # stage 3: (unit, StartedGrads) whose reduce-scatter is in flight
+        self._reducing_now: list = []  # stage 3: (backward's graph task, unit, StartedGrads) in flight
         self._task = None  # the backward (autograd graph task) whose end lands them
         self.slots: list = []
         self._apart: list = []  # slots whose grad leaf is not the master (a compute copy of its own)
@@ -324,16 +353,26 @@ class Zero:
         task = torch._C._current_graph_task_id()
         if task != self._task:  # this backward's first: land the rest when it ends
             self._task = task
-            torch.autograd.Variable._execution_engine.queue_callback(self._land)
-        self._land()
-        self._reducing_now.append((unit, started))
+            torch.autograd.Variable._execution_engine.queue_callback(partial(self._land, task))
+        self._land(task)
+        self._reducing_now.append((task, unit, started))
 
     @torch.no_grad()
-    def _land(self) -> None:
-        """Wait for the reduce-scatters in flight and add their gradients to the grad leaves."""
-        now, self._reducing_now = self._reducing_now, []
-        for unit, started in now:
-            unit.land(started)
+    def _land(self, task, drop: bool = False) -> None:
+        """Wait for ``task``'s reduce-scatters in flight and add their gradients to the grad leaves.
+        ``drop``: wait for every other's too and drop them (outside backward, what is left is a raised
+        backward's: autograd runs no end-of-backward callback for it); otherwise they stay (a backward
+        nested in another, the outer one's)."""
+        keep = []
+        for entry in self._reducing_now:
+            of, unit, started = entry
+            if of == task:
+                unit.land(started)
+            elif drop:
+                started.wait()
+            else:
+                keep.append(entry)
+        self._reducing_now = keep
 
     def _leave(self, mod, args, out) -> None:
         self._depth -= 1
@@ -366,7 +405,7 @@ class Zero:
         if not self.slots:
             sc.box_grads(self.module)
             return
-        self._land()  # stage 3: anything a failed backward left in flight
+        self._land(None, drop=True)  # stage 3: what a backward that raised left in flight
         todo, done = [], []  # to box or convert; already in the master's layout and dtype (the buckets')
         for s in self._apart:
             g = s.grad if s.grad is not None else s.leaf.grad
@@ -388,11 +427,9 @@ class Zero:
                   into=[s.leaf._local for s in todo])
 
     def zero_grad(self) -> None:
-        """Drop compute-dtype gradients not yet synced (after a skipped step); ``optimizer.zero_grad``
-        drops the masters'."""
-        for _, started in self._reducing_now:  # let their collectives finish
-            started.wait()
-        self._reducing_now = []
+        """Drop compute-dtype gradients not yet synced (after a skipped step), and stage 3's reductions a
+        backward that raised left in flight; ``optimizer.zero_grad`` drops the masters'."""
+        self._land(None, drop=True)  # stage 3: what a backward that raised left in flight
         for s in self._apart:
             s.leaf.grad = None
         for s in self.slots:
