@@ -261,10 +261,10 @@ class Remat:
     rebuilds it when it unpacks that. ``then``: the group rebuilt next in
     backward, as the caller expects (ZeRO-3: the unit whose forward ended
     before); when this group is rebuilt, ``then``'s rebuild starts
-    (``prefetch``) so that its collectives run while backward uses this one,
-    if ``then`` saved outputs too, or if this group was not (it is being
-    rebuilt for a recomputed forward, activation checkpointing's, as the
-    groups before it will be). Every rank links its groups alike.
+    (``prefetch``) if ``then`` saved outputs too, so that its collectives
+    run while backward uses this one. Every rank links its groups alike
+    (the ranks of one collective hold members of the same shapes, so they
+    save alike).
     """
 
     def __init__(self):
@@ -280,10 +280,6 @@ class Remat:
             raise ValueError("a Remat names one cast_group; make a new one per call")
         self.xs, self.sbps, self.dtype = xs, sbps, dtype
         self.versions = [x._version for x in xs]
-
-    def current(self) -> bool:
-        """Whether the tensors it was cast from are unchanged (it can be rebuilt)."""
-        return self.xs is not None and all(x._version == v for x, v in zip(self.xs, self.versions))
 
     def prefetch(self) -> None:
         """Start rebuilding, unless built or started already, released, or never cast."""
@@ -301,9 +297,8 @@ class Remat:
                 self._start()
             started, self.started = self.started, None
             self.cache = [o._local for o in started.wait()]
-            nxt = self.then
-            if nxt is not None and (nxt.saved or not self.saved):
-                nxt.prefetch()
+            if self.then is not None and self.then.saved:
+                self.then.prefetch()
         return self.cache[i]
 
     def release(self) -> None:

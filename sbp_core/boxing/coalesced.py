@@ -186,6 +186,8 @@ class PendingBoxing:
     def __init__(self, out: list, plan: "_Plan", locals_: list, into=None):
         self._out, self._plan, self._into = out, plan, into
         self._now = list(locals_)  # each item's local as of the current round
+        for i in plan.single:  # boxed already
+            self._now[i] = None
         self._round, self._parts = -1, []
         self._start_next()
 

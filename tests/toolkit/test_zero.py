@@ -446,11 +446,12 @@ def test_stage3_prefetch_follows_forwards_whose_order_changes(pool):
         assert left == [0] * len(left), left  # nothing gathered after forward, nothing kept after backward
 
 
-def _checkpointed(steps: int = 2):
-    """Stage 3, dp2, 4 blocks each under activation checkpointing (the recipe's wrapping), float64,
-    against one device training on its own: the worst relative error of losses and parameters, the
-    all-gathers each backward started, and per block whose forward backward recomputes, the all-gathers
-    started when that recompute reaches its MLP."""
+def _checkpointed(reentrant: bool, steps: int = 2):
+    """Stage 3, dp2, 4 blocks each under activation checkpointing (the recipe's wrapping, or a reentrant
+    checkpoint, whose recomputed graph is differentiated), float64, against one device training on its
+    own: the worst relative error of losses and parameters, the all-gathers each backward started, and per
+    block whose forward backward recomputes, the all-gathers started when that recompute reaches its MLP.
+    Each step first runs a forward whose output is kept and never differentiated."""
     from functools import partial
 
     from torch.utils.checkpoint import checkpoint
@@ -461,12 +462,12 @@ def _checkpointed(steps: int = 2):
     model = GPT2LMHeadModel(cfg).double()
     model.load_state_dict(ref.state_dict())
     for block in model.transformer.h:
-        block.forward = partial(checkpoint, block.forward, use_reentrant=False)
+        block.forward = partial(checkpoint, block.forward, use_reentrant=reentrant)
     p = sc.placement("cpu", [0, 1])
     model, zero = apply_zero(model, p, {}, stage=3)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    opt = zero.optimizer(torch.optim.AdamW, lr=1e-3)
-    ledger, seen = {}, []
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt = zero.optimizer(torch.optim.SGD, lr=0.1)
+    ledger, seen, kept = {}, [], []
     for i, block in enumerate(model.transformer.h):
         block.mlp.register_forward_pre_hook(
             lambda m, a, i=i: seen.append((i, ledger["now"].count("all_gather")))
@@ -479,6 +480,7 @@ def _checkpointed(steps: int = 2):
         ref_opt.step()
         ref_opt.zero_grad()
         xg = sc.distribute(x, p, (S0,))
+        kept.append(model(xg, xg)[1])  # a forward whose graph stays, never differentiated
         got = model(xg, xg)[1]
         seen.clear()
         with sc.comm_ledger() as ledger["now"]:
@@ -494,35 +496,39 @@ def _checkpointed(steps: int = 2):
     return worst, backward, cfg.n_layer
 
 
-def test_stage3_under_activation_checkpointing_gathers_each_recomputed_unit_once(pool):
-    """A recomputed block reads its weights outside the module's forward: they come from its unit's
-    remat group, one collective per unit (not one per parameter), each starting the next block's."""
-    for worst, backward, n in pool.run(_checkpointed)[:2]:
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_stage3_under_activation_checkpointing_gathers_each_recomputed_unit_once(pool, reentrant):
+    """A recomputed block reads its weights outside the module's forward: its unit is gathered for the
+    recompute in one collective (not one per parameter), from the second step on started while the block
+    after it recomputes (the first step learns which units backward recomputes)."""
+    for worst, backward, n in pool.run(_checkpointed, reentrant)[:2]:
         assert worst <= 1e-9, worst
-        for gathers, seen in backward:
+        for step, (gathers, seen) in enumerate(backward):
             assert gathers == n + 1, gathers  # the root's (the tied head) and each block's, once
-            # at block i's recomputed MLP: the root's, blocks n-1..i, and block i-1's prefetch
-            assert seen == [(i, 1 + n - i + (i > 0)) for i in reversed(range(n))], seen
+            # at block i's recomputed MLP: the root's, blocks n-1..i, and from step 2 block i-1's prefetch
+            assert seen == [(i, 1 + n - i + (step > 0 and i > 0)) for i in reversed(range(n))], (step, seen)
 
 
 def _after_a_failed_backward():
-    """Stage 3, dp2, fp32: a backward that raises midway (a unit's reduce-scatter in flight), the
-    optimizer's ``zero_grad``, then a whole step; against one device taking that step alone."""
+    """Stage 3, dp2, fp32, 4 blocks: a backward that raises midway (two units' gradients landed, one
+    reduce-scatter in flight), ``zero.zero_grad()``, then a whole step; against one device taking that
+    step alone."""
+    cfg = dataclasses.replace(GPT_CFG, n_layer=4)
     torch.manual_seed(0)
-    ref = GPT2LMHeadModel(GPT_CFG)
-    model = GPT2LMHeadModel(GPT_CFG)
+    ref = GPT2LMHeadModel(cfg)
+    model = GPT2LMHeadModel(cfg)
     model.load_state_dict(ref.state_dict())
     p = sc.placement("cpu", [0, 1])
     model, zero = apply_zero(model, p, {}, stage=3)
     opt = zero.optimizer(torch.optim.SGD, lr=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    bad, good = (torch.randint(0, GPT_CFG.vocab_size, (4, 16)) for _ in range(2))
+    bad, good = (torch.randint(0, cfg.vocab_size, (4, 16)) for _ in range(2))
 
     def fail(grad):
         raise ValueError("a backward that raises")
 
     xb = sc.distribute(bad, p, (S0,))
-    hook = model.transformer.h[0].register_forward_hook(lambda m, a, out: out.register_hook(fail) and None)
+    hook = model.transformer.h[1].register_forward_hook(lambda m, a, out: out.register_hook(fail) and None)
     loss = model(xb, xb)[1]
     hook.remove()
     try:
@@ -530,7 +536,8 @@ def _after_a_failed_backward():
     except ValueError:
         pass
     del loss
-    opt.zero_grad()
+    landed = sum(q.grad is not None for q in model.parameters())
+    zero.zero_grad()
     xg = sc.distribute(good, p, (S0,))
     model(xg, xg)[1].backward()
     zero.sync_grads()
@@ -540,29 +547,38 @@ def _after_a_failed_backward():
     params = [q.full_tensor() for q in model.parameters()]
     if torch.distributed.get_rank() not in p:
         return None
-    return max(_rel(q, r) for q, r in zip(params, ref.parameters()))
+    return landed, max(_rel(q, r) for q, r in zip(params, ref.parameters()))
 
 
-def test_stage3_drops_what_a_failed_backward_left_in_flight(pool):
-    for worst in pool.run(_after_a_failed_backward)[:2]:
-        assert worst <= 1e-5, worst
+def test_stage3_zero_grad_drops_what_a_failed_backward_left(pool):
+    for landed, worst in pool.run(_after_a_failed_backward)[:2]:
+        assert landed > 0 and worst <= 1e-5, (landed, worst)
+
+
+class _ExpertBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mix = torch.nn.Linear(8, 8)
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, x):
+        x = torch.tanh(self.mix(x))
+        return sum(torch.tanh(e(x)) for e in self.experts)
 
 
 class _ExpertBlocks(torch.nn.Module):
     """Blocks of a linear and a ModuleList of experts: units nested in units (each block, each expert),
-    whose forwards end in an order backward does not rebuild them in; the first linear's weight is not
-    saved (its input needs no gradient), so its group is never rebuilt."""
+    whose forwards end in an order backward does not rebuild them in (a block's forward ends after its
+    experts', but backward needs the experts' weights first); the first linear's weight is not saved (its
+    input needs no gradient), so its group is never rebuilt."""
 
     def __init__(self):
         super().__init__()
-        self.blocks = torch.nn.ModuleList(torch.nn.ModuleDict(
-            {"mix": torch.nn.Linear(8, 8), "experts": torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))})
-            for _ in range(2))
+        self.blocks = torch.nn.ModuleList(_ExpertBlock() for _ in range(2))
 
     def forward(self, x):
         for b in self.blocks:
-            x = torch.tanh(b["mix"](x))
-            x = sum(torch.tanh(e(x)) for e in b["experts"])
+            x = b(x)
         return x.square().mean()
 
 

@@ -31,15 +31,17 @@ wrapping: by default each block of a ``ModuleList``, and the rest) when
 forward first reads one of its parameters, frees it when the unit's forward
 returns, and gathers it again when backward first needs a saved weight of it
 (``sbp_core.cast``'s rematerialisation), or when backward recomputes a
-forward that reads it (activation checkpointing: the unit's group is
-rebuilt, one collective for the unit). Each gather starts the next one
-early, as FSDP's prefetch does: in forward the unit the last forward
-gathered next (the first forward guesses the modules' order), in backward
-the unit whose forward ended before this one's, if backward will rebuild
-it. So the next unit's collective runs while this one computes, and at
-most two units are gathered at a time besides the root's (held from its
-first use to the end of forward, and in backward from its first saved use
-to its backward). A unit's gradients are reduce-scattered in its cast's
+forward that reads it (activation checkpointing: one collective for the
+unit, its copies kept until the next unit's recompute). Each gather starts
+the next one early, as FSDP's prefetch does: in forward the unit the last
+forward gathered next (the first forward guesses the modules' order), in
+backward the unit whose forward ended before this one's, if backward will
+rebuild it (an op saved its weights) or recompute it (a backward
+recomputed it before). So the next unit's collective runs while this one
+computes, and where each unit runs once per forward, at most two units
+are gathered at a time besides the root's (held from its first use to the
+end of forward, and in backward from its first saved use to its
+backward). A unit's gradients are reduce-scattered in its cast's
 backward and land on the grad leaves when the next unit's reduce-scatter
 starts, or when backward ends, so each runs while backward computes the
 next unit's gradients. So autograd does not accumulate stage 3's
@@ -92,9 +94,7 @@ class _Slot:
         if self.cache is None:
             if not self.zero._depth:  # read outside the module's forward
                 if torch._C._current_graph_task_id() != -1:  # a forward recomputed in backward
-                    rebuilt = self.unit.rebuilt(self)
-                    if rebuilt is not None:
-                        return rebuilt
+                    return self.unit.recomputed(self)
                 return cast(self.leaf, self.compute_sbp)  # a one-off copy
             self.unit.gather()
         return self.cache
@@ -107,7 +107,9 @@ class _Unit:
         self.zero, self.name, self.slots = zero, name, []
         self.started = None  # a prefetched gather in flight
         self.remat = None  # this forward's rematerialisation group (backward's gather), once gathered
-        self.live: list = []  # weak references to the groups of forwards whose backward has not run yet
+        self.ahead = None  # (backward's graph task, StartedCast): its gather for a recompute, prefetched
+        self.copies = None  # (graph task, compute copies) while backward recomputes a forward that reads it
+        self.was_recomputed = False  # a backward recomputed a forward that read it (prefetched from then on)
 
     def gathered(self) -> bool:
         return self.slots[0].cache is not None
@@ -125,24 +127,30 @@ class _Unit:
         for s, o in zip(self.slots, outs):
             s.cache = o
         self.remat = remat if remat.xs is not None else None  # None: cast without autograd
-        if self.remat is not None:
-            self.live.append(weakref.ref(remat))
         self.zero._gathered(self)
 
-    def rebuilt(self, slot):
-        """``slot``'s compute copy for a forward that backward recomputes (activation checkpointing), or
-        ``None``: a member of the oldest group whose backward has not run (1F1B's backward takes the
-        oldest micro-batch first; any such group holds the same values), rebuilt for all the unit's
-        parameters in one collective that starts the next group's, as backward's gathers do.
-        The recomputed graph is not differentiated (only its saved tensors are used), so the copy is a
-        leaf that requires grad, as the cast it stands for."""
-        while self.live:
-            remat = self.live[0]()
-            if remat is not None and not remat.released and remat.current():
-                local = remat.local(self.slots.index(slot))
-                return sc.GlobalTensor(local, slot.leaf.layout.with_sbp(slot.compute_sbp), requires_grad=True)
-            self.live.pop(0)
-        return None
+    def recomputed(self, slot):
+        """``slot``'s compute copy for a forward that backward recomputes (activation checkpointing): the
+        unit gathered once for the recompute (one collective, prefetched where the unit before it was
+        recomputed), by a differentiable cast (a reentrant checkpoint differentiates the recomputed
+        graph; a non-reentrant one only takes its saved tensors)."""
+        task = torch._C._current_graph_task_id()
+        if self.copies is None or self.copies[0] != task:
+            ahead, self.ahead = self.ahead, None
+            started = ahead[1] if ahead is not None and ahead[0] == task else None
+            if ahead is not None and started is None:
+                ahead[1].wait()  # another backward's: let it finish
+            outs = cast_group([s.leaf for s in self.slots], [s.compute_sbp for s in self.slots], started=started)
+            self.copies = (task, outs)
+            self.was_recomputed = True
+            self.zero._recomputing(self, task)  # after this unit's gather: the next one's queues behind it
+        return self.copies[1][self.slots.index(slot)]
+
+    def drop_recompute(self) -> None:
+        self.copies = None
+        if self.ahead is not None:
+            self.ahead, ahead = None, self.ahead
+            ahead[1].wait()
 
     def reducing(self, started) -> None:
         """Backward started the reduce-scatter of this unit's gradients (``StartedGrads``)."""
@@ -155,6 +163,8 @@ class _Unit:
             leaf.grad = _compact(g) if leaf.grad is None else leaf.grad + g
 
     def free(self, *_) -> None:
+        if self.gathered():
+            self.zero._ended.append(self)
         if self.remat is not None:
             self.zero._freed.append(self.remat)
             self.remat = None
@@ -238,6 +248,9 @@ class Zero:
         self._order: list = []  # stage 3: the units in the order the last forward gathered them
         self._gathers: list = []  # ... and this forward
         self._freed: list = []  # the last forward's remat groups in the order their units were freed
+        self._ended: list = []  # ... and its units
+        self._before: dict = {}  # unit -> the unit whose forward ended before its own in the last forward
+        self._recompute = None  # (graph task, unit) backward recomputes a forward of now
         self._reducing_now: list = []  # stage 3: (backward's graph task, unit, StartedGrads) in flight
         self._task = None  # the backward (autograd graph task) whose end lands them
         self.slots: list = []
@@ -336,7 +349,7 @@ class Zero:
         if self._depth == 1:
             self._remat = remat_saved()
             self._remat.__enter__()
-            self._gathers, self._freed = [], []
+            self._gathers, self._freed, self._ended = [], [], []
 
     def _gathered(self, unit: _Unit) -> None:
         """``unit`` was gathered: start the gather of the unit that came next in the last forward,
@@ -374,6 +387,29 @@ class Zero:
                 keep.append(entry)
         self._reducing_now = keep
 
+    def _recomputing(self, unit: _Unit, task) -> None:
+        """Backward recomputes a forward that reads ``unit`` (activation checkpointing): drop the copies of
+        the unit recomputed before it (what the recomputed ops saved of them stays theirs), and start the
+        gather of the unit before it in forward, where a backward recomputed that one too."""
+        now = self._recompute
+        if now is None or now[0] != task:  # this backward's first: drop what is left when it ends
+            torch.autograd.Variable._execution_engine.queue_callback(partial(self._recomputed, task))
+        elif now[1] is not unit and now[1].copies is not None and now[1].copies[0] == task:
+            now[1].copies = None
+        self._recompute = (task, unit)
+        nxt = self._before.get(unit)
+        if nxt is not None and nxt.was_recomputed and nxt.ahead is None and \
+                (nxt.copies is None or nxt.copies[0] != task):
+            nxt.ahead = (task, cast_many_start([s.leaf for s in nxt.slots], [s.compute_sbp for s in nxt.slots]))
+
+    def _recomputed(self, task) -> None:
+        """The end of a backward that recomputed forwards: its gathers, used or not, go."""
+        for unit in self.units:
+            if unit.ahead is not None and unit.ahead[0] == task or unit.copies is not None and unit.copies[0] == task:
+                unit.drop_recompute()
+        if self._recompute is not None and self._recompute[0] == task:
+            self._recompute = None
+
     def _leave(self, mod, args, out) -> None:
         self._depth -= 1
         if self._depth == 0:
@@ -385,6 +421,7 @@ class Zero:
             # (FSDP's reverse post-forward order): each group's rebuild starts the next one's.
             for later, earlier in zip(self._freed[1:], self._freed):
                 later.then = earlier
+            self._before = dict(zip(self._ended[1:], self._ended))
             self._order, self._gathers = self._gathers, []
 
     # -- the optimizer step ----------------------------------------------------
@@ -405,7 +442,7 @@ class Zero:
         if not self.slots:
             sc.box_grads(self.module)
             return
-        self._land(None, drop=True)  # stage 3: what a backward that raised left in flight
+        self._leftovers()
         todo, done = [], []  # to box or convert; already in the master's layout and dtype (the buckets')
         for s in self._apart:
             g = s.grad if s.grad is not None else s.leaf.grad
@@ -417,7 +454,7 @@ class Zero:
         for s, g in done:
             g = _compact(g)
             s.master.grad = g if s.master.grad is None else s.master.grad + g
-        self.zero_grad()
+        self._drop_compute_grads()
 
     @torch.no_grad()
     def refresh(self) -> None:
@@ -427,9 +464,23 @@ class Zero:
                   into=[s.leaf._local for s in todo])
 
     def zero_grad(self) -> None:
-        """Drop compute-dtype gradients not yet synced (after a skipped step), and stage 3's reductions a
-        backward that raised left in flight; ``optimizer.zero_grad`` drops the masters'."""
-        self._land(None, drop=True)  # stage 3: what a backward that raised left in flight
+        """Drop every gradient of this state: the masters' (an optimizer over their shards clears only
+        the shards'), the compute-dtype ones not yet synced, and what a backward that raised left in
+        flight. After a skipped step, or a backward that raised, before the next."""
+        self._leftovers()
+        self._drop_compute_grads()
+        for s in self.slots:
+            s.master.grad = None
+
+    def _leftovers(self) -> None:
+        """Stage 3, outside backward: what a backward that raised left (autograd runs no end-of-backward
+        callback for it): reductions in flight, dropped; gathers for recomputed forwards."""
+        self._land(None, drop=True)
+        for unit in self.units:
+            unit.drop_recompute()
+        self._recompute = None
+
+    def _drop_compute_grads(self) -> None:
         for s in self._apart:
             s.leaf.grad = None
         for s in self.slots:
