@@ -97,9 +97,11 @@ class GradBuckets:
             self.buckets[-1].append(weakref.ref(leaf))
             size += n
             leaf.register_post_accumulate_grad_hook(self._ready)
-        self._reset()
+        self.reset()
 
-    def _reset(self) -> None:
+    def reset(self) -> None:
+        """Start afresh: also what forgets a backward that raised (autograd ran no end-of-backward
+        callback for it; its gradients' boxings are dropped)."""
         self._ready_in = [[] for _ in self.buckets]  # per bucket: (leaf, target) whose gradient is in
         self._next = 0  # the next bucket to start
         self._started: list = []  # (pending boxing, [(leaf, target)] boxed by it, [(leaf, boxed)] done now)
@@ -110,7 +112,7 @@ class GradBuckets:
             return
         b, target, _ = self._where[id(leaf)]
         if not self._queued:  # this backward's first gradient (a failed backward left nothing behind)
-            self._reset()
+            self.reset()
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         self._ready_in[b].append((leaf, target))
@@ -144,7 +146,7 @@ class GradBuckets:
         while self._next < len(self.buckets):
             self._start(self._next)
         started = self._started
-        self._reset()
+        self.reset()
         for pending, boxed, done in started:
             for (leaf, dst), local in zip(boxed, pending.wait()):
                 self.on_done(leaf, GlobalTensor(local, dst))

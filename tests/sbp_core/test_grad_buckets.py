@@ -143,7 +143,7 @@ def test_a_bucket_packs_its_gradients_in_its_own_order_whatever_order_the_hooks_
                                   first_bucket_bytes=1 << 20)
     with mock.patch.object(grad_buckets, "box_many_async", box_many_async):
         for order in ((0, 1, 2), (2, 0, 1)):
-            gb._reset()
+            gb.reset()
             gb._queued = True  # as in a backward whose end-of-backward callback is queued (none here)
             for i in order:
                 leaf = leaves[i]

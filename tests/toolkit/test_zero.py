@@ -509,17 +509,17 @@ def test_stage3_under_activation_checkpointing_gathers_each_recomputed_unit_once
             assert seen == [(i, 1 + n - i + (step > 0 and i > 0)) for i in reversed(range(n))], (step, seen)
 
 
-def _after_a_failed_backward():
-    """Stage 3, dp2, fp32, 4 blocks: a backward that raises midway (two units' gradients landed, one
-    reduce-scatter in flight), ``zero.zero_grad()``, then a whole step; against one device taking that
-    step alone."""
+def _after_a_failed_backward(stage: int):
+    """dp2, fp32, 4 blocks: a backward that raises midway (stage 3: two units' gradients landed, one
+    reduce-scatter in flight; stage 2: buckets started, none ended), ``zero.zero_grad()``, then a whole
+    step; against one device taking that step alone."""
     cfg = dataclasses.replace(GPT_CFG, n_layer=4)
     torch.manual_seed(0)
     ref = GPT2LMHeadModel(cfg)
     model = GPT2LMHeadModel(cfg)
     model.load_state_dict(ref.state_dict())
     p = sc.placement("cpu", [0, 1])
-    model, zero = apply_zero(model, p, {}, stage=3)
+    model, zero = apply_zero(model, p, {}, stage=stage, bucket_bytes=4096)
     opt = zero.optimizer(torch.optim.SGD, lr=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     bad, good = (torch.randint(0, cfg.vocab_size, (4, 16)) for _ in range(2))
@@ -536,23 +536,30 @@ def _after_a_failed_backward():
     except ValueError:
         pass
     del loss
-    landed = sum(q.grad is not None for q in model.parameters())
+    landed = sum(sl.leaf.grad is not None or sl.master.grad is not None for sl in zero.slots)
     zero.zero_grad()
     xg = sc.distribute(good, p, (S0,))
-    model(xg, xg)[1].backward()
-    zero.sync_grads()
+    with sc.comm_ledger() as ledger:
+        model(xg, xg)[1].backward()
+        zero.sync_grads()
     opt.step()
     ref(good, good)[1].backward()
     ref_opt.step()
     params = [q.full_tensor() for q in model.parameters()]
     if torch.distributed.get_rank() not in p:
         return None
-    return landed, max(_rel(q, r) for q, r in zip(params, ref.parameters()))
+    buckets = len(zero.buckets.buckets) if zero.buckets is not None else None
+    return landed, max(_rel(q, r) for q, r in zip(params, ref.parameters())), ledger.count("reduce_scatter"), buckets
 
 
-def test_stage3_zero_grad_drops_what_a_failed_backward_left(pool):
-    for landed, worst in pool.run(_after_a_failed_backward)[:2]:
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_grad_drops_what_a_failed_backward_left(pool, stage):
+    """... and the next backward reduces as any: stage 2 in its buckets during backward (one reduce-scatter
+    each), stage 3 per unit."""
+    for landed, worst, reduce_scatters, buckets in pool.run(_after_a_failed_backward, stage)[:2]:
         assert landed > 0 and worst <= 1e-5, (landed, worst)
+        if stage == 2:
+            assert buckets > 2 and reduce_scatters == buckets, (reduce_scatters, buckets)
 
 
 class _ExpertBlock(torch.nn.Module):

@@ -32,7 +32,8 @@ forward first reads one of its parameters, frees it when the unit's forward
 returns, and gathers it again when backward first needs a saved weight of it
 (``sbp_core.cast``'s rematerialisation), or when backward recomputes a
 forward that reads it (activation checkpointing: one collective for the
-unit, its copies kept until the next unit's recompute). Each gather starts
+unit, its copies kept until the next unit's recompute or the end of
+backward). Each gather starts
 the next one early, as FSDP's prefetch does: in forward the unit the last
 forward gathered next (the first forward guesses the modules' order), in
 backward the unit whose forward ended before this one's, if backward will
@@ -45,9 +46,10 @@ backward). A unit's gradients are reduce-scattered in its cast's
 backward and land on the grad leaves when the next unit's reduce-scatter
 starts, or when backward ends, so each runs while backward computes the
 next unit's gradients. So autograd does not accumulate stage 3's
-gradients: hooks on the grad leaves (the masters in fp32) do not run, and
-``torch.autograd.grad`` of the masters is not supported; ``backward()``
-returns with ``.grad`` set. Many parameters share one
+gradients (except a reentrant checkpoint's recomputed reads): hooks on the
+grad leaves (the masters in fp32) do not run, and ``torch.autograd.grad``
+of the masters is not supported; ``backward()`` returns with ``.grad``
+set. Many parameters share one
 collective (``cast_many``/``cast_group``), as DDP's and DeepSpeed's buckets
 do. Stages 0-2 box the grad leaves' gradients in buckets that overlap
 backward (``sbp_core.grad_buckets``: a bucket of about ``bucket_bytes``
@@ -131,9 +133,10 @@ class _Unit:
 
     def recomputed(self, slot):
         """``slot``'s compute copy for a forward that backward recomputes (activation checkpointing): the
-        unit gathered once for the recompute (one collective, prefetched where the unit before it was
-        recomputed), by a differentiable cast (a reentrant checkpoint differentiates the recomputed
-        graph; a non-reentrant one only takes its saved tensors)."""
+        unit gathered once for the recompute (one collective; started early by the recompute of the unit
+        after it in forward, where a backward recomputed this one before), by a differentiable cast (a
+        reentrant checkpoint differentiates the recomputed graph, and its gradient then goes back through
+        autograd; a non-reentrant one only takes the recompute's saved tensors)."""
         task = torch._C._current_graph_task_id()
         if self.copies is None or self.copies[0] != task:
             ahead, self.ahead = self.ahead, None
@@ -251,6 +254,7 @@ class Zero:
         self._ended: list = []  # ... and its units
         self._before: dict = {}  # unit -> the unit whose forward ended before its own in the last forward
         self._recompute = None  # (graph task, unit) backward recomputes a forward of now
+        self._recomputed_now: set = set()  # ... and the units it recomputed so far
         self._reducing_now: list = []  # stage 3: (backward's graph task, unit, StartedGrads) in flight
         self._task = None  # the backward (autograd graph task) whose end lands them
         self.slots: list = []
@@ -394,12 +398,13 @@ class Zero:
         now = self._recompute
         if now is None or now[0] != task:  # this backward's first: drop what is left when it ends
             torch.autograd.Variable._execution_engine.queue_callback(partial(self._recomputed, task))
+            self._recomputed_now = set()
         elif now[1] is not unit and now[1].copies is not None and now[1].copies[0] == task:
             now[1].copies = None
         self._recompute = (task, unit)
+        self._recomputed_now.add(unit)
         nxt = self._before.get(unit)
-        if nxt is not None and nxt.was_recomputed and nxt.ahead is None and \
-                (nxt.copies is None or nxt.copies[0] != task):
+        if nxt is not None and nxt.was_recomputed and nxt.ahead is None and nxt not in self._recomputed_now:
             nxt.ahead = (task, cast_many_start([s.leaf for s in nxt.slots], [s.compute_sbp for s in nxt.slots]))
 
     def _recomputed(self, task) -> None:
@@ -421,7 +426,7 @@ class Zero:
             # (FSDP's reverse post-forward order): each group's rebuild starts the next one's.
             for later, earlier in zip(self._freed[1:], self._freed):
                 later.then = earlier
-            self._before = dict(zip(self._ended[1:], self._ended))
+            self._before.update(zip(self._ended[1:], self._ended))  # per chunk: interleaved stages' too
             self._order, self._gathers = self._gathers, []
 
     # -- the optimizer step ----------------------------------------------------
@@ -464,13 +469,16 @@ class Zero:
                   into=[s.leaf._local for s in todo])
 
     def zero_grad(self) -> None:
-        """Drop every gradient of this state: the masters' (an optimizer over their shards clears only
-        the shards'), the compute-dtype ones not yet synced, and what a backward that raised left in
-        flight. After a skipped step, or a backward that raised, before the next."""
+        """Drop every gradient this state holds (stages 1-3, or 0 with a compute dtype): the masters'
+        (an optimizer over their shards clears only the shards'), the compute-dtype ones not yet synced,
+        and what a backward that raised left in flight or in the gradient buckets. After a skipped step,
+        or a backward that raised, before the next."""
         self._leftovers()
         self._drop_compute_grads()
         for s in self.slots:
             s.master.grad = None
+        if self.buckets is not None:
+            self.buckets.reset()
 
     def _leftovers(self) -> None:
         """Stage 3, outside backward: what a backward that raised left (autograd runs no end-of-backward
