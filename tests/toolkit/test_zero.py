@@ -669,3 +669,42 @@ def test_stage3_recompute_of_several_units_prefetches_none_twice(pool):
     for worst, steps, n_units in pool.run(_pair_checkpointed)[:2]:
         assert worst <= 1e-9, worst
         assert steps == [(n_units, 0)] * 3, (steps, n_units)
+
+
+class _TwoChunks(torch.nn.Module):
+    """A rank's two interleaved pipeline stages as one module: forwards alternate between the blocks 0-1 and
+    2-3, so consecutive forwards begin at different units."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x, chunk):
+        for block in self.blocks[2 * chunk:2 * chunk + 2]:
+            x = torch.tanh(block(x))
+        return x
+
+
+def _alternating_chunks():
+    torch.manual_seed(0)
+    model = _TwoChunks()
+    p = sc.placement("cpu", [0, 1])
+    model, zero = apply_zero(model, p, {}, stage=3)
+    ledger, seen = {}, []
+    for i, block in enumerate(model.blocks):
+        block.register_forward_pre_hook(lambda m, a, i=i: seen.append((i, ledger["now"].count("all_gather"))))
+    out = []
+    for chunk in (0, 1, 0, 1):
+        seen.clear()
+        with sc.comm_ledger() as ledger["now"]:
+            model(sc.distribute(torch.randn(6, 8), p, (S0,)), chunk).square().mean().backward()
+        out.append(list(seen))
+    return out
+
+
+def test_stage3_prefetches_in_forwards_that_begin_at_different_units(pool):
+    """Each chunk's forward follows the order of that chunk's last forward: when its second block begins,
+    that block's gather started with the first's (chunk 0's first forward too, by the modules' order;
+    chunk 1's from its second forward). A block's gather starts when it first reads a weight."""
+    for steps in pool.run(_alternating_chunks)[:2]:
+        assert steps == [[(0, 0), (1, 2)], [(2, 0), (3, 1)], [(0, 0), (1, 2)], [(2, 0), (3, 2)]], steps

@@ -35,7 +35,8 @@ forward that reads it (activation checkpointing: one collective for the
 unit, its copies kept until the next unit's recompute or the end of
 backward). Each gather starts
 the next one early, as FSDP's prefetch does: in forward the unit the last
-forward gathered next (the first forward guesses the modules' order), in
+forward that began at the same unit gathered next (the first forward
+guesses the modules' order), in
 backward the unit whose forward ended before this one's, if backward will
 rebuild it (an op saved its weights) or recompute it (a backward
 recomputed it before). So the next unit's collective runs while this one
@@ -248,7 +249,10 @@ class Zero:
         self.compute_dtype = compute_dtype
         self._depth = 0
         self._remat = None
-        self._order: list = []  # stage 3: the units in the order the last forward gathered them
+        # stage 3: per first unit gathered, the units in the order the last such forward gathered them
+        # (a rank's interleaved pipeline stages are forwards of one module that start at different units)
+        self._orders: dict = {}
+        self._order: list = []  # this forward's: the one its first gather picked
         self._gathers: list = []  # ... and this forward
         self._freed: list = []  # the last forward's remat groups in the order their units were freed
         self._ended: list = []  # ... and its units
@@ -294,7 +298,8 @@ class Zero:
             mod._zero_slots = by_name
             _swap_class(mod, by_name)
         self.units = list(by_unit.values())
-        self._order = list(self.units)  # the first forward's guess: the modules' order
+        if self.units:
+            self._orders[self.units[0]] = list(self.units)  # the first forward's guess: the modules' order
         self._apart = [s for s in self.slots if s.leaf is not s.master]
         if stage < 3:
             self.buckets = GradBuckets([s.leaf for s in self.slots], [s.master.sbp for s in self.slots], self._reduced,
@@ -356,10 +361,13 @@ class Zero:
             self._gathers, self._freed, self._ended = [], [], []
 
     def _gathered(self, unit: _Unit) -> None:
-        """``unit`` was gathered: start the gather of the unit that came next in the last forward,
-        while this forward follows the last one's order (one unit ahead, as FSDP's forward prefetch)."""
+        """``unit`` was gathered: start the gather of the unit that came next in the last forward that
+        began at the same unit, while this forward follows its order (one unit ahead, as FSDP's forward
+        prefetch)."""
         i = len(self._gathers)
         self._gathers.append(unit)
+        if i == 0:
+            self._order = self._orders.get(unit, [])
         if i + 1 < len(self._order) and self._order[i] is unit:
             self._order[i + 1].prefetch()
 
@@ -427,7 +435,9 @@ class Zero:
             for later, earlier in zip(self._freed[1:], self._freed):
                 later.then = earlier
             self._before.update(zip(self._ended[1:], self._ended))  # per chunk: interleaved stages' too
-            self._order, self._gathers = self._gathers, []
+            if self._gathers:
+                self._orders[self._gathers[0]] = self._gathers
+            self._order, self._gathers = [], []
 
     # -- the optimizer step ----------------------------------------------------
     def parameters(self):
