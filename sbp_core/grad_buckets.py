@@ -101,7 +101,9 @@ class GradBuckets:
 
     def reset(self) -> None:
         """Start afresh: also what forgets a backward that raised (autograd ran no end-of-backward
-        callback for it; its gradients' boxings are dropped)."""
+        callback for it; its gradients' boxings are waited for and dropped)."""
+        for pending, _, _ in getattr(self, "_started", ()):
+            pending.wait()
         self._ready_in = [[] for _ in self.buckets]  # per bucket: (leaf, target) whose gradient is in
         self._next = 0  # the next bucket to start
         self._started: list = []  # (pending boxing, [(leaf, target)] boxed by it, [(leaf, boxed)] done now)
@@ -111,7 +113,7 @@ class GradBuckets:
         if _deferred[0] and not self.always:
             return
         b, target, _ = self._where[id(leaf)]
-        if not self._queued:  # this backward's first gradient (a failed backward left nothing behind)
+        if not self._queued:  # this backward's first gradient (after one that raised: see reset)
             self.reset()
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
@@ -145,7 +147,7 @@ class GradBuckets:
     def _end_of_backward(self) -> None:
         while self._next < len(self.buckets):
             self._start(self._next)
-        started = self._started
+        started, self._started = self._started, []
         self.reset()
         for pending, boxed, done in started:
             for (leaf, dst), local in zip(boxed, pending.wait()):

@@ -135,7 +135,8 @@ class _Unit:
     def recomputed(self, slot):
         """``slot``'s compute copy for a forward that backward recomputes (activation checkpointing): the
         unit gathered once for the recompute (one collective; started early by the recompute of the unit
-        after it in forward, where a backward recomputed this one before), by a differentiable cast (a
+        after it in forward, where a backward recomputed this one before, unless this backward recomputed
+        it already), by a differentiable cast (a
         reentrant checkpoint differentiates the recomputed graph, and its gradient then goes back through
         autograd; a non-reentrant one only takes the recompute's saved tensors)."""
         task = torch._C._current_graph_task_id()
@@ -256,7 +257,7 @@ class Zero:
         self._gathers: list = []  # ... and this forward
         self._freed: list = []  # the last forward's remat groups in the order their units were freed
         self._ended: list = []  # ... and its units
-        self._before: dict = {}  # unit -> the unit whose forward ended before its own in the last forward
+        self._before: dict = {}  # unit -> the unit whose forward ended before its own, in the last forward that ran it
         self._recompute = None  # (graph task, unit) backward recomputes a forward of now
         self._recomputed_now: set = set()  # ... and the units it recomputed so far
         self._reducing_now: list = []  # stage 3: (backward's graph task, unit, StartedGrads) in flight
@@ -434,6 +435,8 @@ class Zero:
             # (FSDP's reverse post-forward order): each group's rebuild starts the next one's.
             for later, earlier in zip(self._freed[1:], self._freed):
                 later.then = earlier
+            for unit in self._ended:  # what an earlier forward that ran a unit said of it goes
+                self._before.pop(unit, None)
             self._before.update(zip(self._ended[1:], self._ended))  # per chunk: interleaved stages' too
             if self._gathers:
                 self._orders[self._gathers[0]] = self._gathers
