@@ -708,3 +708,41 @@ def test_stage3_prefetches_in_forwards_that_begin_at_different_units(pool):
     chunk 1's from its second forward). A block's gather starts when it first reads a weight."""
     for steps in pool.run(_alternating_chunks)[:2]:
         assert steps == [[(0, 0), (1, 2)], [(2, 0), (3, 1)], [(0, 0), (1, 2)], [(2, 0), (3, 2)]], steps
+
+
+class _CheckpointedBlocks(torch.nn.Module):
+    """Four linear blocks, each under its own checkpoint; a forward runs the blocks it is given."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x, which):
+        from torch.utils.checkpoint import checkpoint
+
+        for i in which:
+            x = checkpoint(lambda t, i=i: torch.tanh(self.blocks[i](t)), x, use_reentrant=False)
+        return x.square().mean()
+
+
+def _chunk_after_a_full_forward():
+    torch.manual_seed(0)
+    model = _CheckpointedBlocks()
+    p = sc.placement("cpu", [0, 1])
+    model, zero = apply_zero(model, p, {}, stage=3)
+    out = []
+    for which in ((0, 1, 2, 3), (2, 3), (2, 3)):
+        x = sc.distribute(torch.randn(6, 8), p, (S0,)).requires_grad_()
+        loss = model(x, which)
+        with sc.comm_ledger() as ledger:
+            loss.backward()
+        out.append(ledger.count("all_gather"))
+        zero.zero_grad()
+    return out
+
+
+def test_stage3_recompute_prefetch_follows_the_last_forward_that_ran_the_unit(pool):
+    """After a forward of every block, a forward of blocks 2-3 recomputes only those in backward: two
+    gathers, no prefetch of block 1 (which the full forward ran before block 2)."""
+    for gathers in pool.run(_chunk_after_a_full_forward)[:2]:
+        assert gathers == [4, 2, 2], gathers
