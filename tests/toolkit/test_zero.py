@@ -562,6 +562,14 @@ def test_zero_grad_drops_what_a_failed_backward_left(pool, stage):
             assert buckets > 2 and reduce_scatters == buckets, (reduce_scatters, buckets)
 
 
+def _stage3_on_dp2(cls):
+    """``cls()`` built from seed 0, under ZeRO-3 on ranks 0 and 1: ``(model, zero, placement)``."""
+    torch.manual_seed(0)
+    p = sc.placement("cpu", [0, 1])
+    model, zero = apply_zero(cls(), p, {}, stage=3)
+    return model, zero, p
+
+
 class _ExpertBlock(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -590,10 +598,7 @@ class _ExpertBlocks(torch.nn.Module):
 
 
 def _nested_units():
-    torch.manual_seed(0)
-    model = _ExpertBlocks()
-    p = sc.placement("cpu", [0, 1])
-    model, zero = apply_zero(model, p, {}, stage=3)
+    model, zero, p = _stage3_on_dp2(_ExpertBlocks)
     out = []
     for _ in range(2):
         loss = model(sc.distribute(torch.randn(6, 8), p, (S0,)))
@@ -686,10 +691,7 @@ class _TwoChunks(torch.nn.Module):
 
 
 def _alternating_chunks():
-    torch.manual_seed(0)
-    model = _TwoChunks()
-    p = sc.placement("cpu", [0, 1])
-    model, zero = apply_zero(model, p, {}, stage=3)
+    model, zero, p = _stage3_on_dp2(_TwoChunks)
     ledger, seen = {}, []
     for i, block in enumerate(model.blocks):
         block.register_forward_pre_hook(lambda m, a, i=i: seen.append((i, ledger["now"].count("all_gather"))))
@@ -726,10 +728,7 @@ class _CheckpointedBlocks(torch.nn.Module):
 
 
 def _chunk_after_a_full_forward():
-    torch.manual_seed(0)
-    model = _CheckpointedBlocks()
-    p = sc.placement("cpu", [0, 1])
-    model, zero = apply_zero(model, p, {}, stage=3)
+    model, zero, p = _stage3_on_dp2(_CheckpointedBlocks)
     out = []
     for which in ((0, 1, 2, 3), (2, 3), (2, 3)):
         x = sc.distribute(torch.randn(6, 8), p, (S0,)).requires_grad_()
