@@ -31,7 +31,7 @@ never the logits.
 With ``sample_rate < 1`` in training, each class shard uses only its
 Partial FC sample of centres (``partial_fc.sample``); padding columns (class
 id ``-1``) are masked to ``-inf``. ``sampled_rows()`` hands the optimizer the
-local rows sampled since the last call. The sampling seed is drawn from the
+local rows gathered since the last call and which of them were sampled. The sampling seed is drawn from the
 default generator at construction (so it follows the run seed) and the draw
 counter is a buffer (checkpointed: a resumed run draws what the straight run
 would have).
@@ -69,7 +69,7 @@ class MarginSoftmaxHead(nn.Module):
             self.weight = nn.Parameter(self.init_shard("weight", ((0, num_classes), (0, embedding_size))))
             self.class_ids = self.init_shard("class_ids", ((0, num_classes),))
         self.register_buffer("draws", torch.zeros((), dtype=torch.int64))
-        self._touched = None  # local row mask of the weight's shard, since the last sampled_rows()
+        self._touched = None  # (mask of the sampled local rows, the rows gathered) since the last sampled_rows()
 
     def init_shard(self, name: str, box) -> torch.Tensor:
         """``weight``: the box ``((row0, rows), (col0, cols))`` of the initial class centres, drawn per block
@@ -87,10 +87,10 @@ class MarginSoftmaxHead(nn.Module):
         weight, ids = self.weight, self.class_ids
         sampling = self.training and self.sample_rate < 1.0 and torch.is_grad_enabled()
         if sampling:
-            weight, ids, rows = partial_fc.sample(weight, ids, labels, self.sample_rate, self.seed,
-                                                  int(self._local(self.draws)))
+            weight, ids, rows, kept = partial_fc.sample(weight, ids, labels, self.sample_rate, self.seed,
+                                                        self._local(self.draws))
             self.draws.add_(1)
-            self._mark(rows)
+            self._mark(rows, kept)
         cos = F.linear(F.normalize(emb), F.normalize(weight))
         cos = cos.to(torch.promote_types(cos.dtype, torch.float32)).clamp(-1.0, 1.0)
         target = labels[:, None] == ids[None, :]
@@ -105,18 +105,24 @@ class MarginSoftmaxHead(nn.Module):
     def _local(t):
         return t.to_local() if hasattr(t, "to_local") else t
 
-    def _mark(self, rows: torch.Tensor) -> None:
-        local = self._local(self.weight)
-        if self._touched is None or self._touched.numel() != local.shape[0]:
-            self._touched = torch.zeros(local.shape[0], dtype=torch.bool, device=local.device)
-        self._touched[rows] = True
+    def _mark(self, rows: torch.Tensor, kept: torch.Tensor) -> None:
+        n = self._local(self.weight).shape[0]
+        if self._touched is None or self._touched[0].numel() != n:
+            self._touched = (torch.zeros(n, dtype=torch.bool, device=rows.device), [])
+        mask, gathered = self._touched
+        mask[rows] |= kept  # rows are distinct: a plain gather and scatter, no mask indexing
+        gathered.append(rows)
 
     def sampled_rows(self):
-        """Local rows of ``weight`` sampled since the last call (``None``: every row; no sampling)."""
+        """``(rows, kept)`` since the last call: the local rows of ``weight`` the forwards gathered (a row
+        gathered by several forwards repeats) and whether each was in a sample (``None``: every row; no
+        sampling). Both stay on the device: nothing is read on the host."""
         if self.sample_rate >= 1.0:
             return None
-        touched = self._touched
-        self._touched = None
+        touched, self._touched = self._touched, None
         if touched is None:
-            return torch.empty(0, dtype=torch.int64)
-        return touched.nonzero().flatten()
+            none = torch.empty(0, dtype=torch.int64, device=self._local(self.weight).device)
+            return none, none.bool()
+        mask, gathered = touched
+        rows = torch.cat(gathered)
+        return rows, mask[rows]

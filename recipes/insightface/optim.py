@@ -2,12 +2,16 @@
 
 ``PartialFCSGD(params, sampled_rows={weight: head.sampled_rows}, lr=..., momentum=..., weight_decay=...)``
 is ``torch.optim.SGD`` (no dampening, no Nesterov) for every parameter, except
-that for a parameter listed in ``sampled_rows`` whose callable returns local
-row indices, only those rows of its local shard (its global tensor's shard, or
-the whole tensor on one device) take the step: their weight decay, momentum
-buffer and update. Un-sampled rows, and their momentum, stay exactly as they
-were (Partial FC keeps every centre but trains only the sampled ones). A
-callable returning ``None`` means every row (no sampling): plain SGD.
+that for a parameter listed in ``sampled_rows`` whose callable returns
+``(rows, kept)`` (local row indices of its local shard, its global tensor's
+shard or the whole tensor on one device, which may repeat; and whether each
+is in the sample), only the rows kept take the step: their weight decay,
+momentum buffer and update. The step gathers ``rows``, updates the kept ones
+and writes all back (a repeated row writes the same values each time), so
+neither is read on the host and the work is that of the rows alone.
+Un-sampled rows, and their momentum, stay exactly as they were (Partial FC
+keeps every centre but trains only the sampled ones). A callable returning
+``None`` means every row (no sampling): plain SGD.
 
 The momentum buffer of a sampled parameter is a tensor of the parameter's
 layout stored under torch's key ``momentum_buffer``, so checkpoints
@@ -50,28 +54,32 @@ class PartialFCSGD(torch.optim.SGD):
         rowwise = []
         for p, rows_of in self.sampled_rows.items():
             p = self._stepped(p)
-            rows = rows_of()
-            if rows is not None and p.grad is not None:
-                rowwise.append((p, p.grad, rows))
+            sampled = rows_of()
+            if sampled is not None and p.grad is not None:
+                rowwise.append((p, p.grad, sampled))
                 p.grad = None  # torch's SGD skips parameters without a gradient
         loss = super().step(closure)
-        for p, grad, rows in rowwise:
+        for p, grad, sampled in rowwise:
             p.grad = grad
-            self._rows_step(p, grad, rows)
+            self._rows_step(p, grad, sampled)
         return loss
 
-    def _rows_step(self, p, grad, rows: torch.Tensor) -> None:
+    def _rows_step(self, p, grad, sampled) -> None:
         group = self._group_of(p)
         lr, momentum, decay = group["lr"], group["momentum"], group["weight_decay"]
+        rows, kept = sampled
         w = _local(p)
+        kept = kept.view(-1, *[1] * (w.dim() - 1))  # broadcast over each row
+        old = w[rows]
         d = _local(grad)[rows]
         if decay:
-            d = d + decay * w[rows]
+            d = d + decay * old
         if momentum:
             state = self.state[p]
             if state.get("momentum_buffer") is None:
                 state["momentum_buffer"] = torch.zeros_like(p)
             buf = _local(state["momentum_buffer"])
-            d = buf[rows].mul_(momentum).add_(d)
-            buf[rows] = d
-        w[rows] = w[rows] - lr * d
+            was = buf[rows]
+            d = was * momentum + d
+            buf[rows] = torch.where(kept, d, was)
+        w[rows] = torch.where(kept, old - lr * d, old)

@@ -77,3 +77,25 @@ def test_the_probe_sees_an_item_a_mask_and_a_coalesce():
     assert reads.ops["aten::_local_scalar_dense"] == 1 and reads.ops["aten::_coalesce"] == 1
     assert reads.ops["aten::index_put_"] == 1 and reads.ops["aten::repeat_interleave"] == 1, reads.ops
     assert any("test_host_reads.py" in s for s in reads.sites)
+
+
+def test_a_partial_fc_step_reads_nothing_on_the_host():
+    """Partial FC's class draw, its masked head and ``PartialFCSGD``'s masked row step stay on the device: a
+    step (forward, backward, SGD with momentum and weight decay) issues none of the ops above."""
+    from recipes.insightface.head import MarginSoftmaxHead
+    from recipes.insightface.margin import CombinedMargin
+    from recipes.insightface.optim import PartialFCSGD
+
+    torch.manual_seed(0)
+    head = MarginSoftmaxHead(50, 8, CombinedMargin.named("arcface"), sample_rate=0.2)
+    opt = PartialFCSGD(head.parameters(), {head.weight: head.sampled_rows}, lr=0.1, momentum=0.9,
+                       weight_decay=5e-4)
+    emb, labels = torch.randn(16, 8), torch.randint(0, 50, (16,))
+
+    def step(_):
+        head(emb, labels).backward()
+        opt.step()
+        opt.zero_grad()
+
+    reads = _count(step, range(1, 3))
+    assert not reads.ops, dict(reads.sites)
