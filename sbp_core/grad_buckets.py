@@ -107,15 +107,16 @@ class GradBuckets:
         self._ready_in = [[] for _ in self.buckets]  # per bucket: (leaf, target) whose gradient is in
         self._next = 0  # the next bucket to start
         self._started: list = []  # (pending boxing, [(leaf, target)] boxed by it, [(leaf, boxed)] done now)
-        self._queued = False
+        self._task = None  # the autograd graph task whose end-of-backward callback is queued
 
     def _ready(self, leaf) -> None:
         if _deferred[0] and not self.always:
             return
         b, target, _ = self._where[id(leaf)]
-        if not self._queued:  # this backward's first gradient (after one that raised: see reset)
+        task = torch._C._current_graph_task_id()
+        if task != self._task:  # this backward's first gradient; a backward that raised left its state: drop it
             self.reset()
-            self._queued = True
+            self._task = task
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         self._ready_in[b].append((leaf, target))
         while self._next < len(self.buckets) and len(self._ready_in[self._next]) == len(self.buckets[self._next]):

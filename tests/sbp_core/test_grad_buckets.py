@@ -125,6 +125,42 @@ def test_always_buckets_box_under_defer_grad_boxing():
             assert (full - ref[i]).abs().max().item() <= 1e-5 * ref[i].abs().max().item(), i
 
 
+def _after_a_raised_backward():
+    """Worker: dp2, every parameter its own bucket; a backward that raises once the last two layers' buckets
+    started, then (gradients zeroed) a backward that completes. Its gradients against one device's."""
+    ref = _mlp()
+    x, y = _micro_batches()[0]
+    _loss(ref, x, y).backward()
+    p = sc.placement("cpu", [0, 1])
+    model = sc.distribute_module(_mlp(), p, bucket_bytes=1)
+    gx, gy = (sc.distribute(t, p, S0) for t in (x, y))
+
+    def boom(_):
+        raise RuntimeError("boom")
+
+    h = model[3](model[2](model[1](model[0](gx))))
+    h.register_hook(boom)  # raises once layers 4 and 6 have their gradients
+    try:
+        ((model[6](model[5](model[4](h))) - gy) ** 2).mean().backward()
+        raised = False
+    except RuntimeError as e:
+        raised = "boom" in str(e)
+    model.zero_grad(set_to_none=True)
+    _loss(model, gx, gy).backward()
+    if torch.distributed.get_rank() not in p:
+        return None
+    return raised, [(q.grad.sbp == q.sbp, ((q.grad.full_tensor() - r.grad).abs().max() / r.grad.abs().max()).item())
+                    for q, r in zip(model.parameters(), ref.parameters())]
+
+
+def test_a_backward_after_one_that_raised_boxes_every_gradient():
+    """A backward that raised ran no end-of-backward callback: the next backward starts its buckets afresh
+    (each backward is an autograd graph task of its own) and returns every gradient boxed, as on one device."""
+    for raised, grads in get_pool(WORLD).run(_after_a_raised_backward)[:2]:
+        assert raised
+        assert all(boxed and err <= 1e-5 for boxed, err in grads), grads
+
+
 def test_a_bucket_packs_its_gradients_in_its_own_order_whatever_order_the_hooks_fire_in():
     """Every rank must pack a bucket's pieces alike: the hooks' order (autograd's threads) is not trusted."""
     from unittest import mock
@@ -144,7 +180,7 @@ def test_a_bucket_packs_its_gradients_in_its_own_order_whatever_order_the_hooks_
     with mock.patch.object(grad_buckets, "box_many_async", box_many_async):
         for order in ((0, 1, 2), (2, 0, 1)):
             gb.reset()
-            gb._queued = True  # as in a backward whose end-of-backward callback is queued (none here)
+            gb._task = -1  # as in a backward whose end-of-backward callback is queued (outside one here: -1)
             for i in order:
                 leaf = leaves[i]
                 leaf.grad = sc.GlobalTensor(torch.ones(leaf.shape), leaf.layout.with_sbp((sc.sbp.partial_sum,)))
