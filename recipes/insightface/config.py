@@ -171,10 +171,6 @@ def problems(cfg, layout) -> list:
     if layout.zero:
         p.append(f"parallel.zero={layout.zero}: not supported by insightface (the FC is already split over "
                  "every rank and the backbone is replicated); valid: parallel.zero=0")
-    if layout.pp > 1 and tr.eval_every:
-        p.append(f"trainer.eval_every={tr.eval_every} with parallel.pp={layout.pp}: verification embeds images "
-                 "with the whole backbone, which the pipeline splits over stages; valid: trainer.eval_every=0, "
-                 "or pp=1")
     if tr.activation_checkpointing:
         p.append("trainer.activation_checkpointing=true: not supported by insightface (recomputing a "
                  "batch-norm layer would update its running statistics twice); valid: false")

@@ -23,6 +23,8 @@ import torch
 from omegaconf import OmegaConf
 
 import sbp_core as sc
+from sbp_core.layout import local_box
+from sbp_core.process_groups import world_rank
 from toolkit.data import MicroBatches
 from toolkit.data.sampler import GlobalBatchSampler
 from toolkit.optim import param_groups
@@ -123,10 +125,17 @@ class InsightFaceRecipe(Recipe):
     # -- evaluation and accounting -------------------------------------------------------------
 
     def evaluate(self, job) -> dict | None:
-        """Verification accuracy and TAR@FAR=1e-3 on the pairs, every rank embedding its share of them."""
+        """Verification accuracy and TAR@FAR=1e-3 on the pairs, every rank embedding its share of them
+        (under a pipeline, the stages embed them piece by piece: ``_embed_pipelined``)."""
         if job.data.pairs is None:
             return None
         images, issame = job.data.pairs
+        if job.layout.pp > 1:
+            emb = self._embed_pipelined(job, torch.cat([images, images.flip(-1)]))
+            if emb is None:  # known on rank 0
+                return None
+            emb = emb[:len(images)] + emb[len(images):]
+            return verification_metrics(emb[0::2], emb[1::2], issame)
         module, placement = job.module, job.placements[job.stage]
         was_training = module.training
         module.eval()
@@ -142,6 +151,28 @@ class InsightFaceRecipe(Recipe):
             module.train(was_training)
         emb = torch.cat(out)
         return verification_metrics(emb[0::2], emb[1::2], issame)
+
+    @staticmethod
+    def _embed_pipelined(job, images: torch.Tensor):
+        """The embeddings of ``images`` (uint8 ``[n, 3, S, S]``), float32 on the host, on rank 0 (``None``
+        elsewhere): pieces of a training micro-batch's rows (the last padded with black images) through
+        the pipeline's stages (``PipelineStep.infer``), each first-stage rank reading its rows of each."""
+        rows = job.pipe.cfg.batch["image"][0][0]
+        n = len(images)
+        pieces = -(-n // rows)
+        placement = job.placements[0]  # the first stage's
+        shape = (rows, *images.shape[1:])
+
+        def batches(step, k):
+            piece = images[k * rows:(k + 1) * rows]
+            if len(piece) < rows:
+                piece = torch.cat([piece, piece.new_zeros(rows - len(piece), *piece.shape[1:])])
+            (r0, nr) = local_box(shape, placement.shape, DATA_SBP, placement.coords(world_rank()))[0]
+            return {"image": normalize(piece[r0:r0 + nr]).to(placement.device())}
+
+        out = job.pipe.infer(batches, pieces, lambda module, x: module.embed(x["image"] if isinstance(x, dict) else x),
+                             fields=("image",))
+        return None if out is None else torch.cat(out)[:n].float().cpu()
 
     def items_per_sample(self, cfg) -> int:
         return 1

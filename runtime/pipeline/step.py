@@ -215,6 +215,11 @@ def _mean_of_pieces(m: int, k, losses) -> float:
     return float(_mean(losses if m > 1 else [losses]))
 
 
+def _piece(k, out):
+    """Rank 0's copy of piece ``k``'s inference output."""
+    return out
+
+
 def _credit(k, stash) -> None:
     """A ``T`` actor's action: the deeper stage's forward of micro-batch ``k`` ran; its stash is not kept."""
     return None
@@ -252,7 +257,9 @@ class PipelineStep:
     ``toolkit.data.MicroBatches``. ``step(i)`` returns the step's loss on
     the last stage's ranks and on rank 0, ``None`` elsewhere;
     ``evaluate(batches, m)`` the mean loss of ``m`` micro-batches, forward
-    only, likewise. ``loss_scale``: the last stage's backward starts from
+    only, likewise; ``infer(batches, m, forward)`` the last stage's output of
+    each of ``m`` pieces, forward only, on rank 0 (verification embeddings,
+    say). ``loss_scale``: the last stage's backward starts from
     the loss times its scale, and each update unscales the gradients and
     skips the step (``skipped``) where any rank's overflowed. ``zero``: the
     ZeRO strategy that distributed ``module`` (``toolkit.zero.Zero``), or
@@ -322,6 +329,8 @@ class PipelineStep:
         self.plan = self._plan(self.batches, cfg.micro_batches, train=True)
         self._quiet_plan = None  # the step's plan without the loss's trip to rank 0 (step(report=False))
         self._eval_plans: dict = {}
+        self._inferring = self._infer_batches = None  # during infer: (first-stage fields, forward), batches
+        self._outputs: dict = {}  # the last run's sinks' outputs on this rank
         self._runs: dict = {}  # id(plan) -> its runs done (the first FIRST_RUNS wait under SBP_INIT_TIMEOUT)
 
     # -- actions ---------------------------------------------------------------------------
@@ -442,6 +451,25 @@ class PipelineStep:
             losses, self._losses = self._losses, []
             self.last_loss = float(_mean(losses))
         return loss
+
+    def _infer_forward(self, s: int, k, *ins):
+        """Stage ``s``'s output for piece ``k`` of an ``infer`` run: ``infer``'s forward, no labels, no grad."""
+        fields, infer = self._inferring
+        x = self._global_fields(ins[0], fields) if s == 0 else ins
+        with torch.no_grad():
+            out = infer(self.chunks[s], x if s == 0 or len(x) > 1 else x[0])
+        if s < self.pp - 1:
+            out = as_tuple(out)
+            if len(out) != len(self.cfg.acts[s]):
+                raise ValueError(f"stage {s}'s inference forward returned {len(out)} tensors; its boundary has "
+                                 f"{len(self.cfg.acts[s])} ({self.cfg.acts[s]})")
+        return Stash(None, out)
+
+    @staticmethod
+    def _infer_output(k, st):
+        """The last stage's output of piece ``k``, whole (a global tensor's full value: its rows gathered)."""
+        out = st.output
+        return out.full_tensor() if isinstance(out, GlobalTensor) else out
 
     def _backward(self, s: int, k, stash: Stash, *grads):
         m = self.cfg.micro_batches
@@ -605,9 +633,11 @@ class PipelineStep:
                         bwd_in[(s, r)] = bwd_in.get((s, r), ()) + (name,)
         return actors, fwd_in, bwd_in
 
-    def _plan(self, batches, m: int, train: bool, report: bool = True) -> Plan:
+    def _plan(self, batches, m: int, train: bool, report: bool = True, infer: bool = False) -> Plan:
         """The actors of one training step (``train``) or one forward-only evaluation of ``m`` micro-batches;
-        ``report``: the loss is sent to rank 0 where rank 0 is not on the last stage."""
+        ``report``: the loss is sent to rank 0 where rank 0 is not on the last stage. ``infer``: the
+        evaluation's last stage outputs each piece's result (to rank 0) instead of a loss, and reads no
+        labels."""
         cfg, n, v, where = self.cfg, self.pp, self.cfg.virtual, self.where
         device = cfg.placements[0].device()
         actors, fwd_in, bwd_in = self._boundaries(train, device)
@@ -622,15 +652,19 @@ class PipelineStep:
             tag = "" if v == 1 else str(s // len(cfg.placements))  # the stage's role name within its rank's gang
             for r in placement.ranks:
                 f_in = () if first else fwd_in[(s, r)]
-                if first or last:
+                if first or (last and not infer):
                     specs, data = self._data_actors(batches, s, r, s in self.stages and world_rank() == r)
                     actors += specs
                     f_in = (data,) + f_in if first else f_in
-                    f_in += (data,) if last else ()
-                forward = partial(self._eval_forward if not train else self._forward, s)
+                    f_in += (data,) if last and not infer else ()
+                forward = partial(self._infer_forward if infer else self._eval_forward if not train else
+                                  self._forward, s)
                 if not train:
                     actors.append(ActorSpec(f"s{s}.F@{r}", forward, inputs=f_in, quota=2, rank=r, role=f"F{tag}"))
-                    if last:
+                    if last and infer:
+                        actors.append(ActorSpec(f"s{s}.out@{r}", self._infer_output, inputs=(f"s{s}.F@{r}",),
+                                                quota=1, priority=2, rank=r, role="loss"))
+                    elif last:
                         per_piece = report and 0 not in placement  # rank 0 averages the pieces as they come
                         actors.append(ActorSpec(f"s{s}.loss@{r}", partial(self._eval_piece_loss, m) if per_piece else
                                                 self._eval_loss, inputs=(f"s{s}.F@{r}",), quota=1, priority=2,
@@ -670,9 +704,12 @@ class PipelineStep:
                 own = (f"s{self._rank_first_stage(0)}.reduce@0",) if 0 in cfg.stage_placement(0) else ()
                 reads = (f"s{self._rank_first_stage(n - 1)}.reduce@{last_leader}",) + own
                 take = lambda k, loss, *_: loss  # noqa: E731
+            elif infer:  # each piece's result as it comes
+                reads, take = (f"s{n - 1}.out@{last_leader}",), _piece
             else:
                 reads, take = (f"s{n - 1}.loss@{last_leader}",), partial(_mean_of_pieces, m)
-            actors.append(ActorSpec("loss@0", take, inputs=reads, queue="data", rank=0, every=m))
+            actors.append(ActorSpec("out@0" if infer else "loss@0", take, inputs=reads, queue="data", rank=0,
+                                    every=1 if infer else m))
         return Plan(actors, lockstep, pools)
 
     def _rank_first_stage(self, stage: int) -> int:
@@ -711,12 +748,13 @@ class PipelineStep:
             return train
         return "W" in cfg.compute_actors(p) or cfg.compute_actors(p)["F"][0] > 1
 
-    def _run(self, plan, pieces: int, batches, train: bool):
+    def _run(self, plan, pieces: int, batches, train: bool, plain: bool = True):
+        """One run of ``plan`` over ``pieces``; ``plain=False`` keeps every stage on global tensors."""
         if hasattr(batches, "stages"):
             batches.step = self.step_index
         trace = self.trace_factory() if self.trace_factory else None
         self.last_loss, self._weight_passes = None, {}
-        self._local = self._shards is not None and plain_stage.plain(self.placement, self._audited)
+        self._local = plain and self._shards is not None and plain_stage.plain(self.placement, self._audited)
         self._auditing = set(self.stages) if self._audit and train and not explaining() else set()
         if self._auditing:
             self._audit, self._verdicts = False, {}
@@ -746,6 +784,7 @@ class PipelineStep:
         self.last_trace, self.last_stats = trace, res.stats
         if "loss@0" in res.outputs:
             return res.outputs["loss@0"][0]
+        self._outputs = res.outputs
         return self.last_loss
 
     def evaluate(self, batches, micro_batches: int, index: int = 0):
@@ -765,6 +804,35 @@ class PipelineStep:
             self.step_index = saved
             for m, mode in (pair for pairs in modes for pair in pairs):
                 m.training = mode
+
+    def infer(self, batches: Callable, micro_batches: int, forward: Callable, fields: tuple | None = None):
+        """The last stage's output of each of ``micro_batches`` pieces, forward only, in eval mode: on rank 0
+        a list of whole tensors in piece order, ``None`` elsewhere.
+
+        ``batches(step, k)``: this rank's local rows of piece ``k`` on the first stage's ranks, laid out
+        as a training micro-batch (the same fields' shapes and ``data_sbp``; the boundaries carry
+        training micro-batch shapes). ``forward(module, x)``: a stage's output from its input (the
+        first stage's ``x`` is ``{field: global tensor}`` of ``fields``, by default the inputs; later
+        stages' the boundary tensors), no labels. Every stage runs on global tensors. Every rank calls
+        it, with the same ``micro_batches``."""
+        key = ("infer", micro_batches)
+        if key not in self._eval_plans:
+            self._eval_plans[key] = self._plan(lambda step, k: self._infer_batches(step, k), micro_batches,
+                                               train=False, infer=True)
+        self._inferring = (tuple(fields or self.cfg.inputs), forward)
+        self._infer_batches = batches
+        modules = list({id(m): m for m in (self.module, *self.chunks.values()) if m is not None}.values())
+        modes = [[(m, m.training) for m in root.modules()] for root in modules]
+        for root in modules:
+            root.train(False)
+        try:
+            self._run(self._eval_plans[key], micro_batches, None, train=False, plain=False)
+        finally:
+            self._inferring = self._infer_batches = None
+            for m, mode in (pair for pairs in modes for pair in pairs):
+                m.training = mode
+        outputs, self._outputs = self._outputs, {}
+        return outputs.get("out@0", outputs.get(f"s{self.pp - 1}.out@0")) if world_rank() == 0 else None
 
     def step(self, index: int | None = None, report: bool = True):
         """One optimizer step over ``micro_batches`` micro-batches; the mean loss where known, else ``None``.

@@ -18,6 +18,12 @@ its rounding (measured: 5e-9 absolute, 1.4x its own size), as do the
 running means of a batch norm over another's output. Measured with the
 floor: losses within 3.6e-7 (pp2, pp4) and 2.1e-6 (dp2_pp2, dp2), tensors
 within 3.1e-6 and 5.6e-6.
+
+After the steps, each pipelined layout embeds the verification pairs (and
+their mirror images) through its stages in micro-batch pieces, forward only
+(``PipelineStep.infer``): the embeddings on rank 0 equal the one-device
+model's in eval mode, within the same bars, and ``evaluate`` gives rank 0
+the verification metrics.
 """
 from __future__ import annotations
 
@@ -30,7 +36,7 @@ from toolkit.rank_pool import get_pool
 TINY = ["recipe=insightface", "model.width=4", "model.image_size=16", "model.num_classes=10",
         "model.head.embedding_size=16", "data.synthetic.images_per_identity=4", "data.synthetic.val_identities=10",
         "data.synthetic.val_pairs=40", "trainer.global_batch_size=32", "trainer.max_steps=3",
-        "trainer.warmup_steps=1", "trainer.eval_every=0", "trainer.save_every=0", "logger=none"]
+        "trainer.warmup_steps=1", "trainer.eval_every=100", "trainer.save_every=0", "logger=none"]
 STEPS, RTOL, FLOOR = 3, 1e-5, 0.1
 # layout -> its overrides; 4 micro-batches of 8 images in every layout (micro_batch_size is per data shard)
 LAYOUTS = {"pp2": ["parallel.pp=2", "trainer.micro_batch_size=8"],
@@ -44,21 +50,33 @@ LAYOUTS = {"pp2": ["parallel.pp=2", "trainer.micro_batch_size=8"],
            "single": ["trainer.micro_batch_size=8"]}
 
 
+def _pairs(images):
+    """The images verification embeds: the pairs' images, then their mirror images."""
+    import torch
+
+    return torch.cat([images, images.flip(-1)])
+
+
 def _rank_run(container: dict):
-    """Each stage leader returns ``(losses or None, {name: full tensor} of its stage's state)``."""
+    """Each stage leader returns ``(losses or None, {name: full tensor} of its stage's state, embeddings and
+    metrics of the pairs or None)``: the last two on rank 0 of a pipeline, after the steps."""
     import sbp_core as sc
     from recipes.registry import get
     from toolkit.trainer import Job
 
     cfg = OmegaConf.create(container)
-    job = Job(cfg, get(cfg.recipe.name))
+    recipe = get(cfg.recipe.name)
+    job = Job(cfg, recipe)
     losses = [job.pipe.step(i) for i in range(STEPS)]
     losses = None if losses[0] is None else [float(x) for x in losses]
     state = {}
     for name, t in job.module.state_dict().items():
         full = t.full_tensor() if isinstance(t, sc.GlobalTensor) else t
         state[name] = full.detach().clone()
-    return losses, state
+    embedded = None
+    if job.layout.pp > 1:
+        embedded = (recipe._embed_pipelined(job, _pairs(job.data.pairs[0])), recipe.evaluate(job))
+    return losses, state, embedded
 
 
 def _config(layout: str, cache: str, run_dir: str):
@@ -69,10 +87,19 @@ def _reference(cache: str, run_dir: str):
     from recipes.registry import get
     from toolkit.plain_loop import PlainLoop
 
+    import torch
+
+    from recipes.insightface.data.images import normalize
+
     cfg = _config("single", cache, run_dir)
-    loop = PlainLoop(cfg, get("insightface"), "cpu")
+    recipe = get("insightface")
+    loop = PlainLoop(cfg, recipe, "cpu")
     losses = [float(loop.step(i)) for i in range(STEPS)]
-    return losses, {k: v.detach() for k, v in loop.model.state_dict().items()}
+    images, _ = recipe.prepare(loop.cfg).pairs
+    loop.model.eval()
+    with torch.no_grad():
+        emb = loop.model.embed(normalize(_pairs(images)))
+    return losses, {k: v.detach() for k, v in loop.model.state_dict().items()}, emb
 
 
 @pytest.fixture(scope="module")
@@ -87,13 +114,21 @@ def test_pipelined_insightface_matches_one_device(layout, reference, tmp_path, s
     cfg = _config(layout, sbp_cache, str(tmp_path))
     world = validate(cfg, get("insightface")).world_size
     res = get_pool(world).run(_rank_run, OmegaConf.to_container(cfg, resolve=True), call_timeout=600.0)
-    want_losses, want_state = reference
+    want_losses, want_state, want_emb = reference
     losses = res[0][0]
     assert losses is not None and len(losses) == STEPS
     bad = [f"loss {i}: {a} vs {b}" for i, (a, b) in enumerate(zip(losses, want_losses))
            if abs(a - b) > RTOL * abs(b)]
     seen = set()
-    for _, state in res:
+    embedded = res[0][2]
+    if layout.startswith(("pp", "dp2_pp")):
+        assert embedded[0] is not None and all(r[2] == (None, None) for r in res[1:])
+        emb, metrics = embedded
+        err = float((emb - want_emb).abs().max() / want_emb.abs().max().clamp_min(FLOOR))
+        if emb.shape != want_emb.shape or not err <= RTOL:
+            bad.append(f"embeddings {tuple(emb.shape)}: {err:.2e}")
+        assert set(metrics) >= {"verify_acc"} and 0.0 <= metrics["verify_acc"] <= 1.0, metrics
+    for _, state, _ in res:
         for name, got in state.items():
             if name in seen or not got.is_floating_point():
                 continue

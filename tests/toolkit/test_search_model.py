@@ -64,8 +64,8 @@ def test_insightface_is_traced_and_priced():
     model = RecipeSearchModel(get("insightface"), cfg)
     assert [c.name for c in model.choices] == ["head"]
     assert model.micro_batches(Strategy(dp=2, tp=2, micro_batch_size=4)) == 1  # 4 data shards
-    # Verification embeds with the whole backbone: a pipeline only without it.
-    assert any("eval_every" in p for p in model.problems(Strategy(dp=1, tp=1, pp=2, micro_batch_size=4)))
+    # Verification embeds through the pipeline's stages: a pipeline with it is a candidate.
+    assert not any("eval_every" in p for p in model.problems(Strategy(dp=1, tp=1, pp=2, micro_batch_size=4)))
     assert not model.layers_alike  # a ResNet's blocks change width: each stage is rehearsed whole
     cluster = cluster_from_dict({"name": "toy", "nodes": 1, "devices_per_node": 4,
                                  "device": {"memory_gib": 1, "peak_tflops": {"float32": 1.0},
