@@ -10,7 +10,9 @@ momentum buffer and update. The step gathers ``rows``, updates the kept ones
 and writes all back (a repeated row writes the same values each time), so
 neither is read on the host and the work is that of the rows alone.
 Un-sampled rows, and their momentum, stay exactly as they were (Partial FC
-keeps every centre but trains only the sampled ones). A callable returning
+keeps every centre but trains only the sampled ones); ``zero_grad`` forgets
+the rows sampled since the last step, so a skipped step's sample does not
+move in the next. A callable returning
 ``None`` means every row (no sampling): plain SGD.
 
 The momentum buffer of a sampled parameter is a tensor of the parameter's
@@ -48,6 +50,13 @@ class PartialFCSGD(torch.optim.SGD):
         """The tensor the groups hold for ``p``: ``p``, or its local while ``step_on_locals`` runs the step."""
         held = {id(q) for g in self.param_groups for q in g["params"]}
         return p if id(p) in held or not isinstance(p, GlobalTensor) else p._local
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Also forget the rows sampled since the last step: a step skipped (fp16's overflow) must not
+        move them in the next, whose sample they may not be in."""
+        for rows_of in self.sampled_rows.values():
+            rows_of()
+        super().zero_grad(set_to_none)
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -17,8 +17,12 @@ many positives a batch has. Each shard gathers a fixed number of rows,
 positives than the batch has labels), and those beyond the sample's count
 get class id ``-1``: the head masks their logits to ``-inf``, so they take no
 part in the softmax and get exactly zero gradient. When the batch has no
-more labels than ``int(sample_rate * rows)``, the usual case at scale, that
-is the sample itself and nothing is masked. A split's pieces must be
+more labels than ``int(sample_rate * rows)`` (many classes per shard), that
+is the sample itself and nothing is masked; a global batch of more labels
+than that (many ranks beside few classes per shard) makes every shard
+compute logits for up to ``min(rows, labels)`` columns, where PFC v2, reading
+the labels on the host, computes about ``max(int(sample_rate * rows),
+labels / shards)``. A split's pieces must be
 balanced, so shards with fewer rows pad to the widest shard's count ``k``
 with zero rows of id ``-1``. Every rank computes ``k`` from the shard sizes
 and the label count alone: no communication.
@@ -112,6 +116,9 @@ def draw(n: int, labels: torch.Tensor, start: int, width: int, num: int, seed: i
     """``(rows, kept)``: ``width`` sorted local rows of the shard ``[start, start + n)``, and which of them are in
     the sample (its positives among ``labels``, topped up with negatives to ``num``; with more positives,
     all of them). ``width`` must be at least ``num`` and the positives' count (``gathered`` sees to it)."""
+    if n == 0:  # a shard without rows keeps none (and has no row 0 to take the no-op writes below)
+        none = torch.empty(0, dtype=torch.int64, device=labels.device)
+        return none, none.bool()
     key = keys(n, seed, draws.to(labels.device))
     mine = (labels >= start) & (labels < start + n)
     key = key.scatter_reduce(0, torch.where(mine, labels - start, 0),

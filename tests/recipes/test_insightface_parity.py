@@ -297,3 +297,28 @@ def test_partial_fc_sgd_is_sgd_with_weight_decay_on_the_sampled_rows():
     others = torch.tensor([0, 2, 3, 5])
     assert torch.equal(w.detach()[others], start[others])
     assert torch.equal(opt.state[w]["momentum_buffer"][others], torch.zeros(4, 3))
+
+
+def test_a_skipped_steps_sample_does_not_move_in_the_next_step():
+    """fp16's overflow skips a step (its gradients dropped by ``zero_grad``, no ``step``): the rows only that
+    step sampled keep their values and momentum through the next step, which trains its own sample only."""
+    torch.manual_seed(0)
+    head = MarginSoftmaxHead(60, EMB, CombinedMargin.named("arcface"), sample_rate=0.1)
+    opt = PartialFCSGD(head.parameters(), {head.weight: head.sampled_rows}, **SGD)
+    gen = torch.Generator().manual_seed(3)
+    emb = torch.randn(4, EMB, generator=gen)
+
+    def forward(labels):  # the rows this forward keeps: its draw, repeated
+        _, _, rows, kept = partial_fc.sample(head.weight, head.class_ids, labels, 0.1, head.seed, head.draws)
+        head(emb, labels).backward()
+        return set(rows[kept].tolist())
+
+    skipped = forward(torch.tensor([1, 2, 3, 4]))
+    opt.zero_grad()  # the skipped step
+    before = head.weight.detach().clone()
+    trained = forward(torch.tensor([40, 41, 42, 43]))
+    opt.step()
+    only_skipped = sorted(skipped - trained)
+    moved = (head.weight.detach() != before).any(1)
+    assert only_skipped and not moved[only_skipped].any(), (only_skipped, moved.nonzero().flatten())
+    assert moved[sorted(trained)].all()
