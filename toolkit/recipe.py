@@ -35,6 +35,7 @@ stages (``check`` refuses ``pp > 1``).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from abc import ABC, abstractmethod
 from functools import partial
@@ -42,7 +43,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 from sbp_core.sbp import Broadcast, Split
 from toolkit.checkpoint import manifest
@@ -144,14 +145,18 @@ class Recipe(ABC):
 
     def checkpoint_layers(self, module, model_cfg) -> None:
         """Wrap each repeated layer (``pipeline_plan``'s ``layers``) this stage holds in activation checkpointing,
-        in place: its activations are recomputed in backward instead of kept (``torch.utils.checkpoint``)."""
+        in place: its activations are recomputed in backward instead of kept (``torch.utils.checkpoint``).
+        Batch norm's running statistics come out of the recompute as the forward left them
+        (``_running_stats_kept``): updated once."""
         plan = self.pipeline_plan(model_cfg)
         if plan is None:
             raise NotImplementedError(f"recipe {self.name} does not support trainer.activation_checkpointing")
         for layer in layers_of(module, plan):
             if layer is not None:
                 inner = layer.forward
-                layer.forward = partial(checkpoint, inner, use_reentrant=False)
+                norms = [m for m in layer.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+                context = partial(_recompute_context, norms) if norms else noop_context_fn
+                layer.forward = partial(checkpoint, inner, use_reentrant=False, context_fn=context)
 
     def build_optimizer(self, module, cfg):
         """The optimizer of this rank's stage; ``cfg`` is the job's (typed) config (default:
@@ -265,3 +270,28 @@ def recipe_batch(cfg: Any, recipe: Recipe) -> dict:
     if missing:
         raise ValueError(f"recipe {recipe.name}: inputs/labels {missing} are not batch fields {sorted(fields)}")
     return fields
+
+
+def _recompute_context(norms: list):
+    """``checkpoint``'s ``context_fn``: nothing around the forward, ``_RunningStatsKept`` around the recompute."""
+    return contextlib.nullcontext(), _RunningStatsKept(norms)
+
+
+class _RunningStatsKept:
+    """Around a recompute: batch norms' running statistics (and ``num_batches_tracked``) come out as they
+    went in. The recompute updates them again; they are put back after it. (Turning the update off would
+    change the op torch records, and with it the tensors the recompute saves, which checkpoint refuses.)
+    Re-entrant: a split backward (input gradients, then weights) recomputes a layer twice."""
+
+    def __init__(self, norms: list):
+        self.norms, self.kept = norms, []
+
+    @torch.no_grad()
+    def __enter__(self):
+        self.kept.append([(b, b.clone()) for m in self.norms
+                          for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None])
+
+    @torch.no_grad()
+    def __exit__(self, *exc):
+        for b, value in self.kept.pop():
+            b.copy_(value)

@@ -171,9 +171,6 @@ def problems(cfg, layout) -> list:
     if layout.zero:
         p.append(f"parallel.zero={layout.zero}: not supported by insightface (the FC is already split over "
                  "every rank and the backbone is replicated); valid: parallel.zero=0")
-    if tr.activation_checkpointing:
-        p.append("trainer.activation_checkpointing=true: not supported by insightface (recomputing a "
-                 "batch-norm layer would update its running statistics twice); valid: false")
     if tr.optimizer != "sgd" and h.sample_rate < 1.0:
         p.append(f"trainer.optimizer={tr.optimizer}: Partial FC (model.head.sample_rate={h.sample_rate}) "
                  "updates only the sampled rows with SGD; valid: trainer.optimizer=sgd, or sample_rate=1.0")

@@ -6,7 +6,10 @@ carries the shape its producing stage returns (``toolkit.stages.boundary_specs``
 pp2, dp2_pp2 and pp4 (every boundary a different shape), pp2 with two
 stages per rank under interleaved 1F1B and ZB-V, and dp2 (whose
 data-parallel stage audits its first micro-batch on plain tensors, which
-must leave batch norm's running statistics alone), 3 SGD steps of 4
+must leave batch norm's running statistics alone), dp2 and pp2 with every
+block recomputed in backward (activation checkpointing, whose recompute
+must leave them alone too; pp2's split last backward recomputes twice),
+3 SGD steps of 4
 micro-batches, fp32, dropout off: every step's loss and, after the last
 step, every parameter and batch-norm statistic equal a plain PyTorch loop
 on one device that trains on its own (``toolkit.plain_loop.PlainLoop``: its
@@ -47,6 +50,9 @@ LAYOUTS = {"pp2": ["parallel.pp=2", "trainer.micro_batch_size=8"],
            "pp2_v2": ["parallel.pp=2", "parallel.pp_virtual=2", "trainer.micro_batch_size=8"],
            "pp2_zbv": ["parallel.pp=2", "parallel.pp_virtual=2", "parallel.pp_schedule=zbv",
                        "trainer.micro_batch_size=8"],
+           # each block recomputed in backward: batch norm's running statistics updated once, by the forward
+           "dp2_ac": ["parallel.dp=2", "trainer.micro_batch_size=4", "trainer.activation_checkpointing=true"],
+           "pp2_ac": ["parallel.pp=2", "trainer.micro_batch_size=8", "trainer.activation_checkpointing=true"],
            "single": ["trainer.micro_batch_size=8"]}
 
 
@@ -107,7 +113,7 @@ def reference(tmp_path_factory, sbp_cache):
     return _reference(sbp_cache, str(tmp_path_factory.mktemp("single")))
 
 
-@pytest.mark.parametrize("layout", ["pp2", "dp2_pp2", "pp4", "dp2", "pp2_v2", "pp2_zbv"])
+@pytest.mark.parametrize("layout", ["pp2", "dp2_pp2", "pp4", "dp2", "pp2_v2", "pp2_zbv", "dp2_ac", "pp2_ac"])
 def test_pipelined_insightface_matches_one_device(layout, reference, tmp_path, sbp_cache):
     from recipes.registry import get
 
