@@ -482,8 +482,6 @@ class PipelineStep:
             grads = [g._local if self._local else g for g in grads]
             kept = [j for j, t in enumerate(outputs) if t.requires_grad]  # an output cut from the graph has none
             outputs, grads = [outputs[j] for j in kept], [grads[j] for j in kept]
-        if s == 0 and k == m - 1:
-            self.tied.expect()  # the last stage's tied gradients arrive while this backward runs
         inputs = None if stash.inputs is None else [stash.inputs[i] for i in self.cfg.grad_slots(s - 1)]
         weights = self.chunks[s].parameters()
         if split_backward(self.cfg.schedule, s) and outputs and self.zero is None:

@@ -9,14 +9,17 @@ added, so both hold ``g_first + g_last`` — bit-identical, since addition
 commutes — and the optimizers, starting from equal states, keep the copies
 equal.
 
-The two directions are timed by when each side's data is ready, off the
-step's critical path where they can be: the first stage posts its
-receptions of the last stage's gradients before its last backward
-(``expect``), which the last stage's gradients, final a weight pass
-earlier, fill while that backward runs; at ``sum_grads`` the first stage
-sends a copy of its own gradients and adds what it received, and the last
-stage sends its own, waits for the first's and adds them. The first
+Both sides start their transfers at ``sum_grads``, once their own
+gradients are final: the first stage posts its receptions of the last
+stage's gradients, sends a copy of its own and adds what it receives; the
+last stage sends its own, waits for the first's and adds them. The first
 stage's sends finish while its optimizer steps (``flush`` waits for them).
+No reception is posted before its data can exist: under NCCL a receive
+posted early (say, before the first stage's last backward) would make any
+device-wide synchronisation on that rank in the meantime (the caching
+allocator freeing its cache under memory pressure) wait for the last
+stage's step end. Under 1F1B the first stage finishes its backwards last,
+so the last stage's gradients have long been sent by then.
 """
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ from sbp_core.process_groups import world_rank, world_size
 class TiedGrads:
     def __init__(self, tied: list, module, placements: list, stage: int):
         self.pairs = []
-        self._incoming, self._outgoing = None, []  # the first stage's transfers in flight (expect, sum_grads)
+        self._incoming, self._outgoing = None, []  # the first stage's transfers in flight (sum_grads)
         pp = len(placements)
         if pp == 1 or not tied:
             return
@@ -71,7 +74,8 @@ class TiedGrads:
         return [(p, me in first.placement, first, last) for p, first, last in self.pairs if p is not None]
 
     def expect(self) -> None:
-        """On the first stage's ranks: post the receptions of the last stage's gradients (once per step)."""
+        """On the first stage's ranks: post the receptions of the last stage's gradients (once per step,
+        before the sends: every rank starts a pair's boxings in one order)."""
         if self._incoming is None:
             self._incoming = [box_cross_placement_start(_absent(last), last, _as(last, first))
                               for _, here_first, first, last in self._here() if here_first]
