@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint, noop_context_fn
+from torch.utils.checkpoint import checkpoint
 
 from sbp_core.sbp import Broadcast, Split
 from toolkit.checkpoint import manifest
@@ -155,8 +155,9 @@ class Recipe(ABC):
             if layer is not None:
                 inner = layer.forward
                 norms = [m for m in layer.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-                context = partial(_recompute_context, norms) if norms else noop_context_fn
-                layer.forward = partial(checkpoint, inner, use_reentrant=False, context_fn=context)
+                # Only where needed: torch.compile traces checkpoint only without a context_fn.
+                extra = {"context_fn": partial(_recompute_context, norms)} if norms else {}
+                layer.forward = partial(checkpoint, inner, use_reentrant=False, **extra)
 
     def build_optimizer(self, module, cfg):
         """The optimizer of this rank's stage; ``cfg`` is the job's (typed) config (default:

@@ -171,6 +171,10 @@ def problems(cfg, layout) -> list:
     if layout.zero:
         p.append(f"parallel.zero={layout.zero}: not supported by insightface (the FC is already split over "
                  "every rank and the backbone is replicated); valid: parallel.zero=0")
+    if tr.activation_checkpointing and tr.compile:
+        p.append("trainer.compile=true with trainer.activation_checkpointing=true: torch.compile cannot trace "
+                 "the recompute's restoring of batch norm's running statistics (the backbone would run eager); "
+                 "valid: one of them")
     if tr.optimizer != "sgd" and h.sample_rate < 1.0:
         p.append(f"trainer.optimizer={tr.optimizer}: Partial FC (model.head.sample_rate={h.sample_rate}) "
                  "updates only the sampled rows with SGD; valid: trainer.optimizer=sgd, or sample_rate=1.0")

@@ -463,6 +463,7 @@ class PipelineStep:
             if len(out) != len(self.cfg.acts[s]):
                 raise ValueError(f"stage {s}'s inference forward returned {len(out)} tensors; its boundary has "
                                  f"{len(self.cfg.acts[s])} ({self.cfg.acts[s]})")
+            out = tuple(t.to_global(sbp=self.cfg.act_sbp) for t in out)  # the boundary's layout (a tp partial summed)
         return Stash(None, out)
 
     @staticmethod

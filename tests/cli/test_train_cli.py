@@ -91,8 +91,10 @@ def test_virtual_and_zero_bubble_schedules_equal_single(options, single, sbp_cac
 
 
 # pp2: two one-device stages, each forward compiled; the second's input is the boundary's leaf. With
-# pp_virtual=2 each rank compiles the views of its two stages.
-@pytest.mark.parametrize("layout", ["parallel=pp2", "parallel=pp2 parallel.pp_virtual=2"])
+# pp_virtual=2 each rank compiles the views of its two stages; with activation checkpointing, the
+# checkpointed blocks (torch.compile traces checkpoint only without a context_fn).
+@pytest.mark.parametrize("layout", ["parallel=pp2", "parallel=pp2 parallel.pp_virtual=2",
+                                    "parallel=pp2 trainer.activation_checkpointing=true"])
 def test_compiled_stage_forwards_agree_with_eager(layout, single, sbp_cache, tmp_path):
     losses = train_pooled([*TINY, *layout.split(), "trainer.compile=true"], tmp_path, sbp_cache)
     assert len(losses) == 3 and all(abs(a - b) <= 1e-3 * abs(b) for a, b in zip(losses, single)), (losses, single)

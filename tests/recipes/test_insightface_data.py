@@ -154,6 +154,8 @@ def test_bad_configs_fail_before_spawn(faces):
     assert f"data.path={faces!r} holds 5 classes but model.num_classes=200; valid: model.num_classes=5" in _problems(
         "data=rec", f"data.path={faces}")
     assert "data.decoder=dali: " in _problems("data.decoder=dali")
+    assert "trainer.compile=true with trainer.activation_checkpointing=true: torch.compile cannot" in _problems(
+        "trainer.compile=true", "trainer.activation_checkpointing=true")
     assert "model.head.loss='softmax': unknown; valid: arcface, cosface, combined" in _problems(
         "model.head.loss=softmax")
     assert "Partial FC (model.head.sample_rate=0.1) updates only the sampled rows with SGD" in _problems(
