@@ -793,14 +793,23 @@ class PipelineStep:
         if key not in self._eval_plans:
             self._eval_plans[key] = self._plan(batches, micro_batches, train=False)
         saved, self.step_index = self.step_index, index
+        try:
+            with self._eval_mode():
+                return self._run(self._eval_plans[key], micro_batches, batches, train=False)
+        finally:
+            self.step_index = saved
+
+    @contextlib.contextmanager
+    def _eval_mode(self):
+        """The rank's modules in eval mode (no dropout, batch norm's running statistics); each module's own
+        mode restored after."""
         modules = list({id(m): m for m in (self.module, *self.chunks.values()) if m is not None}.values())
         modes = [[(m, m.training) for m in root.modules()] for root in modules]
         for root in modules:
             root.train(False)
         try:
-            return self._run(self._eval_plans[key], micro_batches, batches, train=False)
+            yield
         finally:
-            self.step_index = saved
             for m, mode in (pair for pairs in modes for pair in pairs):
                 m.training = mode
 
@@ -820,16 +829,11 @@ class PipelineStep:
                                                train=False, infer=True)
         self._inferring = (tuple(fields or self.cfg.inputs), forward)
         self._infer_batches = batches
-        modules = list({id(m): m for m in (self.module, *self.chunks.values()) if m is not None}.values())
-        modes = [[(m, m.training) for m in root.modules()] for root in modules]
-        for root in modules:
-            root.train(False)
         try:
-            self._run(self._eval_plans[key], micro_batches, None, train=False, plain=False)
+            with self._eval_mode():
+                self._run(self._eval_plans[key], micro_batches, None, train=False, plain=False)
         finally:
             self._inferring = self._infer_batches = None
-            for m, mode in (pair for pairs in modes for pair in pairs):
-                m.training = mode
         outputs, self._outputs = self._outputs, {}
         return outputs.get("out@0", outputs.get(f"s{self.pp - 1}.out@0")) if world_rank() == 0 else None
 
