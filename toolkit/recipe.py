@@ -147,7 +147,7 @@ class Recipe(ABC):
         """Wrap each repeated layer (``pipeline_plan``'s ``layers``) this stage holds in activation checkpointing,
         in place: its activations are recomputed in backward instead of kept (``torch.utils.checkpoint``).
         Batch norm's running statistics come out of the recompute as the forward left them
-        (``_running_stats_kept``): updated once."""
+        (``_RunningStatsKept``): updated once."""
         plan = self.pipeline_plan(model_cfg)
         if plan is None:
             raise NotImplementedError(f"recipe {self.name} does not support trainer.activation_checkpointing")

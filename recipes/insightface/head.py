@@ -31,10 +31,10 @@ never the logits.
 With ``sample_rate < 1`` in training, each class shard uses only its
 Partial FC sample of centres (``partial_fc.sample``); padding columns (class
 id ``-1``) are masked to ``-inf``. ``sampled_rows()`` hands the optimizer the
-local rows gathered since the last call and which of them were sampled. The sampling seed is drawn from the
-default generator at construction (so it follows the run seed) and the draw
-counter is a buffer (checkpointed: a resumed run draws what the straight run
-would have).
+local rows gathered since the last call and which of them were sampled. The
+sampling seed is drawn from the default generator at construction (so it
+follows the run seed) and the draw counter is a buffer (checkpointed: a
+resumed run draws what the straight run would have).
 """
 from __future__ import annotations
 

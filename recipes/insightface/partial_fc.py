@@ -22,10 +22,10 @@ is the sample itself and nothing is masked; a global batch of more labels
 than that (many ranks beside few classes per shard) makes every shard
 compute logits for up to ``min(rows, labels)`` columns, where PFC v2, reading
 the labels on the host, computes about ``max(int(sample_rate * rows),
-labels / shards)``. A split's pieces must be
-balanced, so shards with fewer rows pad to the widest shard's count ``k``
-with zero rows of id ``-1``. Every rank computes ``k`` from the shard sizes
-and the label count alone: no communication.
+labels / shards)``. A split's pieces must be balanced, so shards with fewer
+rows pad to the widest shard's count ``k`` with zero rows of id ``-1``.
+Every rank computes ``k`` from the shard sizes and the label count alone:
+no communication.
 
 The order is a counter-based hash of ``(seed, shard)``, the draw counter (a
 device tensor) and the row: integer ops, the same bits on any device.
@@ -36,9 +36,9 @@ The sampled weight is a global tensor ``[shards * k, E]`` laid out like the
 weight (``S(0)`` on the axes that split it), built from each rank's local
 rows (``to_global`` with a known shape: no collective); its gradient flows
 back into the gathered rows of the weight's local shard, so other rows get
-exactly zero. Which rows were in the sample since the optimizer's last step
-is kept, as a mask, for ``PartialFCSGD`` (``optim.py``), which leaves the
-other rows and their optimizer state untouched.
+exactly zero. The rows gathered since the optimizer's last step, and which
+of them were in a sample, are kept for ``PartialFCSGD`` (``optim.py``),
+which leaves the other rows and their optimizer state untouched.
 """
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ from sbp_core.process_groups import world_rank
 
 _MIX = (6364136223846793005, 1442695040888963407)  # Knuth's MMIX LCG constants: spread (seed, shard)
 _M32 = 0xFFFFFFFF
-_POSITIVE = torch.iinfo(torch.int64).max  # above every key ``_keys`` makes
+_POSITIVE = torch.iinfo(torch.int64).max  # above every key ``keys`` makes
 
 
 def shards_of(weight) -> tuple:
