@@ -39,6 +39,20 @@ def _rel(a, b) -> float:
     return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-12)).item()
 
 
+def _step_and_compare(zero, opt, model, loss, ref, want, p, worst: float) -> float:
+    """ZeRO's optimizer step, then ``worst`` raised to the loss's and every parameter's relative error
+    against the reference's (``want``, ``ref``) on the members of ``p`` (the full values are gathered on
+    every rank)."""
+    zero.sync_grads()
+    opt.step()
+    opt.zero_grad()
+    got, params = loss.full_tensor(), [q.full_tensor() for q in model.parameters()]
+    if torch.distributed.get_rank() not in p:
+        return worst
+    return max(worst, abs(got.item() - want.item()) / abs(want.item()),
+               *(_rel(q, r) for q, r in zip(params, ref.parameters())))
+
+
 def _train(mesh: str, stage: int, dtype=None, micro: int = 1, steps: int = STEPS, defer: bool = True,
            shards=None, precision=torch.float32):
     """Train on every rank; members return (losses, params after each step, last step's ledger, bytes, Ψ, N, #units).
@@ -430,13 +444,7 @@ def _changing_orders():
         left.append(sum(u.gathered() or u.started is not None for u in zero.units))
         got.backward()
         left.append(len(cast_mod._live))
-        zero.sync_grads()
-        opt.step()
-        opt.zero_grad()
-        got, params = got.full_tensor(), [q.full_tensor() for q in model.parameters()]
-        if torch.distributed.get_rank() in p:
-            worst = max(worst, abs(got.item() - want.item()) / abs(want.item()),
-                        *(_rel(q, r) for q, r in zip(params, ref.parameters())))
+        worst = _step_and_compare(zero, opt, model, got, ref, want, p, worst)
     return worst, left
 
 
@@ -486,13 +494,7 @@ def _checkpointed(reentrant: bool, steps: int = 2):
         with sc.comm_ledger() as ledger["now"]:
             got.backward()
         backward.append((ledger["now"].count("all_gather"), list(seen)))
-        zero.sync_grads()
-        opt.step()
-        opt.zero_grad()
-        params, got = [q.full_tensor() for q in model.parameters()], got.full_tensor()
-        if torch.distributed.get_rank() in p:
-            worst = max(worst, abs(got.item() - want.item()) / abs(want.item()),
-                        *(_rel(q, r) for q, r in zip(params, ref.parameters())))
+        worst = _step_and_compare(zero, opt, model, got, ref, want, p, worst)
     return worst, backward, cfg.n_layer
 
 
@@ -658,13 +660,7 @@ def _pair_checkpointed():
             loss.backward()
         left = sum(u.ahead is not None or u.copies is not None for u in zero.units)
         out.append((ledger.count("all_gather"), left))
-        zero.sync_grads()
-        opt.step()
-        opt.zero_grad()
-        params, got = [q.full_tensor() for q in model.parameters()], loss.full_tensor()
-        if torch.distributed.get_rank() in p:
-            worst = max(worst, abs(got.item() - want.item()) / abs(want.item()),
-                        *(_rel(q, r) for q, r in zip(params, ref.parameters())))
+        worst = _step_and_compare(zero, opt, model, loss, ref, want, p, worst)
     return worst, out, len(zero.units)
 
 
