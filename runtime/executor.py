@@ -2,7 +2,7 @@
 
 On a host without an accelerator, "data" and "copy" actors that exchange
 nothing with other ranks run on the compute thread, and one between compute
-and a single channel (a pipeline boundary's cut or assemble) on that
+and a single channel's send (a pipeline boundary's cut) on that
 channel's thread (``thread_homes``): there the only hardware is the CPU, and
 each extra Python thread a value crosses only contends with the step for
 the GIL.
@@ -90,6 +90,7 @@ class QueueThread:
         self.local: deque = deque()
         self.actors: list = []  # by priority, highest first, ties in plan order (sorted by _execute)
         self.busy = False  # an action is under way (a long action is not a stall)
+        self.acting = None  # the actor whose action is under way (a network one may be blocked on its peer)
         self.gang = None  # (group, leader rank, roles in sorted order) on a ganged compute queue
         self.alone = False  # the run's only thread: no message can come from elsewhere
         self._done = None  # set when the loop has returned
@@ -178,14 +179,14 @@ class QueueThread:
                 self._drain()
                 actor = self._pick()
                 if actor is not None:
-                    self.busy = works
+                    self.busy, self.acting = works, actor
                     if trace is None:
                         out = actor.act(send)
                     else:
                         start, piece = time.perf_counter(), actor.next_piece
                         out = actor.act(send)
                         trace.record(actor.spec.name, self.index, start, time.perf_counter(), piece)
-                    self.busy = False
+                    self.busy, self.acting = False, None
                     sink = st.outputs.get(actor.spec.name)
                     if sink is not None:
                         sink.append(out)
@@ -462,11 +463,15 @@ def thread_homes(specs, ganged: bool) -> dict:
     another rank must not wait behind it (that rank may need the transfer to
     reach the collective). A ganged compute thread (``lockstep``) broadcasts
     every pick to its gang, so nothing moves onto it. A "data" or "copy"
-    actor left whose neighbours are compute actors and the actors of one
-    network channel (a pipeline boundary's cut before its send, or its
-    assemble after its only receive) runs on that channel's thread: the
-    value then crosses one thread fewer on its way, each crossing a wake-up
-    and a GIL hand-off, and the channel's actions are in sequence anyway.
+    actor left whose neighbours are compute actors and the send of one
+    network channel (a pipeline boundary's cut) runs on that channel's
+    thread: the value then crosses one thread fewer on its way, each
+    crossing a wake-up and a GIL hand-off, and the cut cannot act while the
+    send holds its one register anyway. An actor that reads a receive keeps
+    its thread: the receive of the next piece, posted as soon as a register
+    is free, blocks its thread until the peer sends, and the peer may be
+    waiting for what that actor feeds, whose releases of the actor's
+    registers would queue behind the receive.
 
     Measured on a 2-core VM (tiny GPT-2, 16 x 32 tokens, 60 steps, the
     ``scripts/bench_dataloader.py`` setting): the loop took 1180 ms with the
@@ -490,11 +495,11 @@ def thread_homes(specs, ganged: bool) -> dict:
     for n in moving:
         home[n] = "compute"
     settled = dict(home)  # a channel's own actors only: no chain of data/copy actors folds onto it
-    for n, q in settled.items():
-        if q in ("data", "copy"):
-            channels = {settled[m] for m in neighbours[n]} - {"compute"}
+    for s in specs:
+        if settled[s.name] in ("data", "copy") and not any(settled[i].startswith("network") for i in s.inputs):
+            channels = {settled[m] for m in neighbours[s.name]} - {"compute"}
             if len(channels) == 1 and next(iter(channels)).startswith("network"):
-                home[n] = channels.pop()
+                home[s.name] = channels.pop()
     return home
 
 
@@ -624,14 +629,18 @@ def _run_on_workers(st: _Run, actors: dict, timeout: float) -> None:
             last, since = st.progress, time.monotonic()
         elif time.monotonic() - since > timeout:
             st.stop()
-            waiting = [_why(a) for a in actors.values() if a.remaining]
+            acting = {t.acting for t in st.threads.values()}
+            waiting = [_why(a, a in acting) for a in actors.values() if a.remaining]
             raise RuntimeFailure(f"no actor could act for {timeout:g} s; waiting: " + "; ".join(waiting))
     if st.error is None:
         for t in st.threads.values():
             t.join()
 
 
-def _why(a: Actor) -> str:
+def _why(a: Actor, acting: bool = False) -> str:
+    """What actor ``a`` waits for; ``acting``: its action is under way (e.g. a receive waiting for its peer)."""
+    if acting:
+        return f"{a.spec.name} (piece {a.next_piece}) is in its action"
     lacks = [a.spec.inputs[k] for k, q in enumerate(a.inputs) if not q]
     need = []
     if lacks:

@@ -157,3 +157,26 @@ def test_every_channel_is_opened_in_one_order_before_any_actor_acts():
         assert all(e[0] == "open" for e in events[:len(opened)]), (rank, events)  # before any action
         assert any(e[0] == "act" for e in events), (rank, events)
     assert out[3] == out[4] == []  # ranks outside the plan open nothing
+
+
+def _echo_with_a_slow_reader(pieces):
+    """A value goes 0 -> 1 and back; on rank 1 a copy actor (one register) reads the receive and feeds a fast
+    compute actor, whose output rank 0's next piece needs, and a slow one, which frees the register late."""
+    import time
+
+    plan = Plan([
+        ActorSpec("ping", lambda k, x: x + 1, inputs=("pong",), initial={"pong": torch.zeros(3)}, rank=0,
+                  out=((3,), torch.float32)),
+        ActorSpec("copy", lambda k, x: x.clone(), inputs=("ping",), queue="copy", quota=1, rank=1),
+        ActorSpec("pong", lambda k, x: x * 1, inputs=("copy",), priority=1, rank=1, out=((3,), torch.float32)),
+        ActorSpec("slow", lambda k, x: time.sleep(0.3) or float(x[0]), inputs=("copy",), rank=1),
+    ])
+    return run(plan, pieces, timeout=5).outputs.get("slow")
+
+
+def test_an_actor_after_a_receive_is_not_held_up_by_the_next_receive():
+    """On a host without an accelerator the copy actor may not share the receive's thread: there the receive
+    of piece 2 (posted once piece 1 arrived) blocks until ``pong`` of piece 1 reaches rank 0, while the copy
+    of piece 1 waits for ``slow``'s release of its register, a message behind that receive: a deadlock."""
+    got = get_pool(2, timeout=10.0).run(_echo_with_a_slow_reader, 4)
+    assert got[1] == [1.0, 2.0, 3.0, 4.0]
