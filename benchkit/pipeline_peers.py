@@ -25,13 +25,15 @@ PAIRS = ((VARIANTS[0], VARIANTS[1]), (VARIANTS[2], VARIANTS[3]))  # (ours, the p
 # --schedules: interleaved (2 stages per rank) and zero-bubble schedules against torch's on the same split, and
 # our 1F1B beside them (its bubble and trace, unpaired).
 SCHEDULE_VARIANTS = ("ours interleaved", "torch Interleaved1F1B", "ours zb", "torch InterleavedZeroBubble",
-                     "ours zbv", "torch ZBVZeroBubble", "ours 1f1b")
-SCHEDULE_PAIRS = tuple((SCHEDULE_VARIANTS[i], SCHEDULE_VARIANTS[i + 1]) for i in (0, 2, 4))
+                     "ours zb2", "torch InterleavedZeroBubble2", "ours zbv", "torch ZBVZeroBubble", "ours 1f1b")
+SCHEDULE_PAIRS = tuple((SCHEDULE_VARIANTS[i], SCHEDULE_VARIANTS[i + 1]) for i in (0, 2, 4, 6))
 SCHEDULE_TRACE = ("ours 1f1b", "ours interleaved", "ours zbv")  # --trace in --schedules mode: side by side
 # Each variant's schedule: (our pp_schedule, stages per rank); a peer's torch class shares its pair's split.
+# A peer's name is its torch class's less ``Schedule``, with a trailing 2 where it runs two stages per rank.
 SCHEDULES = {"1f1b": ("1f1b", 1), "gpipe": ("gpipe", 1), "interleaved": ("1f1b", 2), "zb": ("zb", 1),
-             "zbv": ("zbv", 2), "1F1B": ("1f1b", 1), "GPipe": ("gpipe", 1), "Interleaved1F1B": ("1f1b", 2),
-             "InterleavedZeroBubble": ("zb", 1), "ZBVZeroBubble": ("zbv", 2)}
+             "zb2": ("zb", 2), "zbv": ("zbv", 2), "1F1B": ("1f1b", 1), "GPipe": ("gpipe", 1),
+             "Interleaved1F1B": ("1f1b", 2), "InterleavedZeroBubble": ("zb", 1), "InterleavedZeroBubble2": ("zb", 2),
+             "ZBVZeroBubble": ("zbv", 2)}
 ADAMW = dict(lr=1e-3, weight_decay=0.1)
 MB = 1 << 20
 
@@ -196,7 +198,7 @@ class Theirs:
             self._time(ps, c, "forward_one_chunk", "F")
             self._time(ps, c, "backward_one_chunk", "B")
             self._time(ps, c, "backward_weight_one_chunk", "W")
-        cls = getattr(pipelining, f"Schedule{variant}")
+        cls = getattr(pipelining, f"Schedule{variant.removesuffix('2')}")
         # The loss is timed as part of the forward it follows (ours computes it inside the forward).
         loss = self._timed_loss(self.acts.wrap(next_token_loss))
         multi = issubclass(cls, pipelining.schedules.PipelineScheduleMulti)  # takes a list of the rank's stages

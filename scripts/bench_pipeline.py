@@ -20,18 +20,19 @@ live on the same ranks of one pool for the whole run:
   ``GPT2LMHeadModel``'s next-token cross-entropy (``scale_grads`` divides by
   ``m`` as we divide each micro-batch's loss by ``m``; ``return_outputs=False``).
 
-``--schedules`` runs six other variants instead, in three pairs on the
+``--schedules`` runs eight other variants instead, in four pairs on the
 same split into ``2 pp`` or ``pp`` stages: ``ours interleaved`` (1F1B,
 ``pp_virtual=2``, stages round robin) against ``ScheduleInterleaved1F1B``;
 ``ours zb`` (ZB-H1) against ``ScheduleInterleavedZeroBubble`` with one stage
 per rank (torch's nearest: its ZB1P, whose warm-up with one stage per rank
-is 1F1B's); ``ours zbv`` against ``ScheduleZBVZeroBubble`` (two stages per
+is 1F1B's); ``ours zb2`` (interleaved zero bubble, ``pp_virtual=2``)
+against the same class with two stages per rank, round robin; ``ours zbv`` against ``ScheduleZBVZeroBubble`` (two stages per
 rank in a V, so the first and last stage, and their tied copies, share
 rank 0, where the peer sums them locally); and ``ours 1f1b`` on ``pp``
 stages beside them, unpaired (its bubble; with ``--trace``, the trace
 shows ``ours 1f1b``, ``ours interleaved`` and ``ours zbv``). Its last line is
-``schedules: interleaved A.AAx thr B.BBx mem; zb C.CCx thr D.DDx mem; zbv
-E.EEx thr F.FFx mem (vs torch)``.
+``schedules: interleaved A.AAx thr B.BBx mem; zb C.CCx thr D.DDx mem; zb2
+G.GGx thr H.HHx mem; zbv E.EEx thr F.FFx mem (vs torch)``.
 
 Tied embedding / LM head, the same on both sides: the first and last stage
 copies start equal; after the micro-batches their gradients are summed (ours
@@ -229,9 +230,9 @@ def report(res, o) -> str:
         lines.append(f"  {n:{w}s} " + "; ".join(f"s{r['stage']} {_running(r['mem'][n])}"
                                                 for r in sorted(res, key=lambda r: r["stage"])))
     if o.schedules:
-        (ti, mi), (tz, mz), (tv, mv) = (ratios[ours] for ours, _ in pairs)
+        (ti, mi), (tz, mz), (t2, m2), (tv, mv) = (ratios[ours] for ours, _ in pairs)
         lines.append(f"schedules: interleaved {ti:.2f}x thr {mi:.2f}x mem; zb {tz:.2f}x thr {mz:.2f}x mem; "
-                     f"zbv {tv:.2f}x thr {mv:.2f}x mem (vs torch)")
+                     f"zb2 {t2:.2f}x thr {m2:.2f}x mem; zbv {tv:.2f}x thr {mv:.2f}x mem (vs torch)")
     else:
         (t1, m1), (tg, mg) = ratios["ours 1f1b"], ratios["ours gpipe"]
         lines.append(f"vs Schedule1F1B: {t1:.2f}x throughput, {m1:.2f}x peak memory; vs ScheduleGPipe: {tg:.2f}x, "

@@ -5,8 +5,8 @@
 Each layout trains 3 AdamW steps of a tiny GPT-2 (4 layers, dropout 0) with
 8 micro-batches per step under 1F1B, in float64 and in float32; then, in
 float64, each layout under interleaved 1F1B (2 stages per rank), looped
-BFS (2 per rank), ZB-H1 and ZB-V (pp4 with 8 layers, so that every stage
-keeps a layer); every run compares
+BFS (2 per rank), ZB-H1, interleaved zero bubble (2 per rank) and ZB-V
+(pp4 with 8 layers, so that every stage keeps a layer); every run compares
 with one device training on its own on the whole batch (its own forward,
 backward and AdamW, never fed the pipeline's gradients): per step the loss
 and every parameter's gradient, and every parameter after the last step
@@ -26,7 +26,7 @@ from benchkit.pipeline_parity import LAYOUTS, MICRO, TOLERANCE, WORLD, compare, 
 from runtime.pipeline.schedule import stash_budget
 from runtime.pipeline.timeline import theory
 
-SCHEDULES = (("1f1b", 2), ("looped_bfs", 2), ("zb", 1), ("zbv", 2))  # (pp_schedule, stages per rank)
+SCHEDULES = (("1f1b", 2), ("looped_bfs", 2), ("zb", 1), ("zb", 2), ("zbv", 2))  # (pp_schedule, stages per rank)
 
 
 def main():

@@ -80,6 +80,7 @@ def test_activation_checkpointing_and_bf16_under_pipelines_and_zero3(layout, opt
     "parallel=pp2 parallel.pp_virtual=2",  # interleaved 1F1B
     "parallel=dp2_pp2_zero1 parallel.pp_virtual=2",
     "parallel=dp2_pp2_zero2 parallel.pp_schedule=zb",
+    "parallel=dp2_pp2_zero1 parallel.pp_schedule=zb parallel.pp_virtual=2",  # interleaved zero bubble
     "parallel=dp2_pp2_zero3 parallel.pp_schedule=zbv parallel.pp_virtual=2",  # the tied copies on one rank
     "parallel=tp2_pp2 parallel.pp_schedule=zb trainer.activation_checkpointing=true",
     "parallel=tp2_pp2 parallel.pp_schedule=zbv parallel.pp_virtual=2 trainer.activation_checkpointing=true",

@@ -22,7 +22,7 @@ def test_bench_pipeline_prints_table_and_summary(capsys):
 
 
 def test_bench_pipeline_schedules_against_torch_s(capsys):
-    """--schedules: interleaved, zb and zbv against torch's classes on the same split; the losses agree."""
+    """--schedules: interleaved, zb, zb2 and zbv against torch's classes on the same split; the losses agree."""
     from benchkit.pipeline_peers import SCHEDULE_VARIANTS
 
     text = main([*TINY[:-6], "--layers", "4", "--micro", "2", "--steps", "1", "--warmup", "0", "--schedules"])
@@ -32,4 +32,4 @@ def test_bench_pipeline_schedules_against_torch_s(capsys):
     assert worst < 1e-5, text
     last = text.strip().splitlines()[-1]
     assert re.fullmatch(r"schedules: interleaved \d+\.\d\dx thr \d+\.\d\dx mem; zb \d+\.\d\dx thr \d+\.\d\dx mem; "
-                        r"zbv \d+\.\d\dx thr \d+\.\d\dx mem \(vs torch\)", last), last
+                        r"zb2 \d+\.\d\dx thr \d+\.\d\dx mem; zbv \d+\.\d\dx thr \d+\.\d\dx mem \(vs torch\)", last), last

@@ -100,7 +100,7 @@ def four_layers():
     return RecipeSearchModel(get(cfg.recipe.name), cfg)
 
 
-@pytest.mark.parametrize("schedule,virtual", [("1f1b", 1), ("1f1b", 2), ("gpipe", 1), ("zb", 1), ("zbv", 2)])
+@pytest.mark.parametrize("schedule,virtual", [("1f1b", 1), ("1f1b", 2), ("gpipe", 1), ("zb", 1), ("zb", 2), ("zbv", 2)])
 def test_every_schedule_is_priced_from_the_same_plan(four_layers, schedule, virtual):
     """pp2 under each schedule: the task graph has the runtime's actors (a pool per rank with several stages,
     weight passes under zero bubble) and memory per pipeline rank counts every stage it holds."""

@@ -71,9 +71,9 @@ class ParallelConfig:
     - ``zero``: ZeRO stage 0..3 over the dp axis (ignored, with a warning, when dp == 1).
     - ``pp_schedule``: ``1f1b`` (interleaved 1F1B when ``pp_virtual > 1``),
       ``gpipe`` or ``looped_bfs`` (the same rule: every micro-batch's
-      forwards before the backwards, shallower stages first), ``zb`` (ZB-H1, ``pp_virtual=1``:
+      forwards before the backwards, shallower stages first), ``zb`` (ZB-H1:
       backward split into input and weight gradients, weight passes filling
-      the bubbles) or ``zbv`` (ZB-V: two stages per rank in a V, needs
+      the bubbles; interleaved zero bubble when ``pp_virtual > 1``) or ``zbv`` (ZB-V: two stages per rank in a V, needs
       ``pp_virtual=2``); each follows from placements, quotas and
       priorities (``runtime.pipeline.schedule``). ``pp_virtual``: model
       chunks (stages) per pipeline rank, placed round robin (Megatron's

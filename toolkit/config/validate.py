@@ -13,7 +13,7 @@ value range and cross-field rule, collecting *all* problems into one
 - With a pipeline split: the recipe's layer count divides by
   ``pp * pp_virtual``, or ``stage_layers`` has ``pp * pp_virtual`` positive
   entries summing to it; ``pp_virtual > 1`` needs ``pp > 1``; ``zbv`` needs
-  ``pp_virtual = 2``, ``zb`` ``pp_virtual = 1``; the zero-bubble schedules (``zb``, ``zbv``) split
+  ``pp_virtual = 2``; the zero-bubble schedules (``zb``, ``zbv``) split
   each backward in two, which a compiled stage cannot (``trainer.compile``).
   No schedule needs the micro-batches to be a multiple of ``pp``: each
   follows from quotas, not from rounds of ``pp`` micro-batches.
@@ -205,9 +205,6 @@ def _check_parallel(p: list, cfg, recipe, world_size: Optional[int], env) -> tup
     if par.pp_schedule == "zbv" and par.pp_virtual != 2:
         p.append(f"parallel.pp_schedule=zbv: places two stages per pipeline rank in a V; needs "
                  f"parallel.pp_virtual=2, got {par.pp_virtual}")
-    if par.pp_schedule == "zb" and par.pp_virtual != 1:
-        p.append(f"parallel.pp_schedule=zb: ZB-H1 runs one stage per pipeline rank; needs parallel.pp_virtual=1, "
-                 f"got {par.pp_virtual} (two stages per rank: pp_schedule=zbv)")
     if par.pp_virtual > 1 and par.pp == 1:
         p.append(f"parallel.pp_virtual={par.pp_virtual}: virtual stages interleave a pipeline; needs parallel.pp > 1 "
                  "(valid with pp=1: pp_virtual=1)")

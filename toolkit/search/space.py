@@ -21,8 +21,8 @@ from dataclasses import replace
 from .strategy import Strategy
 
 # (pp_schedule, stages per pipeline rank) the search may pick for a pipeline: 1F1B, interleaved 1F1B,
-# GPipe, ZB-H1 and ZB-V.
-PIPELINES = (("1f1b", 1), ("1f1b", 2), ("gpipe", 1), ("zb", 1), ("zbv", 2))
+# GPipe, ZB-H1, interleaved zero bubble and ZB-V.
+PIPELINES = (("1f1b", 1), ("1f1b", 2), ("gpipe", 1), ("zb", 1), ("zb", 2), ("zbv", 2))
 
 
 def divisors(n: int) -> list:
