@@ -345,7 +345,8 @@ def parse(argv=None, description: str = "pipeline benchmark on a GPT-2 split"):
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--trace", default=None, help="write the first pair's last step as a Chrome trace here")
     ap.add_argument("--schedules", action="store_true",
-                    help="interleaved (2 stages per rank), zb and zbv against torch's schedules, not 1f1b and gpipe")
+                    help="interleaved 1F1B and zb2 (2 stages per rank), zb and zbv against torch's schedules, "
+                         "not 1f1b and gpipe")
     o = ap.parse_args(argv)
     stages = o.pp * (2 if o.schedules else 1)
     if o.batch % o.micro or o.layers % stages:

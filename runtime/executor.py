@@ -463,8 +463,8 @@ def thread_homes(specs, ganged: bool) -> dict:
     another rank must not wait behind it (that rank may need the transfer to
     reach the collective). A ganged compute thread (``lockstep``) broadcasts
     every pick to its gang, so nothing moves onto it. A "data" or "copy"
-    actor left whose neighbours are compute actors and the send of one
-    network channel (a pipeline boundary's cut) runs on that channel's
+    actor left with one register, read by one channel's send alone, that
+    reads compute actors (a pipeline boundary's cut) runs on that channel's
     thread: the value then crosses one thread fewer on its way, each
     crossing a wake-up and a GIL hand-off, and the cut cannot act while the
     send holds its one register anyway. An actor that reads a receive keeps
@@ -495,11 +495,15 @@ def thread_homes(specs, ganged: bool) -> dict:
     for n in moving:
         home[n] = "compute"
     settled = dict(home)  # a channel's own actors only: no chain of data/copy actors folds onto it
+    feeds = {s.name: [] for s in specs}
     for s in specs:
-        if settled[s.name] in ("data", "copy") and not any(settled[i].startswith("network") for i in s.inputs):
-            channels = {settled[m] for m in neighbours[s.name]} - {"compute"}
-            if len(channels) == 1 and next(iter(channels)).startswith("network"):
-                home[s.name] = channels.pop()
+        for src in s.inputs:
+            feeds[src].append(s.name)
+    for s in specs:  # a cut: one register, read by one send alone, made from compute actors' values
+        out = feeds[s.name]
+        if (settled[s.name] in ("data", "copy") and s.quota == 1 and len(out) == 1
+                and settled[out[0]].startswith("network") and all(settled[i] == "compute" for i in s.inputs)):
+            home[s.name] = settled[out[0]]
     return home
 
 

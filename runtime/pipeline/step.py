@@ -32,9 +32,9 @@ on each of its ranks ``r``:
   waiting for it, starts its last backward one weight pass earlier (with
   several stages per rank, on the rank's shallowest stage only: its last
   backward is the rank's last);
-- ``s{s}.T@r`` (interleaved 1F1B, every stage but a rank's deepest): a
-  credit for this stage's forward each time the rank's next deeper stage
-  runs a forward; ``F`` holds ``pp`` credits at the start, so it runs at
+- ``s{s}.T@r`` (interleaved 1F1B and interleaved zero bubble, every stage
+  but a rank's deepest): a credit for this stage's forward each time the
+  rank's next deeper stage runs a forward; ``F`` holds ``pp`` credits at the start, so it runs at
   most ``pp`` micro-batches ahead of that stage (``forward_credits``);
 - ``s{s}.W@r`` (zero-bubble schedules ``zb``/``zbv``, every stage but the
   first, lowest priority): the stage's backward is split for every

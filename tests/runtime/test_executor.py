@@ -197,12 +197,15 @@ def test_trace_has_one_event_per_action_and_named_threads(host_only, threads):
 def test_host_only_moves_data_and_copy_actors_that_touch_no_other_rank_onto_compute():
     """``thread_homes``: a chain that reaches a network actor stays off compute (a compute action may block
     in a collective that the other rank reaches only through that transfer); a copy actor between compute
-    and one channel's send runs on that channel's thread, one after its receive does not (the receive of
-    the next piece would hold it up); a gang keeps its compute thread to itself."""
+    and one channel's send runs on that channel's thread if the send is its only reader and it holds one
+    register (two would overlap), one after its receive does not (the receive of the next piece would hold
+    it up); a gang keeps its compute thread to itself."""
     specs = [
         ActorSpec("read", None, queue="data"), ActorSpec("decode", None, inputs=("read",), queue="data"),
         ActorSpec("step", None, inputs=("decode", "relay2", "assemble", "assemble4")),
-        ActorSpec("cut", None, inputs=("step",), queue="copy"), ActorSpec("send", None, inputs=("cut",), queue="network:0"),
+        ActorSpec("cut", None, inputs=("step",), queue="copy", quota=1),
+        ActorSpec("send", None, inputs=("cut",), queue="network:0"),
+        ActorSpec("cut2", None, inputs=("step",), queue="copy"), ActorSpec("send5", None, inputs=("cut2",), queue="network:5"),
         ActorSpec("recv", None, queue="network:1"), ActorSpec("relay", None, inputs=("recv",), queue="data"),
         ActorSpec("relay2", None, inputs=("relay",), queue="data"),
         ActorSpec("recv2", None, queue="network:2"), ActorSpec("recv3", None, queue="network:3"),

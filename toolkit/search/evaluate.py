@@ -115,7 +115,8 @@ class Evaluator:
         m = self.model.micro_batches(strategy)
         rate = self.cluster.thread_rate if self.cluster.cores else None
         return pipeline_graph(works, m, strategy.schedule, tied=self._tied_seconds(strategy),
-                              clip=bool(self.model.grad_clip), rate=rate, virtual=strategy.virtual)
+                              clip=bool(self.model.grad_clip), rate=rate, virtual=strategy.virtual,
+                              weight_passes=not (strategy.zero and strategy.dp > 1))
 
     def predict(self, strategy, base: Prediction | None = None) -> Prediction:
         m = self.model.micro_batches(strategy)

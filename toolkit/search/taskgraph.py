@@ -70,7 +70,7 @@ def _transfer(name: str, producer: str, src: int, dst: int, w: StageWork, to: St
 
 
 def pipeline_graph(stages: list, micro_batches: int, schedule: str = "1f1b", tied: float | None = None,
-                   clip: bool = False, rate=None, virtual: int = 1) -> TaskGraph:
+                   clip: bool = False, rate=None, virtual: int = 1, weight_passes: bool = True) -> TaskGraph:
     """One training step of ``len(stages)`` chunks, ``virtual`` per pipeline rank, over ``micro_batches``.
 
     Chunk ``c`` runs on the rank ``chunk_ranks`` gives it, on that rank's
@@ -78,7 +78,9 @@ def pipeline_graph(stages: list, micro_batches: int, schedule: str = "1f1b", tie
     activation budget among their forwards (a pool, ``stash_budget``). Under
     ``zb``/``zbv`` a chunk's backward is ``B`` (input gradient) then ``W``
     (weight gradients), half of its backward time each (a dense layer's two
-    gradients cost alike). ``tied``: seconds of the tied-gradient exchange
+    gradients cost alike); ``weight_passes=False`` (under ZeRO, where the
+    runtime's ``B`` computes both and ``W`` only frees the stash): ``B`` the
+    whole backward, ``W`` nothing. ``tied``: seconds of the tied-gradient exchange
     between the first and last chunk's ranks (``None``: no tied parameters;
     nothing to exchange when one rank holds both); ``clip``: global-norm
     clipping; ``rate``: speed per busy thread on a machine whose cores the
@@ -111,7 +113,8 @@ def pipeline_graph(stages: list, micro_batches: int, schedule: str = "1f1b", tie
             inputs["F"] += (f"s{c}.T",)
             credits = {f"s{c}.T": forward_credits(schedule, pp, v, c)}
         if "W" in table:
-            work.update(B=[b / 2 for b in backward], W=[b / 2 for b in backward])
+            split = [b / 2 for b in backward] if weight_passes else backward
+            work.update(B=split, W=split if weight_passes else [0.0] * m)
             inputs["W"] = (f"s{c}.F", f"s{c}.B")
         actors += [SimActor(f"s{c}.{role}", comp, work[role], inputs[role], quota=table[role][0],
                             priority=table[role][1], every=table[role][2], weight=w.weight if role != "T" else 0.0,
