@@ -305,6 +305,8 @@ def test_init_from_a_checkpoint_of_other_shapes_or_corrupt_is_refused_before_spa
     text = problems("model.vocab_size=1001", init)
     assert "transformer.wte.weight is [1008, 128] there, [1001, 128] here; valid: the model settings" in text
     assert "; and 49 more; valid" in problems(*padded, "model.n_embd=64", init)  # 52 tensors differ, 3 are named
+    n_layer = int(cfg_of(*padded).model.n_layer)  # a deeper model: the checkpoint lacks its last block
+    assert f"transformer.h.{n_layer}.ln_1.weight is not there" in problems(*padded, f"model.n_layer={n_layer + 1}", init)
     # A run directory names its checkpoints/; a directory that is neither ours nor a format the recipe reads
     # (a Hugging Face one, for GPT-2) is refused.
     (tmp_path / "ck").rename(tmp_path / "checkpoints")

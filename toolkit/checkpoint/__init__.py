@@ -41,8 +41,8 @@ chunks as raw bytes), ``metadata.json`` (every tensor's global shape, dtype
 and chunks: file, offset, length, CRC-32), ``state.json`` (plain data, the
 tree's shape, aliases, each tensor's saving placement and SBP), ``manifest.json`` (every file's size, CRC-32 of the
 JSON files, written last). See ``directory`` for ``latest`` and the
-``.tmp`` protocol. ``verify(path)`` checks every byte of a checkpoint; ``tensor_shapes(path, key)``
-lists the saved tensors' shapes without reading them.
+``.tmp`` protocol. ``verify(path)`` checks every byte of a checkpoint; ``tensor_shapes(path, key, names)``
+finds the saved shapes of named tensors without reading them.
 """
 from .directory import latest
 from .errors import CheckpointError

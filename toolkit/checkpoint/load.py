@@ -231,10 +231,11 @@ def verify(path: str) -> str:
     return ckpt.path
 
 
-def tensor_shapes(path: str, key: str) -> dict:
-    """``{name: shape}`` of the tensors saved under ``key`` (e.g. ``"model"``), from the verified metadata
-    alone: no tensor is read, one process. Tied aliases are listed under the name they were saved as."""
-    ckpt = _Checkpoint(path)
-    prefix = f"{key}/"
-    return {fqn[len(prefix):]: tuple(md.size) for fqn, md in ckpt.metadata.state_dict_metadata.items()
-            if fqn.startswith(prefix)}
+def tensor_shapes(path: str, key: str, names, tied=()) -> dict:
+    """``{name: its saved shape, or None}`` for each of ``names`` under ``key`` (e.g. ``"model"`` and a
+    model's state-dict names), found as ``load`` finds them (itself, a recorded alias, or a ``tied``
+    partner; ``None``: the checkpoint holds no tensor for it), from the verified metadata alone: no tensor
+    is read, one process."""
+    filler = _Filler(_Checkpoint(path), tied)
+    found = {n: filler.resolve(tree.join([tree.key_token(key), tree.key_token(n)])) for n in names}
+    return {n: None if t is None else tuple(filler.md[t].size) for n, t in found.items()}

@@ -98,19 +98,21 @@ def _init_from_problems(given: str, path: str, cfg, recipe) -> list:
         return [f"trainer.init_from={given!r}: {err}; valid: our checkpoint (<run>/checkpoints/step_<N>, a "
                 "checkpoint root or a run directory), or a format recipe " + recipe.name + " reads"]
     try:
-        saved = ckpt.tensor_shapes(path, "model")
-    except ckpt.CheckpointError as err:
-        return [f"trainer.init_from={given!r}: {err}"]
-    try:
         with torch.random.fork_rng(devices=[]), torch.device("meta"):
             model = recipe.build_model(cfg.model)
     except (RuntimeError, NotImplementedError):  # a model that cannot be built on meta is checked as it loads
         return []
-    wrong = [f"{n} is {list(saved[n])} there, {list(t.shape)} here" for n, t in model.state_dict().items()
-             if n in saved and tuple(saved[n]) != tuple(t.shape)]
+    here = model.state_dict()
+    try:
+        saved = ckpt.tensor_shapes(path, "model", here, tied=recipe.tied)
+    except ckpt.CheckpointError as err:
+        return [f"trainer.init_from={given!r}: {err}"]
+    partners = {b for a, b in recipe.tied if a in here}  # one parameter under two names: named once
+    wrong = [f"{n} is not there" if saved[n] is None else f"{n} is {list(saved[n])} there, {list(t.shape)} here"
+             for n, t in here.items() if saved[n] != tuple(t.shape) and n not in partners]
     if not wrong:
         return []
-    return [f"trainer.init_from={given!r}: the checkpoint's model has other shapes than model.*: "
+    return [f"trainer.init_from={given!r}: the checkpoint's model has other tensors or shapes than model.*: "
             + "; ".join(wrong[:3]) + (f"; and {len(wrong) - 3} more" if len(wrong) > 3 else "")
             + "; valid: the model settings it was saved with (its run's config.yaml, or its extra.model_config)"]
 
