@@ -317,3 +317,30 @@ def test_init_from_a_checkpoint_of_other_shapes_or_corrupt_is_refused_before_spa
     assert "no complete checkpoint here" in text and "or a format recipe gpt2 reads" in text
     (tmp_path / "checkpoints" / "step_0" / "manifest.json").write_text("{")
     assert "not a valid manifest" in problems(*padded, f"trainer.init_from={tmp_path}")
+
+
+def test_resume_checks_the_runs_newest_checkpoint_before_spawning(tmp_path):
+    """``trainer.resume=auto``: the run directory's newest checkpoint is checked as ``init_from``'s is (other
+    model settings, a corrupt manifest); a run without one starts from step 0."""
+    from recipes.gpt2.recipe import RECIPE
+    from toolkit import checkpoint as ckpt
+    from toolkit.config import compose
+
+    run = tmp_path / "run"
+
+    def resumed(*overrides):
+        return compose([*overrides, "trainer.resume=auto"], run_dir=str(run))
+
+    assert validate(resumed()).world_size == 1  # nothing saved yet
+    ckpt.save(str(run / "checkpoints"), 2, {"model": RECIPE.build_model(cfg_of("model.n_embd=64").model).state_dict()},
+              tied=[("transformer.wte.weight", "lm_head.weight")])
+    assert validate(resumed("model.n_embd=64")).world_size == 1
+    with pytest.raises(ConfigError) as info:
+        validate(resumed())
+    text = "\n".join(info.value.problems)
+    assert f"trainer.resume=auto: the model of the run's newest checkpoint ({run}/checkpoints/step_2) has other " \
+           "tensors or shapes than model.*: transformer.wte.weight is" in text and "or another run directory" in text
+    (run / "checkpoints" / "step_2" / "manifest.json").write_text("{")
+    with pytest.raises(ConfigError) as info:
+        validate(resumed("model.n_embd=64"))
+    assert "trainer.resume=auto: " in info.value.problems[0] and "not a valid manifest" in info.value.problems[0]

@@ -25,6 +25,9 @@ value range and cross-field rule, collecting *all* problems into one
 - ``zero`` in 0..3; ``zero > 0`` with ``dp == 1`` warns (:class:`ConfigWarning`)
   and the layout's effective ``zero`` is 0.
 - Every choice-valued string is one of its choices (schema tuples).
+- The checkpoint ``trainer.init_from`` names, and with ``trainer.resume=auto``
+  the run directory's newest one: readable, and holding every model tensor
+  in the model's shape (from the metadata alone).
 - Then the recipe's own rules (``Recipe.check``: divisibility by tp,
   sequence length, class counts, ...).
 
@@ -85,8 +88,6 @@ def _init_from_problems(given: str, path: str, cfg, recipe) -> list:
     a corrupt checkpoint, or one saved with other model settings, would fail on every rank after spawning.
     A directory in a format the recipe reads (``Recipe.reads_weights``) is the recipe's to check; anything
     else is refused."""
-    import torch
-
     from toolkit import checkpoint as ckpt
     from toolkit.checkpoint.directory import resolve
 
@@ -97,6 +98,35 @@ def _init_from_problems(given: str, path: str, cfg, recipe) -> list:
     except ckpt.CheckpointError as err:
         return [f"trainer.init_from={given!r}: {err}; valid: our checkpoint (<run>/checkpoints/step_<N>, a "
                 "checkpoint root or a run directory), or a format recipe " + recipe.name + " reads"]
+    return _model_problems(f"trainer.init_from={given!r}", "the checkpoint's model", path, cfg, recipe,
+                           "the model settings it was saved with (its run's config.yaml, or its extra.model_config)")
+
+
+def _resume_problems(cfg, recipe) -> list:
+    """``trainer.resume=auto``: the run's newest complete checkpoint (if any) against the model, as
+    ``trainer.init_from``'s; a run directory that Hydra has not resolved here is checked as it loads."""
+    from toolkit import checkpoint as ckpt
+    from toolkit.run_state import checkpoint_root
+
+    try:
+        root = checkpoint_root(str(cfg.run_dir))
+    except (OmegaConfBaseException, ValueError):
+        return []
+    path = ckpt.latest(root)
+    if path is None:
+        return []
+    return _model_problems("trainer.resume=auto", f"the model of the run's newest checkpoint ({path})", path, cfg,
+                           recipe, "the model settings of the run it continues (config.yaml in its run directory), "
+                           "or another run directory (hydra.run.dir)")
+
+
+def _model_problems(field: str, what: str, path: str, cfg, recipe, valid: str) -> list:
+    """Checkpoint ``path``'s model tensors against the model's (a meta build) from its metadata alone: a
+    corrupt checkpoint, or one saved with other model settings, would fail on every rank after spawning."""
+    import torch
+
+    from toolkit import checkpoint as ckpt
+
     try:
         with torch.random.fork_rng(devices=[]), torch.device("meta"):
             model = recipe.build_model(cfg.model)
@@ -106,15 +136,14 @@ def _init_from_problems(given: str, path: str, cfg, recipe) -> list:
     try:
         saved = ckpt.tensor_shapes(path, "model", here, tied=recipe.tied)
     except ckpt.CheckpointError as err:
-        return [f"trainer.init_from={given!r}: {err}"]
+        return [f"{field}: {err}"]
     partners = {b for a, b in recipe.tied if a in here}  # one parameter under two names: named once
     wrong = [f"{n} is not there" if saved[n] is None else f"{n} is {list(saved[n])} there, {list(t.shape)} here"
              for n, t in here.items() if saved[n] != tuple(t.shape) and n not in partners]
     if not wrong:
         return []
-    return [f"trainer.init_from={given!r}: the checkpoint's model has other tensors or shapes than model.*: "
-            + "; ".join(wrong[:3]) + (f"; and {len(wrong) - 3} more" if len(wrong) > 3 else "")
-            + "; valid: the model settings it was saved with (its run's config.yaml, or its extra.model_config)"]
+    return [f"{field}: {what} has other tensors or shapes than model.*: "
+            + "; ".join(wrong[:3]) + (f"; and {len(wrong) - 3} more" if len(wrong) > 3 else "") + f"; valid: {valid}"]
 
 
 def _choice(problems: list, field: str, value: Any, choices: tuple) -> None:
@@ -320,8 +349,8 @@ def validate(cfg: Any, recipe, world_size: Optional[int] = None) -> JobLayout:
     ``None`` reads torchrun's or Slurm's environment, else assumes
     ``dp * tp * pp`` will be spawned. Returns the :class:`JobLayout`; raises
     :class:`ConfigError` listing every problem; warns :class:`ConfigWarning`
-    for ignored settings. Does not modify ``cfg`` and does not resolve
-    ``run_dir`` (Hydra's output dir).
+    for ignored settings. Does not modify ``cfg``; reads ``run_dir`` (Hydra's
+    output dir) only with ``trainer.resume=auto``.
     """
     cfg = _typed(cfg, recipe)
     p: list[str] = []
@@ -352,6 +381,8 @@ def validate(cfg: Any, recipe, world_size: Optional[int] = None) -> JobLayout:
                  + "; valid: a checkpoint directory (<run>/checkpoints/step_<N>) or what the recipe's docs list")
     elif weights is not None:
         p.extend(_init_from_problems(str(tr.init_from), weights, cfg, recipe))
+    if tr.resume == "auto":
+        p.extend(_resume_problems(cfg, recipe))
     if degrees_ok:
         try:
             p.extend(recipe.check(cfg, layout))
