@@ -13,6 +13,7 @@ from typing import Any, Optional
 from omegaconf import II
 
 from .data.source import names_local_path
+from .data.tokenizer import MIN_VOCAB_SIZE
 from .model import GPT2Config, padded_vocab_size
 
 DATA_SOURCES = ("stdlib", "text")
@@ -138,9 +139,12 @@ def problems(cfg, layout) -> list:
     if par.sequence_parallel and layout.tp > 1 and seq_len % layout.tp:
         p.append(f"data.seq_len={seq_len}: sequence_parallel splits it over parallel.tp={layout.tp}; "
                  "valid: a multiple of tp, or parallel.sequence_parallel=false")
-    if not 2 <= data.vocab_size <= m.vocab_size:
-        p.append(f"data.vocab_size={data.vocab_size}: token ids must index the embedding; "
-                 f"valid: 2..model.vocab_size={m.vocab_size}")
+    low = 2 if data.tokenizer is not None else MIN_VOCAB_SIZE  # a trained byte-level BPE holds every byte
+    if not low <= data.vocab_size <= m.vocab_size:
+        why = "token ids must index the embedding" if data.vocab_size > m.vocab_size else \
+            "a tokenizer has at least 2 ids" if data.tokenizer is not None else \
+            "the tokenizer trained on the corpus has the 256 bytes and the end-of-text token"
+        p.append(f"data.vocab_size={data.vocab_size}: {why}; valid: {low}..model.vocab_size={m.vocab_size}")
     if not 0.0 <= data.val_fraction < 1.0:
         p.append(f"data.val_fraction={data.val_fraction}: must be in [0, 1)")
     elif data.val_fraction == 0 and tr.eval_every > 0:

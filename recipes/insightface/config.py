@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional
 
-from omegaconf import II
+from omegaconf import II, OmegaConf
 
 from .data import dali
 from .data.face_records import FILES, read_property
@@ -128,6 +128,23 @@ def _dataset_classes(data) -> tuple:
     return sum(os.path.isdir(os.path.join(path, d)) for d in os.listdir(path)), None
 
 
+def _synthetic_problems(cfg) -> list:
+    """The generator's own checks (``SyntheticSpec.check``), and a global batch the generated images fill."""
+    from .data.synthetic import SyntheticSpec
+
+    spec = SyntheticSpec(identities=int(cfg.model.num_classes), image_size=int(cfg.data.image_size),
+                         **OmegaConf.to_container(cfg.data.synthetic))
+    try:
+        spec.check()
+    except ValueError as err:
+        return [f"data.synthetic: {str(err).removeprefix('synthetic data: ')}"]
+    images, batch = spec.identities * spec.images_per_identity, int(cfg.trainer.global_batch_size)
+    if batch > images:
+        return [f"trainer.global_batch_size={batch}: more than the {images} synthetic images (model.num_classes "
+                f"x data.synthetic.images_per_identity); valid: at most {images}, or more images per identity"]
+    return []
+
+
 def problems(cfg, layout) -> list:
     """InsightFace's rules, checked before any process starts."""
     p: list = []
@@ -151,9 +168,14 @@ def problems(cfg, layout) -> list:
     if m.num_classes < ranks:
         p.append(f"model.num_classes={m.num_classes}: fewer classes than the {ranks} ranks the FC is split "
                  f"over (each holds at least one class centre); valid: >= {ranks}, or fewer ranks")
+    if d.image_size != m.image_size:
+        p.append(f"data.image_size={d.image_size}: the network takes model.image_size={m.image_size} images; "
+                 f"valid: data.image_size={m.image_size} (it follows model.image_size when not set)")
     if d.source not in DATA_SOURCES:
         p.append(f"data.source={d.source!r}: unknown; valid: {', '.join(DATA_SOURCES)}")
-    elif d.source != "synthetic":
+    elif d.source == "synthetic":
+        p.extend(_synthetic_problems(cfg))
+    else:
         n, problem = _dataset_classes(d)
         if problem:
             p.append(problem)

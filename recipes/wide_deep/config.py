@@ -98,6 +98,13 @@ def problems(model, data) -> list:
         out.append(f"data.source={data.source!r} is not one of {SOURCES}")
     elif data.source != "synthetic" and not data.path:
         out.append(f"data.source={data.source} needs data.path (a file, a directory or a glob)")
+    elif data.source != "synthetic":
+        from .data import files_of
+
+        try:
+            files_of(str(data.path))
+        except FileNotFoundError as err:
+            out.append(str(err))
     if not 0 < float(data.val_fraction) < 1:
         out.append(f"data.val_fraction={data.val_fraction}: must be in (0, 1)")
     if int(data.eval_batch) < 1:

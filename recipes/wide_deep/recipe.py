@@ -50,6 +50,10 @@ class WideDeepRecipe(Recipe):
         if cfg.trainer.activation_checkpointing:
             out.append("trainer.activation_checkpointing=true: wide_deep has no repeated layers to recompute; "
                        "valid: false")
+        batch = int(cfg.trainer.global_batch_size)
+        if cfg.data.source == "synthetic" and batch > int(cfg.data.train_rows):
+            out.append(f"trainer.global_batch_size={batch}: more than data.train_rows={cfg.data.train_rows}; valid: "
+                       f"at most {cfg.data.train_rows}, or data.train_rows >= {batch}")
         ranks = layout.dp * layout.tp
         if not config.problems(cfg.model, cfg.data) and config.table_rows(cfg.model) < ranks:
             out.append(f"model: {config.table_rows(cfg.model)} table rows for {ranks} ranks of a stage: every rank "

@@ -77,10 +77,12 @@ def test_resume_in_another_layout(run, sbp_cache, tmp_path):
     ("trainer.precision=bf16", "runs in fp32"),
     ("trainer.optimizer=sgd", "LazyAdamW"),
     ("data.source=criteo_tsv", "needs data.path"),
+    ("data.source=criteo_tsv data.path=/nonexistent/day_0.tsv", "names no file"),
+    ("data.train_rows=4", "more than data.train_rows=4"),
     ("model.field_vocab_sizes=[3,4]", "give 26 sizes"),
     ("+model.hidden_size=3", "model.hidden_size"),
 ])
 def test_bad_configs_fail_before_any_process(override, message):
     with pytest.raises(ConfigError, match=message):
-        cfg = compose([*TINY, override], run_dir="/tmp/unused")
+        cfg = compose([*TINY, *override.split()], run_dir="/tmp/unused")
         validate(cfg, get("wide_deep"), world_size=int(cfg.parallel.dp) * int(cfg.parallel.tp) * int(cfg.parallel.pp))

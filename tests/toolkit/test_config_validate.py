@@ -139,11 +139,13 @@ def test_accumulation_at_least_pp():
     assert "global_batch_size >= 16" in text
 
 
-def test_zero_with_dp1_warns_and_is_ignored():
+def test_zero_with_dp1_and_sequence_parallel_with_tp1_warn():
     with pytest.warns(ConfigWarning, match="zero=2 with parallel.dp=1"):
         job = validate(cfg_of("parallel=tp2_zero2"))
     assert job.zero == 0
     assert validate(cfg_of("parallel=dp4_zero2")).zero == 2
+    with pytest.warns(ConfigWarning, match="sequence_parallel=true with parallel.tp=1 splits the sequence over one"):
+        validate(cfg_of("parallel=dp2", "parallel.sequence_parallel=true"))
 
 
 def test_zero_and_bucket_size_out_of_range_in_field_form():
@@ -159,6 +161,8 @@ def test_seq_len_within_positions():
 def test_data_vocab_within_model_vocab():
     assert "data.vocab_size=9000" in problems("data.vocab_size=9000")
     assert validate(cfg_of("data.vocab_size=5000")).world_size == 1
+    assert "data.vocab_size=100: the tokenizer trained on the corpus has the 256 bytes and the end-of-text token; " \
+           "valid: 257..model.vocab_size" in problems("data.vocab_size=100")
 
 
 def test_sequence_parallel_needs_seq_len_multiple_of_tp():
@@ -270,8 +274,8 @@ def test_device_cuda_without_cuda():
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    assert "device='cuda': 2 local ranks need as many visible CUDA devices, found 0" in problems(
-        "device=cuda", "parallel=dp2")
+    assert "device='cuda': 2 local ranks need as many visible CUDA devices, found 0; valid: device=cpu or " \
+           "device=auto" in problems("device=cuda", "parallel=dp2")
 
 
 def test_validate_accepts_plain_dicts_and_does_not_modify():

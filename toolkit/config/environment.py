@@ -166,7 +166,7 @@ def resolve_device(device: str, local_ranks: int) -> str:
     if count >= local_ranks:
         return "cuda"
     if device == "cuda":
+        fewer = f"a layout with at most {count} ranks per node, or " if count else ""
         raise ConfigError(f"device='cuda': {local_ranks} local ranks need as many visible CUDA devices, "
-                          f"found {count}; valid: a layout with at most {count} ranks per node, "
-                          "or device=cpu")
+                          f"found {count}; valid: {fewer}device=cpu or device=auto")
     return "cpu"

@@ -23,7 +23,8 @@ value range and cross-field rule, collecting *all* problems into one
   gradient accumulation, which must be at least ``pp`` when ``pp > 1``.
 - ``bucket_mb`` (gradient MiB per collective) is positive.
 - ``zero`` in 0..3; ``zero > 0`` with ``dp == 1`` warns (:class:`ConfigWarning`)
-  and the layout's effective ``zero`` is 0.
+  and the layout's effective ``zero`` is 0; ``sequence_parallel`` with
+  ``tp == 1`` warns too (it splits nothing).
 - Every choice-valued string is one of its choices (schema tuples).
 - The checkpoint ``trainer.init_from`` names, and with ``trainer.resume=auto``
   the run directory's newest one: readable, and holding every model tensor
@@ -222,6 +223,9 @@ def _check_parallel(p: list, cfg, recipe, world_size: Optional[int], env) -> tup
     if par.sequence_parallel and not recipe.sequence_parallel:
         p.append(f"parallel.sequence_parallel=true: recipe {recipe.name}'s plan has no sequence-parallel variant "
                  "(no sequence axis to split); valid: false")
+    elif par.sequence_parallel and par.tp == 1:  # as Megatron, which turns it off with a warning
+        warnings.warn("parallel.sequence_parallel=true with parallel.tp=1 splits the sequence over one rank: "
+                      "nothing to split", ConfigWarning, stacklevel=3)
     zero = par.zero if par.zero in ZERO_STAGES else 0
     if zero and par.dp == 1:
         warnings.warn(f"parallel.zero={zero} with parallel.dp=1 shards nothing; running with zero=0",
