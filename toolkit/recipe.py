@@ -228,6 +228,12 @@ class Recipe(ABC):
         for not being our checkpoint."""
         return False
 
+    def weights_problems(self, path: str, cfg) -> list:
+        """What is wrong with ``path``, a directory ``reads_weights`` accepts, for the model ``cfg.model``
+        describes (other dimensions, no weights file), from its metadata alone: checked before any process
+        starts, as our checkpoints are. One message per problem, without the ``trainer.init_from`` prefix."""
+        return []
+
     def init_weights(self, model, path: str, cfg) -> bool:
         """Load ``trainer.init_from`` weights of a foreign format into ``model``, this rank's stage of the model
         (``build_stage``: the full model's names; ``path``: what ``weights_path`` resolved); ``False`` if not

@@ -149,6 +149,46 @@ def _check_names(sd: dict, cfg: dict) -> None:
 
 # -- Hugging Face directories -------------------------------------------------
 
+def _weight_files(path: str) -> tuple:
+    """``(files, index file or None)`` of a Hugging Face directory's weights (safetensors first, then
+    ``.bin``, each sharded by an index or whole); ``FileNotFoundError`` when there are none."""
+    for index_name, single in (("model.safetensors.index.json", "model.safetensors"),
+                               ("pytorch_model.bin.index.json", "pytorch_model.bin")):
+        ipath = os.path.join(path, index_name)
+        if os.path.isfile(ipath):
+            with open(ipath) as f:
+                return sorted(set(json.load(f)["weight_map"].values())), ipath
+        if os.path.isfile(os.path.join(path, single)):
+            return [single], None
+    raise FileNotFoundError(f"{path}: no model.safetensors, pytorch_model.bin or their .index.json")
+
+
+def hf_dir_problems(path: str, model_cfg) -> list:
+    """What ``load_hf_into`` would refuse in the Hugging Face directory ``path`` for ``model_cfg``, read from
+    its ``config.json`` and file names alone (no weights read)."""
+    cpath = os.path.join(path, "config.json")
+    try:
+        with open(cpath) as f:
+            hf = json.load(f)
+    except ValueError as err:  # json.JSONDecodeError
+        return [f"{cpath}: not valid JSON ({err})"]
+    try:
+        files, index = _weight_files(path)
+    except (OSError, ValueError, KeyError) as err:
+        return [str(err)]
+    problems = []
+    wrong = [k for k in ("n_layer", "n_embd", "n_head", "vocab_size", "n_positions")
+             if int(hf.get(k, -1)) != int(model_cfg[k])]
+    if wrong:
+        problems.append(f"its config.json has {', '.join(f'{k}={hf.get(k)}' for k in wrong)}, the model "
+                        f"{', '.join(f'{k}={model_cfg[k]}' for k in wrong)}; valid: the model settings that match "
+                        "it (model.n_layer, model.n_embd, ...; for a published GPT-2, model=<its name>)")
+    absent = [f for f in files if not os.path.isfile(os.path.join(path, f))]
+    if absent:
+        problems.append(f"{index} names {absent[:3]}, which are not in {path}")
+    return problems
+
+
 def read_hf_dir(path: str) -> tuple:
     """``(config dict, state dict)`` of a ``transformers`` GPT-2 directory (safetensors or ``.bin``, sharded or not)."""
     cpath = os.path.join(path, "config.json")
@@ -156,18 +196,7 @@ def read_hf_dir(path: str) -> tuple:
         raise FileNotFoundError(f"{cpath}: missing; a Hugging Face model directory holds config.json")
     with open(cpath) as f:
         config = json.load(f)
-    for index_name, single in (("model.safetensors.index.json", "model.safetensors"),
-                               ("pytorch_model.bin.index.json", "pytorch_model.bin")):
-        ipath = os.path.join(path, index_name)
-        if os.path.isfile(ipath):
-            with open(ipath) as f:
-                files = sorted(set(json.load(f)["weight_map"].values()))
-            break
-        if os.path.isfile(os.path.join(path, single)):
-            files = [single]
-            break
-    else:
-        raise FileNotFoundError(f"{path}: no model.safetensors, pytorch_model.bin or their .index.json")
+    files, _ = _weight_files(path)
     sd = {}
     for name in files:
         fpath = os.path.join(path, name)

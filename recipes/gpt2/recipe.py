@@ -117,6 +117,11 @@ class GPT2Recipe(Recipe):
 
         return is_hf_dir(path)
 
+    def weights_problems(self, path: str, cfg) -> list:
+        from recipes.gpt2.hf import hf_dir_problems
+
+        return hf_dir_problems(path, cfg.model)
+
     def init_weights(self, model, path: str, cfg) -> bool:
         from recipes.gpt2.hf import load_hf_into
 

@@ -233,7 +233,8 @@ def test_missing_data_tokenizer_and_weights_paths_are_refused(tmp_path):
 
 @pytest.fixture
 def hub_cache(tmp_path, monkeypatch):
-    """An empty Hugging Face hub cache; ``add(name)`` puts a snapshot of ``name`` with a config.json in it."""
+    """An empty Hugging Face hub cache; ``add(name)`` puts a snapshot of ``name`` with GPT-2 small's config.json
+    and an (empty) weights file in it."""
     import huggingface_hub.constants
 
     cache = tmp_path / "hub"
@@ -246,7 +247,9 @@ def hub_cache(tmp_path, monkeypatch):
         (repo / "refs" / "main").write_text("0" * 40)
         snap = repo / "snapshots" / ("0" * 40)
         snap.mkdir(parents=True)
-        (snap / "config.json").write_text("{}")
+        (snap / "config.json").write_text('{"n_layer": 12, "n_embd": 768, "n_head": 12, "vocab_size": 50257, '
+                                          '"n_positions": 1024}')  # GPT-2 small's
+        (snap / "model.safetensors").write_text("")
         return str(snap)
 
     return add

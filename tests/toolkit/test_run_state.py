@@ -1,5 +1,7 @@
 """Run state: ``trainer.init_from=<Hugging Face dir>`` gives the full model transformers' weights before it is
 split; ``trainer.resume=auto`` says where it looked when there is nothing to resume."""
+import json
+
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -73,7 +75,9 @@ def test_a_rank_whose_machine_lacks_init_from_fails_instead_of_training_from_scr
 
     hf = tmp_path / "hf"
     hf.mkdir()
-    (hf / "config.json").write_text("{}")  # a Hugging Face directory, as far as validation looks
+    # A Hugging Face directory, as far as validation looks: its config.json and a weights file.
+    (hf / "config.json").write_text('{"n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 512, "n_positions": 32}')
+    (hf / "model.safetensors").write_text("")
     cfg = compose(["model.n_layer=2", "model.n_embd=32", "model.n_head=2", "model.vocab_size=512",
                    "model.n_positions=32", "data.max_bytes=100000", "trainer.eval_every=0", "logger=none",
                    f"trainer.init_from={hf}", f"data.cache_dir={tmp_path / 'cache'}"], run_dir=str(tmp_path / "run"))
@@ -112,3 +116,27 @@ def test_ranks_that_see_different_newest_checkpoints_all_refuse_to_resume(tmp_pa
     for split, agreed in get_pool(2).run(_newest_as_seen, str(tmp_path)):
         assert "the ranks see different newest checkpoints" in split and "rank 0: step_3, rank 1: none" in split
         assert agreed == str(tmp_path / "0" / "step_3")
+
+
+def test_a_hugging_face_directory_that_does_not_fit_the_model_is_refused_before_spawning(tmp_path):
+    """``trainer.init_from=<Hugging Face dir>``: its config.json against model.*, and a weights file, checked
+    by validation (``Recipe.weights_problems``), as ``load_hf_into`` would check them on every rank."""
+    from toolkit.config import ConfigError, compose, validate
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    dims = {"n_layer": 12, "n_embd": 768, "n_head": 12, "vocab_size": 50257, "n_positions": 1024}
+    (hf / "config.json").write_text(json.dumps(dims))
+
+    def problems(*overrides):
+        with pytest.raises(ConfigError) as info:
+            validate(compose([f"trainer.init_from={hf}", *overrides], run_dir=str(tmp_path / "run")), RECIPE)
+        return "\n".join(info.value.problems)
+
+    assert f"{hf}: no model.safetensors, pytorch_model.bin or their .index.json" in problems("model=gpt2")
+    (hf / "model.safetensors").write_text("")
+    assert validate(compose([f"trainer.init_from={hf}", "model=gpt2"], run_dir=str(tmp_path / "run")), RECIPE)
+    assert "its config.json has n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024, the model " \
+           "n_layer=" in problems()
+    (hf / "config.json").write_text("{")
+    assert "config.json: not valid JSON" in problems("model=gpt2")

@@ -93,7 +93,7 @@ def _init_from_problems(given: str, path: str, cfg, recipe) -> list:
     from toolkit.checkpoint.directory import resolve
 
     if recipe.reads_weights(path):
-        return []
+        return [f"trainer.init_from={given!r}: {x}" for x in recipe.weights_problems(path, cfg)]
     try:
         resolve(path)
     except ckpt.CheckpointError as err:
