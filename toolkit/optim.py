@@ -115,3 +115,36 @@ def build_scheduler(optimizer: torch.optim.Optimizer, trainer: Any, last_step: i
         for group in optimizer.param_groups:
             group.setdefault("initial_lr", lr)
     return LambdaLR(optimizer, multiplier, last_epoch=last_step)
+
+
+_NOT_SETTINGS = ("params", "names", "param_names", "lr")
+
+
+def settings(optimizer: torch.optim.Optimizer) -> list[dict]:
+    """Each parameter group's settings as built from the config (weight decay, betas, eps, the schedule's
+    peak ``initial_lr``, fused, ...): all but its parameters and its current ``lr``."""
+    return [{k: v for k, v in g.items() if k not in _NOT_SETTINGS} for g in optimizer.param_groups]
+
+
+def follow_config(optimizer: torch.optim.Optimizer, scheduler: LambdaLR, built: list[dict]) -> list[tuple]:
+    """After a checkpoint's optimizer and scheduler state were loaded: the config's settings again
+    (``built``: :func:`settings` before loading), and the learning rate of the step the scheduler is at
+    from the config's schedule.
+
+    A checkpoint's state dicts carry the saved run's settings, and a ``LambdaLR`` its ``base_lrs``; left
+    so, a run resumed with another ``trainer.lr`` or ``max_steps`` would apply the old schedule while
+    logging the new one (the trainer logs ``lr_at`` of the config), and one resumed on another device
+    would keep the saved ``fused``. As Megatron's ``--override-opt_param-scheduler``, the config wins; with
+    an unchanged config nothing changes. Returns ``(setting, saved, now)`` for each setting that changed.
+    """
+    changed = {}
+    for group, mine in zip(optimizer.param_groups, built):
+        for k, v in mine.items():
+            if group.get(k) != v:
+                changed.setdefault(k, (group.get(k), v))
+            group[k] = v
+    scheduler.base_lrs = [g["initial_lr"] for g in optimizer.param_groups]
+    for group, base, at in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["lr"] = base * at(scheduler.last_epoch)
+    scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]  # what get_last_lr() reads
+    return [(k, a, b) for k, (a, b) in changed.items()]

@@ -6,7 +6,9 @@ AdamW state keyed by parameter name, the LR schedule, the sampler position
 (the step: batches are a function of ``(seed, step)``), per-rank RNG states
 (CPU and, on CUDA, this rank's device), fp16's loss scale and the step. Checkpoints live in ``<run_dir>/checkpoints/step_<N>``;
 ``trainer.resume=auto`` continues from the newest complete one, in any
-layout. ``trainer.init_from`` starts from weights only: one of our
+layout, under the config's optimizer settings and schedule (a changed
+``trainer.lr`` or ``max_steps`` applies from the step resumed:
+``toolkit.optim.follow_config``). ``trainer.init_from`` starts from weights only: one of our
 checkpoints (here), or a format the recipe reads into the full model before
 it is split and laid out (``Recipe.init_weights``, e.g. a Hugging Face GPT-2
 directory).
@@ -19,6 +21,7 @@ import sbp_core as sc
 from toolkit import checkpoint as ckpt
 from toolkit.checkpoint import rng
 from toolkit.checkpoint._dist import agree
+from toolkit.optim import follow_config, settings
 
 
 def checkpoint_root(run_dir: str) -> str:
@@ -62,8 +65,13 @@ def resume(job) -> int:
     template = {**_state(job, 0), "scheduler": None, "sampler": None, "step": None, "rng": None, "extra": None,
                 "loss_scale": None}
     out = ckpt.load(path, template, tied=job.recipe.tied)
+    built = settings(job.optimizer)
     ckpt.load_optimizer_state_dict(job.optimizer, job.module, out["optim"])
     job.scheduler.load_state_dict(out["scheduler"])
+    changed = follow_config(job.optimizer, job.scheduler, built)
+    if changed and job.rank == 0:
+        print("resume: the config's optimizer settings apply, not the checkpoint's: "
+              + ", ".join(f"{k} {a!r} -> {b!r}" for k, a, b in changed), flush=True)
     ckpt.set_rng_state(out["rng"])
     ranks = job.placements[job.stage].ranks
     if rng.agree_within(ranks) and job.rank == min(ranks):

@@ -178,3 +178,38 @@ def test_tied_pairs_given_twice_are_one_parameter_stepped_once():
     opt.step()
     opt_ref.step()
     torch.testing.assert_close(model[0].weight.detach(), ref.detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_a_resumed_run_follows_the_configs_schedule_and_settings():
+    """After the checkpoint's optimizer and scheduler state dicts: ``follow_config`` puts back the config's
+    settings and its schedule's learning rate at the step reached (the rate the trainer logs)."""
+    from toolkit.optim import follow_config, settings
+
+    model = torch.nn.Linear(2, 2)
+    opt = build_optimizer(model, TRAINER)
+    sched = build_scheduler(opt, TRAINER)
+    for _ in range(30):
+        opt.step()
+        sched.step()
+    saved_opt, saved_sched = opt.state_dict(), sched.state_dict()
+    changed_cfg = OmegaConf.merge(TRAINER, dict(lr=5e-4, max_steps=200, weight_decay=0.2))
+    opt2 = build_optimizer(model, changed_cfg)
+    sched2 = build_scheduler(opt2, changed_cfg)
+    built = settings(opt2)
+    opt2.load_state_dict(saved_opt)
+    sched2.load_state_dict(saved_sched)
+    assert opt2.param_groups[0]["lr"] == pytest.approx(lr_at(30, 1e-3, 1e-4, 10, 110))  # the saved run's
+    changed = {k: (a, b) for k, a, b in follow_config(opt2, sched2, built)}
+    want = lr_at(30, 5e-4, 1e-4, 10, 200)
+    assert [g["lr"] for g in opt2.param_groups] == pytest.approx([want] * len(opt2.param_groups))
+    assert sched2.get_last_lr() == pytest.approx([want] * len(opt2.param_groups))
+    assert changed["initial_lr"] == (1e-3, 5e-4) and changed["weight_decay"] == (0.1, 0.2)
+    opt2.step()
+    sched2.step()
+    assert opt2.param_groups[0]["lr"] == pytest.approx(lr_at(31, 5e-4, 1e-4, 10, 200))
+    opt3 = build_optimizer(model, TRAINER)  # the same config: nothing changes
+    sched3 = build_scheduler(opt3, TRAINER)
+    built = settings(opt3)
+    opt3.load_state_dict(saved_opt)
+    sched3.load_state_dict(saved_sched)
+    assert follow_config(opt3, sched3, built) == [] and opt3.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
