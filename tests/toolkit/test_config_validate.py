@@ -351,3 +351,22 @@ def test_resume_checks_the_runs_newest_checkpoint_before_spawning(tmp_path):
     with pytest.raises(ConfigError) as info:
         validate(resumed("model.n_embd=64"))
     assert "trainer.resume=auto: " in info.value.problems[0] and "not a valid manifest" in info.value.problems[0]
+
+
+def test_a_per_op_plan_entry_is_checked_against_the_models_parameters():
+    """``parallel.plan``: a pattern that matches nothing, or a split past a parameter's dimensions, is refused
+    before spawning (each failed on every rank as the model was laid out)."""
+    def plan_problems(plan):
+        cfg = cfg_of("parallel=tp2")
+        cfg.parallel.plan = plan
+        with pytest.raises(ConfigError) as info:
+            validate(cfg)
+        return "\n".join(info.value.problems)
+
+    assert "parallel.plan['*.mlp.c_fc.weight']='S(5)': transformer.h.0.mlp.c_fc.weight has 2 dimensions; " \
+           "valid: B or S(0..1)" in plan_problems({"*.mlp.c_fc.weight": "S(5)"})
+    assert "parallel.plan['*.mlp.c_fc.wieght']: matches nothing in the model" in plan_problems(
+        {"*.mlp.c_fc.wieght": "S(0)"})
+    cfg = cfg_of("parallel=tp2")
+    cfg.parallel.plan = {"*.mlp.c_fc.weight": "S(0)"}
+    assert validate(cfg).tp == 2

@@ -21,7 +21,9 @@ value range and cross-field rule, collecting *all* problems into one
   batch shards the recipe's ``data_sbp`` cuts over a stage's mesh: ``dp``
   for ``(S(0), B)``, ``dp * tp`` for ``(S(0), S(0))``); the quotient is the
   gradient accumulation, which must be at least ``pp`` when ``pp > 1``.
-- ``bucket_mb`` (gradient MiB per collective) is positive.
+- ``bucket_mb`` (gradient MiB per collective) is positive; each
+  ``parallel.plan`` entry is ``B`` or ``S(d)``, matches something in the
+  model and splits no parameter past its dimensions (a meta build).
 - ``zero`` in 0..3; ``zero > 0`` with ``dp == 1`` warns (:class:`ConfigWarning`)
   and the layout's effective ``zero`` is 0; ``sequence_parallel`` with
   ``tp == 1`` warns too (it splits nothing).
@@ -206,6 +208,38 @@ def _check_stages(problems: list, par, n_layer: int) -> tuple:
     return layers
 
 
+def _plan_problems(plan: dict, cfg, recipe) -> list:
+    """``parallel.plan``'s patterns against the model's names (a meta build): each must match a parameter,
+    buffer or module (``toolkit.mesh.plan_for_module`` refuses one that matches nothing, on every rank), and
+    a split ``S(d)`` needs ``d`` below the rank of every parameter it matches."""
+    import fnmatch
+
+    import torch
+
+    from toolkit.mesh import model_names
+
+    try:
+        with torch.random.fork_rng(devices=[]), torch.device("meta"):
+            model = recipe.build_model(cfg.model)
+    except (ValueError, TypeError, KeyError, RuntimeError, NotImplementedError):
+        return []  # a model config that does not build is reported by its own checks, or as it builds
+    names = model_names(model)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    out = []
+    for pattern, text in plan.items():
+        target = str(pattern).partition(":")[0]
+        if not any(fnmatch.fnmatchcase(n, target) for n in names):
+            out.append(f"parallel.plan[{pattern!r}]: matches nothing in the model; some parameter names: "
+                       f"{sorted(params)[:4]}")
+            continue
+        dim = re.fullmatch(r"S\((\d+)\)", str(text).strip())
+        small = [n for n, t in params.items() if fnmatch.fnmatchcase(n, target) and dim and int(dim[1]) >= t.dim()]
+        if small:
+            out.append(f"parallel.plan[{pattern!r}]={text!r}: {small[0]} has {params[small[0]].dim()} dimensions; "
+                       f"valid: B or S(0..{params[small[0]].dim() - 1})")
+    return out
+
+
 def _check_parallel(p: list, cfg, recipe, world_size: Optional[int], env) -> tuple:
     """The parallel section: ``(degrees_ok, zero, world, world_size, layout name, stage_layers)``."""
     par = cfg.parallel
@@ -214,9 +248,12 @@ def _check_parallel(p: list, cfg, recipe, world_size: Optional[int], env) -> tup
     _choice(p, "parallel.pp_schedule", par.pp_schedule, S.PP_SCHEDULES)
     if not par.bucket_mb > 0:
         p.append(f"parallel.bucket_mb={par.bucket_mb!r}: gradient MiB per collective, must be > 0 (DDP's default: 25)")
-    for pattern, text in dict(par.plan).items():
+    plan = dict(par.plan)
+    for pattern, text in plan.items():
         if not re.fullmatch(r"B|S\(\d+\)", str(text).strip()):
             p.append(f"parallel.plan[{pattern!r}]={text!r}: a tp-axis layout; valid: B or S(<dim>)")
+    if plan and not p:
+        p.extend(_plan_problems(plan, cfg, recipe))
     if par.auto:
         p.append("parallel.auto=true: the search runs in train.py before the job (toolkit.search.resolve); "
                  "valid: a resolved config with parallel.auto=false")
