@@ -85,13 +85,19 @@ def test_scheduler_follows_lr_at():
     assert seen == pytest.approx([lr_at(s, 1e-3, 1e-4, 10, 110) for s in range(115)])
 
 
-def test_scheduler_resume_matches_uninterrupted():
-    model = torch.nn.Linear(2, 2)
-    opt = build_optimizer(model, TRAINER)
-    sched = build_scheduler(opt, TRAINER)
-    for _ in range(30):
+def _stepped(model, cfg, steps: int = 30) -> tuple:
+    """``(optimizer, scheduler)`` of ``cfg`` after ``steps`` steps."""
+    opt = build_optimizer(model, cfg)
+    sched = build_scheduler(opt, cfg)
+    for _ in range(steps):
         opt.step()
         sched.step()
+    return opt, sched
+
+
+def test_scheduler_resume_matches_uninterrupted():
+    model = torch.nn.Linear(2, 2)
+    opt, sched = _stepped(model, TRAINER)
     state = sched.state_dict()
     opt2 = build_optimizer(model, TRAINER)
     sched2 = build_scheduler(opt2, TRAINER)
@@ -186,18 +192,16 @@ def test_a_resumed_run_follows_the_configs_schedule_and_settings():
     from toolkit.optim import follow_config, settings
 
     model = torch.nn.Linear(2, 2)
-    opt = build_optimizer(model, TRAINER)
-    sched = build_scheduler(opt, TRAINER)
-    for _ in range(30):
-        opt.step()
-        sched.step()
-    saved_opt, saved_sched = opt.state_dict(), sched.state_dict()
-    changed_cfg = OmegaConf.merge(TRAINER, dict(lr=5e-4, max_steps=200, weight_decay=0.2))
-    opt2 = build_optimizer(model, changed_cfg)
-    sched2 = build_scheduler(opt2, changed_cfg)
-    built = settings(opt2)
-    opt2.load_state_dict(saved_opt)
-    sched2.load_state_dict(saved_sched)
+    opt, sched = _stepped(model, TRAINER)
+
+    def resumed(cfg) -> tuple:  # built from cfg, then the saved run's state dicts loaded
+        o, s = _stepped(model, cfg, steps=0)
+        built = settings(o)
+        o.load_state_dict(opt.state_dict())
+        s.load_state_dict(sched.state_dict())
+        return o, s, built
+
+    opt2, sched2, built = resumed(OmegaConf.merge(TRAINER, dict(lr=5e-4, max_steps=200, weight_decay=0.2)))
     assert opt2.param_groups[0]["lr"] == pytest.approx(lr_at(30, 1e-3, 1e-4, 10, 110))  # the saved run's
     changed = {k: (a, b) for k, a, b in follow_config(opt2, sched2, built)}
     want = lr_at(30, 5e-4, 1e-4, 10, 200)
@@ -207,9 +211,5 @@ def test_a_resumed_run_follows_the_configs_schedule_and_settings():
     opt2.step()
     sched2.step()
     assert opt2.param_groups[0]["lr"] == pytest.approx(lr_at(31, 5e-4, 1e-4, 10, 200))
-    opt3 = build_optimizer(model, TRAINER)  # the same config: nothing changes
-    sched3 = build_scheduler(opt3, TRAINER)
-    built = settings(opt3)
-    opt3.load_state_dict(saved_opt)
-    sched3.load_state_dict(saved_sched)
+    opt3, sched3, built = resumed(TRAINER)  # the same config: nothing changes
     assert follow_config(opt3, sched3, built) == [] and opt3.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
