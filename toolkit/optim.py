@@ -117,25 +117,27 @@ def build_scheduler(optimizer: torch.optim.Optimizer, trainer: Any, last_step: i
     return LambdaLR(optimizer, multiplier, last_epoch=last_step)
 
 
-_NOT_SETTINGS = ("params", "names", "param_names", "lr")
+# The hyper-parameters a config sets. Not the kernel flags (``fused``: the loaded state's step tensors are
+# placed for the saved one) nor a state format (LazyAdamW's ``dense_state``: the loaded state has its form).
+HYPER_PARAMETERS = ("initial_lr", "weight_decay", "betas", "eps", "momentum", "dampening", "nesterov")
 
 
 def settings(optimizer: torch.optim.Optimizer) -> list[dict]:
-    """Each parameter group's settings as built from the config (weight decay, betas, eps, the schedule's
-    peak ``initial_lr``, fused, ...): all but its parameters and its current ``lr``."""
-    return [{k: v for k, v in g.items() if k not in _NOT_SETTINGS} for g in optimizer.param_groups]
+    """Each parameter group's hyper-parameters as built from the config (``HYPER_PARAMETERS``: the
+    schedule's peak ``initial_lr``, weight decay, betas, eps, momentum, ...)."""
+    return [{k: g[k] for k in HYPER_PARAMETERS if k in g} for g in optimizer.param_groups]
 
 
 def follow_config(optimizer: torch.optim.Optimizer, scheduler: LambdaLR, built: list[dict]) -> list[tuple]:
-    """After a checkpoint's optimizer and scheduler state were loaded: the config's settings again
+    """After a checkpoint's optimizer and scheduler state were loaded: the config's hyper-parameters again
     (``built``: :func:`settings` before loading), and the learning rate of the step the scheduler is at
     from the config's schedule.
 
-    A checkpoint's state dicts carry the saved run's settings, and a ``LambdaLR`` its ``base_lrs``; left
-    so, a run resumed with another ``trainer.lr`` or ``max_steps`` would apply the old schedule while
-    logging the new one (the trainer logs ``lr_at`` of the config), and one resumed on another device
-    would keep the saved ``fused``. As Megatron's ``--override-opt_param-scheduler``, the config wins; with
-    an unchanged config nothing changes. Returns ``(setting, saved, now)`` for each setting that changed.
+    A checkpoint's state dicts carry the saved run's hyper-parameters, and a ``LambdaLR`` its ``base_lrs``;
+    left so, a run resumed with another ``trainer.lr`` or ``max_steps`` would apply the old schedule while
+    logging the new one (the trainer logs ``lr_at`` of the config). As Megatron's
+    ``--override-opt_param-scheduler``, the config wins; with an unchanged config nothing changes. Returns
+    ``(setting, saved, now)`` for each setting that changed.
     """
     changed = {}
     for group, mine in zip(optimizer.param_groups, built):

@@ -94,7 +94,7 @@ def gpt2_config_kwargs(model: Any) -> dict:
             for f in fields(GPT2Config)}
 
 
-def problems(cfg, layout) -> list:
+def problems(cfg, layout, trains_tokenizer: bool = True) -> list:
     """GPT-2's rules: dimensions, whole heads and vocabulary per tp rank, sequence and vocabulary of the data."""
     p: list = []
     m, data, par, tr = cfg.model, cfg.data, cfg.parallel, cfg.trainer
@@ -139,11 +139,11 @@ def problems(cfg, layout) -> list:
     if par.sequence_parallel and layout.tp > 1 and seq_len % layout.tp:
         p.append(f"data.seq_len={seq_len}: sequence_parallel splits it over parallel.tp={layout.tp}; "
                  "valid: a multiple of tp, or parallel.sequence_parallel=false")
-    low = 2 if data.tokenizer is not None else MIN_VOCAB_SIZE  # a trained byte-level BPE holds every byte
+    low = MIN_VOCAB_SIZE if trains_tokenizer else 2  # a trained byte-level BPE holds every byte
     if not low <= data.vocab_size <= m.vocab_size:
         why = "token ids must index the embedding" if data.vocab_size > m.vocab_size else \
-            "a tokenizer has at least 2 ids" if data.tokenizer is not None else \
-            "the tokenizer trained on the corpus has the 256 bytes and the end-of-text token"
+            "the tokenizer trained on the corpus has the 256 bytes and the end-of-text token" if trains_tokenizer \
+            else "a tokenizer has at least 2 ids"
         p.append(f"data.vocab_size={data.vocab_size}: {why}; valid: {low}..model.vocab_size={m.vocab_size}")
     if not 0.0 <= data.val_fraction < 1.0:
         p.append(f"data.val_fraction={data.val_fraction}: must be in [0, 1)")

@@ -178,7 +178,7 @@ def hf_dir_problems(path: str, model_cfg) -> list:
         return [str(err)]
     problems = []
     wrong = [k for k in ("n_layer", "n_embd", "n_head", "vocab_size", "n_positions")
-             if int(hf.get(k, -1)) != int(model_cfg[k])]
+             if hf.get(k) != int(model_cfg[k])]
     if wrong:
         problems.append(f"its config.json has {', '.join(f'{k}={hf.get(k)}' for k in wrong)}, the model "
                         f"{', '.join(f'{k}={model_cfg[k]}' for k in wrong)}; valid: the model settings that match "

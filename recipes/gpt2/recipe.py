@@ -37,7 +37,7 @@ class GPT2Recipe(Recipe):
     rows_weigh_equally = True  # next-token cross-entropy over every position of fixed-length rows: no ignored targets
 
     def check(self, cfg, layout) -> list:
-        return config.problems(cfg, layout)
+        return config.problems(cfg, layout, trains_tokenizer=self.tokenizer_path(cfg) is None)
 
     def n_layers(self, model_cfg) -> int:
         return int(model_cfg.n_layer)

@@ -129,7 +129,8 @@ def _dataset_classes(data) -> tuple:
 
 
 def _synthetic_problems(cfg) -> list:
-    """The generator's own checks (``SyntheticSpec.check``), and a global batch the generated images fill."""
+    """The generator's own checks (``SyntheticSpec.check``), and a global batch the generated images (and
+    their mirror images, with ``data.flip``) fill."""
     from .data.synthetic import SyntheticSpec
 
     spec = SyntheticSpec(identities=int(cfg.model.num_classes), image_size=int(cfg.data.image_size),
@@ -138,10 +139,13 @@ def _synthetic_problems(cfg) -> list:
         spec.check()
     except ValueError as err:
         return [f"data.synthetic: {str(err).removeprefix('synthetic data: ')}"]
-    images, batch = spec.identities * spec.images_per_identity, int(cfg.trainer.global_batch_size)
+    # With flips the sampler draws from each image and its mirror image.
+    images = spec.identities * spec.images_per_identity * (2 if cfg.data.flip else 1)
+    batch = int(cfg.trainer.global_batch_size)
     if batch > images:
         return [f"trainer.global_batch_size={batch}: more than the {images} synthetic images (model.num_classes "
-                f"x data.synthetic.images_per_identity); valid: at most {images}, or more images per identity"]
+                f"x data.synthetic.images_per_identity{', x 2 with flips' if cfg.data.flip else ''}); valid: at "
+                f"most {images}, or more images per identity"]
     return []
 
 

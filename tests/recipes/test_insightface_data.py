@@ -165,7 +165,7 @@ def test_bad_configs_fail_before_spawn(faces):
     assert "data.synthetic: blobs must be >= 1, got 0" in _problems("data.synthetic.blobs=0")
     assert "data.synthetic: same- and different-identity pairs need images_per_identity >= 2" in _problems(
         "data.synthetic.images_per_identity=1")
-    assert "trainer.global_batch_size=8192: more than the 3200 synthetic images" in _problems(
+    assert "trainer.global_batch_size=8192: more than the 6400 synthetic images" in _problems(
         "trainer.global_batch_size=8192")
     cfg = compose(["recipe=insightface", "data=rec", f"data.path={faces}", "model.num_classes=5"], run_dir="/tmp/r")
     assert validate(cfg, RECIPE).data_shards == 1

@@ -354,8 +354,9 @@ def test_resume_checks_the_runs_newest_checkpoint_before_spawning(tmp_path):
 
 
 def test_a_per_op_plan_entry_is_checked_against_the_models_parameters():
-    """``parallel.plan``: a pattern that matches nothing, or a split past a parameter's dimensions, is refused
-    before spawning (each failed on every rank as the model was laid out)."""
+    """``parallel.plan``: a pattern that matches no parameter (or, pinning activations, no module), or a split
+    past a parameter's dimensions, is refused before spawning (each failed on every rank as the model was
+    laid out); an activation pin is not a parameter's split."""
     def plan_problems(plan):
         cfg = cfg_of("parallel=tp2")
         cfg.parallel.plan = plan
@@ -365,8 +366,11 @@ def test_a_per_op_plan_entry_is_checked_against_the_models_parameters():
 
     assert "parallel.plan['*.mlp.c_fc.weight']='S(5)': transformer.h.0.mlp.c_fc.weight has 2 dimensions; " \
            "valid: B or S(0..1)" in plan_problems({"*.mlp.c_fc.weight": "S(5)"})
-    assert "parallel.plan['*.mlp.c_fc.wieght']: matches nothing in the model" in plan_problems(
+    assert "parallel.plan['*.mlp.c_fc.wieght']: matches no parameter or buffer of the model" in plan_problems(
         {"*.mlp.c_fc.wieght": "S(0)"})
+    assert "parallel.plan['transformer.h.0.mlp']: matches no parameter or buffer" in plan_problems(
+        {"transformer.h.0.mlp": "S(0)"})  # a module: its activations are pinned as '<module>:input'
+    assert "after ':' comes input, inputs or output" in plan_problems({"transformer.h.*:inptu": "B"})
     cfg = cfg_of("parallel=tp2")
-    cfg.parallel.plan = {"*.mlp.c_fc.weight": "S(0)"}
+    cfg.parallel.plan = {"*.mlp.c_fc.weight": "S(0)", "transformer.h.*:input": "S(1)"}
     assert validate(cfg).tp == 2

@@ -213,3 +213,15 @@ def test_a_resumed_run_follows_the_configs_schedule_and_settings():
     assert opt2.param_groups[0]["lr"] == pytest.approx(lr_at(31, 5e-4, 1e-4, 10, 200))
     opt3, sched3, built = resumed(TRAINER)  # the same config: nothing changes
     assert follow_config(opt3, sched3, built) == [] and opt3.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+
+
+def test_a_resume_keeps_the_checkpoints_state_format_and_kernel_flags():
+    """``settings`` takes the config's hyper-parameters alone: not LazyAdamW's ``dense_state`` (the loaded
+    state has the saved run's form) nor ``fused`` (torch placed the loaded step tensors for the saved one)."""
+    from toolkit.lazy_adam import LazyAdamW
+    from toolkit.optim import HYPER_PARAMETERS, settings
+
+    opt = LazyAdamW([torch.nn.Parameter(torch.zeros(2, 2))], lr=1e-3, dense_state=True)
+    (got,) = settings(opt)
+    assert "dense_state" not in got and set(got) <= set(HYPER_PARAMETERS) and got["eps"] == 1e-8
+    assert "fused" not in settings(build_optimizer(torch.nn.Linear(2, 2), TRAINER))[0]

@@ -133,8 +133,8 @@ def _model_problems(field: str, what: str, path: str, cfg, recipe, valid: str) -
     try:
         with torch.random.fork_rng(devices=[]), torch.device("meta"):
             model = recipe.build_model(cfg.model)
-    except (RuntimeError, NotImplementedError):  # a model that cannot be built on meta is checked as it loads
-        return []
+    except (ValueError, TypeError, KeyError, RuntimeError, NotImplementedError):
+        return []  # a model config that does not build is reported by its own checks, or as it loads
     here = model.state_dict()
     try:
         saved = ckpt.tensor_shapes(path, "model", here, tied=recipe.tied)
@@ -209,30 +209,33 @@ def _check_stages(problems: list, par, n_layer: int) -> tuple:
 
 
 def _plan_problems(plan: dict, cfg, recipe) -> list:
-    """``parallel.plan``'s patterns against the model's names (a meta build): each must match a parameter,
-    buffer or module (``toolkit.mesh.plan_for_module`` refuses one that matches nothing, on every rank), and
-    a split ``S(d)`` needs ``d`` below the rank of every parameter it matches."""
+    """``parallel.plan``'s patterns against the model (a meta build), as ``sbp_core.distribute_module``
+    checks them on every rank: a pattern names parameters or buffers, ``<module>:input``/``inputs``/
+    ``output`` a module's activations; and a split ``S(d)`` of parameters needs ``d`` below the rank of
+    every one it matches."""
     import fnmatch
 
     import torch
-
-    from toolkit.mesh import model_names
 
     try:
         with torch.random.fork_rng(devices=[]), torch.device("meta"):
             model = recipe.build_model(cfg.model)
     except (ValueError, TypeError, KeyError, RuntimeError, NotImplementedError):
         return []  # a model config that does not build is reported by its own checks, or as it builds
-    names = model_names(model)
     params = dict(model.named_parameters(remove_duplicate=False))
+    tensors = list(params) + [n for n, _ in model.named_buffers()]
+    modules = [n for n, _ in model.named_modules()]
     out = []
     for pattern, text in plan.items():
-        target = str(pattern).partition(":")[0]
-        if not any(fnmatch.fnmatchcase(n, target) for n in names):
-            out.append(f"parallel.plan[{pattern!r}]: matches nothing in the model; some parameter names: "
-                       f"{sorted(params)[:4]}")
+        target, _, pin = str(pattern).partition(":")
+        if pin not in ("", "input", "inputs", "output"):
+            out.append(f"parallel.plan[{pattern!r}]: after ':' comes input, inputs or output")
             continue
-        dim = re.fullmatch(r"S\((\d+)\)", str(text).strip())
+        if not any(fnmatch.fnmatchcase(n, target) for n in (modules if pin else tensors)):
+            kind, some = ("module", modules[1:5]) if pin else ("parameter or buffer", sorted(params)[:4])
+            out.append(f"parallel.plan[{pattern!r}]: matches no {kind} of the model; some names: {some}")
+            continue
+        dim = None if pin else re.fullmatch(r"S\((\d+)\)", str(text).strip())
         small = [n for n, t in params.items() if fnmatch.fnmatchcase(n, target) and dim and int(dim[1]) >= t.dim()]
         if small:
             out.append(f"parallel.plan[{pattern!r}]={text!r}: {small[0]} has {params[small[0]].dim()} dimensions; "
