@@ -6,7 +6,7 @@ AdamW state keyed by parameter name, the LR schedule, the sampler position
 (the step: batches are a function of ``(seed, step)``), per-rank RNG states
 (CPU and, on CUDA, this rank's device), fp16's loss scale and the step. Checkpoints live in ``<run_dir>/checkpoints/step_<N>``;
 ``trainer.resume=auto`` continues from the newest complete one, in any
-layout, under the config's optimizer settings and schedule (a changed
+layout, under the config's optimizer hyper-parameters and schedule (a changed
 ``trainer.lr`` or ``max_steps`` applies from the step resumed:
 ``toolkit.optim.follow_config``). ``trainer.init_from`` starts from weights only: one of our
 checkpoints (here), or a format the recipe reads into the full model before
