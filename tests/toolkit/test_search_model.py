@@ -7,7 +7,7 @@ import pytest
 
 from toolkit.search.strategy import Strategy
 
-TINY = ["model=gpt2-tiny", "model.n_layer=5", "model.n_embd=32", "model.n_head=2", "model.vocab_size=256",
+TINY = ["model=gpt2-tiny", "model.n_layer=5", "model.n_embd=32", "model.n_head=2", "model.vocab_size=512",
         "model.n_positions=16", "trainer.global_batch_size=4", "trainer.micro_batch_size=2", "trainer.eval_every=0"]
 
 
