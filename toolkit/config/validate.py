@@ -123,18 +123,26 @@ def _resume_problems(cfg, recipe) -> list:
                            "or another run directory (hydra.run.dir)")
 
 
-def _model_problems(field: str, what: str, path: str, cfg, recipe, valid: str) -> list:
-    """Checkpoint ``path``'s model tensors against the model's (a meta build) from its metadata alone: a
-    corrupt checkpoint, or one saved with other model settings, would fail on every rank after spawning."""
+def _meta_model(cfg, recipe):
+    """``cfg.model`` built on the meta device (no memory, the RNG untouched), or ``None`` for a model config
+    that does not build: its own checks report that, or it fails as it builds."""
     import torch
-
-    from toolkit import checkpoint as ckpt
 
     try:
         with torch.random.fork_rng(devices=[]), torch.device("meta"):
-            model = recipe.build_model(cfg.model)
+            return recipe.build_model(cfg.model)
     except (ValueError, TypeError, KeyError, RuntimeError, NotImplementedError):
-        return []  # a model config that does not build is reported by its own checks, or as it loads
+        return None
+
+
+def _model_problems(field: str, what: str, path: str, cfg, recipe, valid: str) -> list:
+    """Checkpoint ``path``'s model tensors against the model's (a meta build) from its metadata alone: a
+    corrupt checkpoint, or one saved with other model settings, would fail on every rank after spawning."""
+    from toolkit import checkpoint as ckpt
+
+    model = _meta_model(cfg, recipe)
+    if model is None:
+        return []
     here = model.state_dict()
     try:
         saved = ckpt.tensor_shapes(path, "model", here, tied=recipe.tied)
@@ -215,13 +223,9 @@ def _plan_problems(plan: dict, cfg, recipe) -> list:
     every one it matches."""
     import fnmatch
 
-    import torch
-
-    try:
-        with torch.random.fork_rng(devices=[]), torch.device("meta"):
-            model = recipe.build_model(cfg.model)
-    except (ValueError, TypeError, KeyError, RuntimeError, NotImplementedError):
-        return []  # a model config that does not build is reported by its own checks, or as it builds
+    model = _meta_model(cfg, recipe)
+    if model is None:
+        return []
     params = dict(model.named_parameters(remove_duplicate=False))
     tensors = list(params) + [n for n, _ in model.named_buffers()]
     modules = [n for n, _ in model.named_modules()]
