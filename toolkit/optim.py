@@ -117,8 +117,8 @@ def build_scheduler(optimizer: torch.optim.Optimizer, trainer: Any, last_step: i
     return LambdaLR(optimizer, multiplier, last_epoch=last_step)
 
 
-# The hyper-parameters a config sets. Not the kernel flags (``fused``: the loaded state's step tensors are
-# placed for the saved one) nor a state format (LazyAdamW's ``dense_state``: the loaded state has its form).
+# The hyper-parameters a config sets. Not the kernel flags (``fused``: ``load_optimizer_state_dict`` keeps the
+# current optimizer's) nor a state format (LazyAdamW's ``dense_state``: the loaded state has its form).
 HYPER_PARAMETERS = ("initial_lr", "weight_decay", "betas", "eps", "momentum", "dampening", "nesterov")
 
 

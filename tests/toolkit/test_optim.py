@@ -1,6 +1,7 @@
 """AdamW parameter groups and the warmup + cosine schedule."""
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -215,9 +216,9 @@ def test_a_resumed_run_follows_the_configs_schedule_and_settings():
     assert follow_config(opt3, sched3, built) == [] and opt3.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
 
 
-def test_a_resume_keeps_the_checkpoints_state_format_and_kernel_flags():
+def test_settings_are_the_configs_hyper_parameters_alone():
     """``settings`` takes the config's hyper-parameters alone: not LazyAdamW's ``dense_state`` (the loaded
-    state has the saved run's form) nor ``fused`` (torch placed the loaded step tensors for the saved one)."""
+    state has the saved run's form) nor ``fused`` (``load_optimizer_state_dict`` keeps the current one's)."""
     from toolkit.lazy_adam import LazyAdamW
     from toolkit.optim import HYPER_PARAMETERS, settings
 
@@ -225,3 +226,39 @@ def test_a_resume_keeps_the_checkpoints_state_format_and_kernel_flags():
     (got,) = settings(opt)
     assert "dense_state" not in got and set(got) <= set(HYPER_PARAMETERS) and got["eps"] == 1e-8
     assert "fused" not in settings(build_optimizer(torch.nn.Linear(2, 2), TRAINER))[0]
+
+
+@pytest.mark.parametrize("saved_kernel, resumed_kernel", [("foreach", "fused"), ("fused", "foreach")])
+def test_a_resume_keeps_this_runs_kernel_flags(saved_kernel, resumed_kernel):
+    """A checkpoint of a non-fused optimizer (CPU) resumes fused (CUDA), and the reverse: the kernel flags
+    are the resumed optimizer's, its ``step`` counters placed for its kernel, and its next step is the
+    saved run's next step."""
+    from toolkit.checkpoint import load_optimizer_state_dict, optimizer_state_dict
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    x = torch.randn(8, 4)
+
+    def adamw(m, kernel):
+        return torch.optim.AdamW(m.parameters(), lr=1e-2, **{kernel: True})
+
+    def step(m, opt):
+        opt.zero_grad()
+        m(x).square().mean().backward()
+        opt.step()
+
+    saved_opt = adamw(model, saved_kernel)
+    for _ in range(3):
+        step(model, saved_opt)
+    saved = copy.deepcopy(optimizer_state_dict(saved_opt, model))  # as read from disk: not the optimizer's own
+    resumed = torch.nn.Linear(4, 3)
+    resumed.load_state_dict(model.state_dict())
+    opt = adamw(resumed, resumed_kernel)
+    load_optimizer_state_dict(opt, resumed, saved)
+    group = opt.param_groups[0]
+    assert group.get(resumed_kernel) is True and not group.get(saved_kernel)
+    assert opt.state[resumed.weight]["step"].item() == 3
+    step(model, saved_opt)
+    step(resumed, opt)
+    for a, b in zip(resumed.parameters(), model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -5,9 +5,12 @@ in its groups; a pipeline stage, or a run with another parameter order,
 numbers them differently. :func:`optimizer_state_dict` keys the per-parameter
 state by name (global tensors stay global: AdamW's ``exp_avg`` of a
 ``(B, S(1))`` weight is a ``(B, S(1))`` global tensor) and keeps each group's
-hyper-parameters (``lr``, ``betas``, a scheduler's ``initial_lr``...)
-without its member lists (``params``, and ``names``/``param_names`` if the
-groups carry them: loading keeps the current optimizer's)::
+hyper-parameters (``lr``, ``betas``, a scheduler's ``initial_lr``...).
+Loading keeps the current optimizer's member lists (``params``, and
+``names``/``param_names`` if the groups carry them) and its kernel flags
+(``fused``, ``foreach``, ``capturable``: a checkpoint saved on CPU, where the
+optimizer is not fused, resumes fused on CUDA, its ``step`` counters placed
+for that kernel)::
 
     {"state": {"transformer.h.0.attn.c_attn.weight": {"step": t, "exp_avg": g, "exp_avg_sq": g}, ...},
      "param_groups": [{"lr": 6e-4, "betas": (0.9, 0.95), ...}, ...]}
@@ -30,6 +33,10 @@ from .errors import CheckpointError
 # Group keys that list the group's members: kept from the current optimizer, never saved
 # (a pipeline stage's groups hold other members than the checkpoint's).
 _MEMBER_KEYS = ("params", "names", "param_names")
+# Group keys that choose the kernel for this run's devices, not the arithmetic: kept from the current
+# optimizer. They are in place before torch loads the state, which places ``step`` for them (on the
+# parameter's device for ``fused``/``capturable``, a CPU scalar otherwise).
+_KERNEL_KEYS = ("fused", "foreach", "capturable")
 
 
 class StateLike:
@@ -95,6 +102,6 @@ def load_optimizer_state_dict(optimizer, named_params, saved: dict) -> None:
                 torch_sd["state"][index] = s
             ids.append(index)
             index += 1
-        members = {k: group[k] for k in _MEMBER_KEYS if k in group and k != "params"}
-        torch_sd["param_groups"].append({**hyper, **members, "params": ids})
+        kept = {k: group[k] for k in _MEMBER_KEYS + _KERNEL_KEYS if k in group and k != "params"}
+        torch_sd["param_groups"].append({**hyper, **kept, "params": ids})
     optimizer.load_state_dict(torch_sd)
