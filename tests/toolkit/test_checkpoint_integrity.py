@@ -122,6 +122,38 @@ def test_same_step_saved_again_replaces_it(tmp_path):
     assert ckpt.load(str(tmp_path), {"sampler": None})["sampler"]["index"] == -1
 
 
+@pytest.mark.parametrize("keep_last", [None, 1])
+def test_a_crash_while_a_step_is_saved_again_leaves_it_complete(tmp_path, monkeypatch, keep_last):
+    """Saving a step that exists moves the old directory aside, then renames the new one into place; a
+    crash between the two renames leaves no ``step_5``, and the finished ``step_5.tmp`` is the newest
+    complete checkpoint (with ``keep_last=1`` the only one): ``latest`` finds it, and the next save puts
+    it in place."""
+    from toolkit.checkpoint import directory
+
+    root = str(tmp_path)
+    ckpt.save(root, 4, _state(4), keep_last=keep_last)
+    ckpt.save(root, 5, _state(5), keep_last=keep_last)
+    again = _state(5)
+    again["sampler"]["index"] = -1
+    rename = os.rename
+
+    def crash_at_the_second_rename(src, dst):
+        if src.endswith("step_5.tmp"):
+            raise KeyboardInterrupt("killed")
+        rename(src, dst)
+
+    monkeypatch.setattr(directory.os, "rename", crash_at_the_second_rename)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.save(root, 5, again, keep_last=keep_last)
+    monkeypatch.setattr(directory.os, "rename", rename)
+    assert not os.path.exists(os.path.join(root, "step_5"))
+    assert ckpt.latest(root) == os.path.join(root, "step_5.tmp")
+    assert ckpt.load(root, {"sampler": None})["sampler"]["index"] == -1
+    ckpt.save(root, 6, _state(6), keep_last=None)
+    assert sorted(os.listdir(root)) == ["latest"] + ["step_4"] * (keep_last is None) + ["step_5", "step_6"]
+    assert ckpt.load(os.path.join(root, "step_5"), {"sampler": None})["sampler"]["index"] == -1
+
+
 def _data_file(path):
     return os.path.join(path, "__0_0.distcp")
 

@@ -3,16 +3,19 @@
 ::
 
     <root>/step_100/            complete: manifest.json written last, then renamed from .tmp
-    <root>/step_200.tmp/        being written (or left by a crash: never read, removed by the next save)
+    <root>/step_200.tmp/        being written, or left by a crash (see below)
     <root>/latest               "step_100": replaced atomically after the rename
 
-A checkpoint becomes visible only by the rename of its finished directory
-and then the ``os.replace`` of ``latest``, so a crash at any point leaves
-the previous checkpoint complete and ``latest`` naming it (or, if the crash
-fell between the two renames, naming the previous one while the new one is
-complete too). ``latest()`` trusts the pointer only when it names a
-directory with a manifest; otherwise it takes the most recently completed
-one.
+A checkpoint is complete once its ``manifest.json`` exists: rank 0 writes it
+last, after every rank's files are on disk. It becomes visible by the rename
+of its finished directory and then the ``os.replace`` of ``latest``, so a
+crash at any point leaves the previous checkpoint complete and ``latest``
+naming it, or the new one complete too. ``latest()`` trusts the pointer
+only when it names a directory with a manifest; otherwise it takes the most
+recently completed one, counting a ``step_<N>.tmp`` that holds a manifest
+while ``step_<N>`` does not (a finished save whose rename was cut short: the
+same step saved again moves the old ``step_<N>`` aside first). The next
+save renames such a directory into place and removes every other ``.tmp``.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ from .errors import CheckpointError
 
 LATEST = "latest"
 _STEP = re.compile(r"^step_(\d+)$")
+_FINISHED = re.compile(r"^(step_\d+)\.tmp$")  # a save's directory before its rename
 
 
 def step_name(step: int) -> str:
@@ -39,16 +43,29 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def _has_manifest(root: str, name: str) -> bool:
+    return os.path.isfile(os.path.join(root, name, manifest.NAME))
+
+
+def _unrenamed(root: str, names) -> dict:
+    """``{step_<N>.tmp: step_<N>}`` for finished saves whose rename was cut short."""
+    out = {}
+    for name in names:
+        m = _FINISHED.match(name)
+        if m and _has_manifest(root, name) and not _has_manifest(root, m.group(1)):
+            out[name] = m.group(1)
+    return out
+
+
 def complete_dirs(root: str) -> list:
-    """Names of complete checkpoints under ``root``, oldest completion first."""
+    """Names of complete checkpoints under ``root``, oldest completion first (a finished save not yet
+    renamed by its ``.tmp`` name)."""
     if not os.path.isdir(root):
         return []
-    found = []
-    for name in os.listdir(root):
-        mpath = os.path.join(root, name, manifest.NAME)
-        if _STEP.match(name) and os.path.isfile(mpath):
-            found.append((os.path.getmtime(mpath), int(_STEP.match(name).group(1)), name))
-    return [name for *_, name in sorted(found)]
+    names = os.listdir(root)
+    found = [n for n in names if _STEP.match(n) and _has_manifest(root, n)] + list(_unrenamed(root, names))
+    return sorted(found, key=lambda n: (os.path.getmtime(os.path.join(root, n, manifest.NAME)),
+                                        int(re.search(r"\d+", n).group()), n))
 
 
 def latest(root: str) -> str | None:
@@ -59,7 +76,7 @@ def latest(root: str) -> str | None:
             name = f.read().strip()
     except OSError:
         name = ""
-    if _STEP.match(name) and os.path.isfile(os.path.join(root, name, manifest.NAME)):
+    if _STEP.match(name) and _has_manifest(root, name):
         return os.path.join(root, name)
     done = complete_dirs(root)
     return os.path.join(root, done[-1]) if done else None
@@ -78,14 +95,19 @@ def resolve(path: str) -> str:
 
 
 def remove_stale(root: str) -> None:
-    """Remove what interrupted work left: ``*.tmp`` directories (saves that never finished) and
+    """Finish what interrupted work left: rename a finished save's ``step_<N>.tmp`` into place, then remove
+    every other ``*.tmp`` directory (saves that never finished, a replaced checkpoint moved aside) and
     ``step_<N>`` directories without a manifest (a removal by ``prune`` that never finished)."""
+    for tmp, name in _unrenamed(root, os.listdir(root)).items():
+        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        os.rename(os.path.join(root, tmp), os.path.join(root, name))
     for name in os.listdir(root):
         path = os.path.join(root, name)
         if not os.path.isdir(path):
             continue
-        if name.endswith(".tmp") or (_STEP.match(name) and not os.path.isfile(os.path.join(path, manifest.NAME))):
+        if name.endswith(".tmp") or (_STEP.match(name) and not _has_manifest(root, name)):
             shutil.rmtree(path, ignore_errors=True)
+    _fsync_dir(root)
 
 
 def publish(root: str, tmp: str, name: str) -> str:
@@ -93,7 +115,7 @@ def publish(root: str, tmp: str, name: str) -> str:
     final = os.path.join(root, name)
     _fsync_dir(tmp)
     if os.path.exists(final):  # the same step saved again (e.g. after a resume): replace it
-        old = final + ".replaced.tmp"
+        old = final + ".replaced.tmp"  # until the next rename, ``tmp`` (finished) is the complete one
         shutil.rmtree(old, ignore_errors=True)
         os.rename(final, old)
         os.rename(tmp, final)
