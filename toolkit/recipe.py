@@ -244,6 +244,13 @@ class Recipe(ABC):
         """JSON-able facts saved with every checkpoint (e.g. what an exporter needs)."""
         return {}
 
+    def resume_facts(self, cfg) -> dict:
+        """``{config field: value}`` the saved state means something only under, beyond its tensors' names
+        and shapes (checked apart): saved with every checkpoint, and ``trainer.resume=auto`` with other
+        values is refused before spawning. E.g. Wide&Deep's hash seed, which decides the table row of each
+        id: the same shapes, other meanings."""
+        return {}
+
     def on_start(self, job) -> None:
         """Rank 0, once the job is built: write run artifacts (e.g. the tokenizer)."""
 

@@ -4,11 +4,14 @@ Saved (``toolkit.checkpoint``, sharded, every rank its own boxes): this
 rank's stage's parameters (global tensors: any layout reads them back),
 AdamW state keyed by parameter name, the LR schedule, the sampler position
 (the step: batches are a function of ``(seed, step)``), per-rank RNG states
-(CPU and, on CUDA, this rank's device), fp16's loss scale and the step. Checkpoints live in ``<run_dir>/checkpoints/step_<N>``;
+(CPU and, on CUDA, this rank's device), fp16's loss scale, the step and the
+recipe's ``resume_facts`` (a resume under others is refused before
+spawning). Checkpoints live in ``<run_dir>/checkpoints/step_<N>``;
 ``trainer.resume=auto`` continues from the newest complete one, in any
-layout, under the config's optimizer hyper-parameters and schedule (a changed
-``trainer.lr`` or ``max_steps`` applies from the step resumed:
-``toolkit.optim.follow_config``). ``trainer.init_from`` starts from weights only: one of our
+layout, under the config's optimizer hyper-parameters and schedule (a
+changed ``trainer.lr`` or ``max_steps`` applies from the step resumed:
+``toolkit.optim.follow_config``; rank 0 reports the changes) and data seed
+(a change warns before spawning). ``trainer.init_from`` starts from weights only: one of our
 checkpoints (here), or a format the recipe reads into the full model before
 it is split and laid out (``Recipe.init_weights``, e.g. a Hugging Face GPT-2
 directory).
@@ -37,6 +40,7 @@ def _state(job, step: int) -> dict:
         "step": step,
         "rng": ckpt.rng_state(),
         "extra": job.recipe.extra_state(job.cfg),
+        "facts": job.recipe.resume_facts(job.cfg),
         "loss_scale": job.pipe.loss_scale.state_dict() if job.pipe.loss_scale is not None else None,
     }
 
@@ -63,7 +67,7 @@ def resume(job) -> int:
                   "a run, give its directory: hydra.run.dir=<run dir>)", flush=True)
         return 0
     template = {**_state(job, 0), "scheduler": None, "sampler": None, "step": None, "rng": None, "extra": None,
-                "loss_scale": None}
+                "facts": None, "loss_scale": None}
     out = ckpt.load(path, template, tied=job.recipe.tied)
     built = settings(job.optimizer)
     ckpt.load_optimizer_state_dict(job.optimizer, job.module, out["optim"])

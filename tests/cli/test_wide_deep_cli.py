@@ -60,8 +60,13 @@ def test_metrics_and_auc_rows(run):
 
 
 def test_resume_in_another_layout(run, sbp_cache, tmp_path):
-    """The step-2 checkpoint of the dp2 run, continued under dp2_tp2, gives its steps 3-4 and final AUC."""
+    """The step-2 checkpoint of the dp2 run, continued under dp2_tp2, gives its steps 3-4 and final AUC; it
+    holds the facts a resume is checked against (how ids hash to rows)."""
+    from toolkit import checkpoint as ckpt
+
     run_dir, _ = run
+    assert ckpt.plain_value(os.path.join(run_dir, "checkpoints", "step_2"), "facts") == {
+        "model.hash_seed": 0, "model.field_vocab_sizes": None}
     shutil.copytree(os.path.join(run_dir, "checkpoints", "step_2"), tmp_path / "checkpoints" / "step_2")
     (tmp_path / "checkpoints" / "latest").write_text("step_2")
     losses = train_pooled([*TINY, "parallel=dp2_tp2", "trainer.resume=auto"], tmp_path, sbp_cache)

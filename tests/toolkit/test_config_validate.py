@@ -353,6 +353,39 @@ def test_resume_checks_the_runs_newest_checkpoint_before_spawning(tmp_path):
     assert "trainer.resume=auto: " in info.value.problems[0] and "not a valid manifest" in info.value.problems[0]
 
 
+def test_resume_refuses_other_facts_than_the_checkpoints(tmp_path):
+    """A recipe's ``resume_facts`` (Wide&Deep: how ids hash to rows) are saved with each checkpoint; resuming
+    under others is refused before spawning, though every tensor has its shape. A checkpoint without facts
+    (saved before they were) is not checked. Another data seed warns."""
+    from recipes.registry import get
+    from toolkit import checkpoint as ckpt
+
+    wide_deep = get("wide_deep")
+    run = tmp_path / "run"
+    small = ["recipe=wide_deep", "model.vocab_size=1000", "model.embed_dim=4", "model.hidden=[8]"]
+
+    def resumed(*overrides):
+        return compose([*small, *overrides, "trainer.resume=auto"], run_dir=str(run))
+
+    cfg = resumed()
+    model = wide_deep.build_model(cfg.model).to_empty(device="cpu").state_dict()  # its tables are built on meta
+    ckpt.save(str(run / "checkpoints"), 2, {"model": model, "facts": wide_deep.resume_facts(cfg)})
+    assert validate_for(resumed(), wide_deep).world_size == 1
+    for override, fact in (("model.hash_seed=7", "model.hash_seed=7, but"),
+                           ("model.field_vocab_sizes=" + str([1000 - 25] + [1] * 25).replace(" ", ""),
+                            "model.field_vocab_sizes=[975, 1, 1")):
+        with pytest.raises(ConfigError) as info:
+            validate_for(resumed(override), wide_deep)
+        (text,) = info.value.problems
+        assert text.startswith(f"trainer.resume=auto: {fact}") and f"({run}/checkpoints/step_2) was saved " in text
+        assert "or another run directory" in text
+    ckpt.save(str(run / "checkpoints"), 3, {"model": model, "sampler": {"step": 3, "seed": cfg.trainer.seed}})
+    assert validate_for(resumed("model.hash_seed=7"), wide_deep).world_size == 1
+    with pytest.warns(ConfigWarning, match=r"trainer.seed=5, the run's newest checkpoint .* was saved with 1234: the "
+                                           "batches from its step on follow the config's seed"):
+        validate_for(resumed("trainer.seed=5"), wide_deep)
+
+
 def test_a_per_op_plan_entry_is_checked_against_the_models_parameters():
     """``parallel.plan``: a pattern that matches no parameter (or, pinning activations, no module), or a split
     past a parameter's dimensions, is refused before spawning (each failed on every rank as the model was

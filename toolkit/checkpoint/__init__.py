@@ -46,10 +46,10 @@ finds the saved shapes of named tensors without reading them.
 """
 from .directory import latest
 from .errors import CheckpointError
-from .load import load, tensor_shapes, verify
+from .load import load, plain_value, tensor_shapes, verify
 from .optimizer import StateLike, load_optimizer_state_dict, optimizer_state_dict
 from .rng import rng_state, set_rng_state
 from .save import save
 
-__all__ = ["save", "load", "latest", "verify", "tensor_shapes", "CheckpointError", "optimizer_state_dict", "load_optimizer_state_dict",
+__all__ = ["save", "load", "latest", "verify", "tensor_shapes", "plain_value", "CheckpointError", "optimizer_state_dict", "load_optimizer_state_dict",
            "StateLike", "rng_state", "set_rng_state"]

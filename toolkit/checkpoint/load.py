@@ -239,3 +239,13 @@ def tensor_shapes(path: str, key: str, names, tied=()) -> dict:
     filler = _Filler(_Checkpoint(path), tied)
     found = {n: filler.resolve(tree.join([tree.key_token(key), tree.key_token(n)])) for n in names}
     return {n: None if t is None else tuple(filler.md[t].size) for n, t in found.items()}
+
+
+def plain_value(path: str, key: str):
+    """What ``load(path, {key: None})`` gives for a ``key`` saved as plain data (``None`` when the
+    checkpoint has none), from the verified ``state.json`` alone: one process, no tensor read."""
+    ckpt = _Checkpoint(path)
+    value = ckpt.tree.get(key) if isinstance(ckpt.tree, dict) else None
+    if tree.holds_tensor(value):
+        raise CheckpointError(f"{ckpt.path}: {key!r} holds tensors, not plain data")
+    return value

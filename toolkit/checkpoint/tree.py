@@ -152,7 +152,8 @@ def merge(a, b):
 
 
 def holds_tensor(obj) -> bool:
-    if is_tensor(obj):
+    """Whether ``obj`` holds a tensor (in a state) or a saved tensor's place (in a decoded tree)."""
+    if is_tensor(obj) or isinstance(obj, Saved):
         return True
     if isinstance(obj, dict):
         return any(holds_tensor(v) for v in obj.values())

@@ -30,7 +30,9 @@ value range and cross-field rule, collecting *all* problems into one
 - Every choice-valued string is one of its choices (schema tuples).
 - The checkpoint ``trainer.init_from`` names, and with ``trainer.resume=auto``
   the run directory's newest one: readable, and holding every model tensor
-  in the model's shape (from the metadata alone).
+  in the model's shape (from the metadata alone); a resumed one saved with
+  the recipe's ``resume_facts`` of this config (a changed ``trainer.seed``
+  warns).
 - Then the recipe's own rules (``Recipe.check``: divisibility by tp,
   sequence length, class counts, ...).
 
@@ -107,7 +109,8 @@ def _init_from_problems(given: str, path: str, cfg, recipe) -> list:
 
 def _resume_problems(cfg, recipe) -> list:
     """``trainer.resume=auto``: the run's newest complete checkpoint (if any) against the model, as
-    ``trainer.init_from``'s; a run directory that Hydra has not resolved here is checked as it loads."""
+    ``trainer.init_from``'s, and against the recipe's ``resume_facts``; a changed ``trainer.seed`` warns. A
+    run directory that Hydra has not resolved here is checked as it loads."""
     from toolkit import checkpoint as ckpt
     from toolkit.run_state import checkpoint_root
 
@@ -118,9 +121,24 @@ def _resume_problems(cfg, recipe) -> list:
     path = ckpt.latest(root)
     if path is None:
         return []
-    return _model_problems("trainer.resume=auto", f"the model of the run's newest checkpoint ({path})", path, cfg,
-                           recipe, "the model settings of the run it continues (config.yaml in its run directory), "
-                           "or another run directory (hydra.run.dir)")
+    valid = "the settings of the run it continues (config.yaml in its run directory), or another run directory " \
+            "(hydra.run.dir)"
+    problems = _model_problems("trainer.resume=auto", f"the model of the run's newest checkpoint ({path})", path,
+                               cfg, recipe, valid)
+    if problems:
+        return problems
+    try:
+        saved = ckpt.plain_value(path, "facts") or {}  # a checkpoint from before facts were saved has none
+        seed = (ckpt.plain_value(path, "sampler") or {}).get("seed")
+    except ckpt.CheckpointError as err:
+        return [f"trainer.resume=auto: {err}"]
+    if seed is not None and seed != cfg.trainer.seed:
+        warnings.warn(f"trainer.resume=auto: trainer.seed={cfg.trainer.seed}, the run's newest checkpoint ({path}) "
+                      f"was saved with {seed}: the batches from its step on follow the config's seed, its random "
+                      "states are the checkpoint's", ConfigWarning, stacklevel=4)
+    return [f"trainer.resume=auto: {key}={now!r}, but the run's newest checkpoint ({path}) was saved with "
+            f"{key}={saved[key]!r}, which its state means something only under; valid: {valid}"
+            for key, now in recipe.resume_facts(cfg).items() if key in saved and saved[key] != now]
 
 
 def _meta_model(cfg, recipe):
