@@ -40,7 +40,7 @@ def _state(job, step: int) -> dict:
         "step": step,
         "rng": ckpt.rng_state(),
         "extra": job.recipe.extra_state(job.cfg),
-        "facts": job.recipe.resume_facts(job.cfg),
+        "facts": resume_facts(job.recipe, job.cfg),
         "loss_scale": job.pipe.loss_scale.state_dict() if job.pipe.loss_scale is not None else None,
     }
 
@@ -76,6 +76,9 @@ def resume(job) -> int:
     if changed and job.rank == 0:
         print("resume: the config's optimizer settings apply, not the checkpoint's: "
               + ", ".join(f"{k} {a!r} -> {b!r}" for k, a, b in changed), flush=True)
+    wrong = facts_problems(out.get("facts"), resume_facts(job.recipe, job.cfg), path)
+    if wrong:  # validate refused these before spawning, unless this job was laid out without resuming
+        raise ckpt.CheckpointError("; ".join(wrong))
     ckpt.set_rng_state(out["rng"])
     ranks = job.placements[job.stage].ranks
     if rng.agree_within(ranks) and job.rank == min(ranks):
@@ -88,6 +91,33 @@ def resume(job) -> int:
     if job.rank == 0:
         print(f"resumed from step {step} ({path})", flush=True)
     return step
+
+
+def resume_facts(recipe, cfg) -> dict:
+    """``recipe.resume_facts(cfg)`` as plain data (config nodes as lists and dicts), the form it is saved in;
+    ``TypeError`` naming the value that a checkpoint cannot hold."""
+    import json
+
+    from omegaconf import OmegaConf
+
+    facts = {k: OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v
+             for k, v in recipe.resume_facts(cfg).items()}
+    try:
+        json.dumps(facts)
+    except (TypeError, ValueError) as err:
+        raise TypeError(f"recipe {recipe.name}'s resume_facts must be JSON data (numbers, strings, None, lists, "
+                        f"dicts): {err}") from None
+    return facts
+
+
+def facts_problems(saved, now: dict, path: str) -> list:
+    """Each of ``now``'s facts that checkpoint ``path`` was saved with another value of (``saved``: its
+    ``facts``, ``None`` for a checkpoint saved before facts were: nothing to compare)."""
+    saved = saved or {}
+    return [f"trainer.resume=auto: {key}={value!r} here, the run's newest checkpoint ({path}) was saved with "
+            f"{key}={saved[key]!r}, and what it holds means something only under that value; valid: "
+            f"{key}={saved[key]!r}, or another run directory (hydra.run.dir)"
+            for key, value in now.items() if key in saved and saved[key] != value]
 
 
 def latest_on_every_rank(root: str) -> str | None:

@@ -154,6 +154,31 @@ def test_a_crash_while_a_step_is_saved_again_leaves_it_complete(tmp_path, monkey
     assert ckpt.load(os.path.join(root, "step_5"), {"sampler": None})["sampler"]["index"] == -1
 
 
+def test_a_finished_save_the_pointer_never_reached_is_not_resumed_nor_kept(tmp_path, monkeypatch):
+    """A save of a new step that crashed after its manifest, before its rename: ``latest`` still names the
+    previous step, so a resume continues from there, and the next save removes the abandoned run's
+    ``step_<N>.tmp`` rather than putting it in place (a later ``init_from`` of ``step_<N>`` would take it)."""
+    from toolkit.checkpoint import directory
+
+    root = str(tmp_path)
+    ckpt.save(root, 4, _state(4))
+    rename = os.rename
+
+    def crash_at_the_rename(src, dst):
+        if src.endswith("step_8.tmp"):
+            raise KeyboardInterrupt("killed")
+        rename(src, dst)
+
+    monkeypatch.setattr(directory.os, "rename", crash_at_the_rename)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.save(root, 8, _state(8))
+    monkeypatch.setattr(directory.os, "rename", rename)
+    assert os.path.isfile(os.path.join(root, "step_8.tmp", "manifest.json"))
+    assert ckpt.latest(root) == os.path.join(root, "step_4")
+    ckpt.save(root, 6, _state(6))
+    assert sorted(os.listdir(root)) == ["latest", "step_4", "step_6"]
+
+
 def _data_file(path):
     return os.path.join(path, "__0_0.distcp")
 

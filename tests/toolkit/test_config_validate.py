@@ -371,19 +371,45 @@ def test_resume_refuses_other_facts_than_the_checkpoints(tmp_path):
     model = wide_deep.build_model(cfg.model).to_empty(device="cpu").state_dict()  # its tables are built on meta
     ckpt.save(str(run / "checkpoints"), 2, {"model": model, "facts": wide_deep.resume_facts(cfg)})
     assert validate_for(resumed(), wide_deep).world_size == 1
-    for override, fact in (("model.hash_seed=7", "model.hash_seed=7, but"),
-                           ("model.field_vocab_sizes=" + str([1000 - 25] + [1] * 25).replace(" ", ""),
-                            "model.field_vocab_sizes=[975, 1, 1")):
+    for override, fact, saved in (("model.hash_seed=7", "model.hash_seed=7", "model.hash_seed=0"),
+                                  ("model.field_vocab_sizes=" + str([1000 - 25] + [1] * 25).replace(" ", ""),
+                                   "model.field_vocab_sizes=[975, 1, 1", "model.field_vocab_sizes=None")):
         with pytest.raises(ConfigError) as info:
             validate_for(resumed(override), wide_deep)
         (text,) = info.value.problems
-        assert text.startswith(f"trainer.resume=auto: {fact}") and f"({run}/checkpoints/step_2) was saved " in text
-        assert "or another run directory" in text
+        assert text.startswith(f"trainer.resume=auto: {fact}") and \
+            f"here, the run's newest checkpoint ({run}/checkpoints/step_2) was saved with {saved}, " in text
+        assert text.endswith(f"valid: {saved}, or another run directory (hydra.run.dir)")
     ckpt.save(str(run / "checkpoints"), 3, {"model": model, "sampler": {"step": 3, "seed": cfg.trainer.seed}})
     assert validate_for(resumed("model.hash_seed=7"), wide_deep).world_size == 1
     with pytest.warns(ConfigWarning, match=r"trainer.seed=5, the run's newest checkpoint .* was saved with 1234: the "
                                            "batches from its step on follow the config's seed"):
         validate_for(resumed("trainer.seed=5"), wide_deep)
+
+
+def test_resume_facts_are_saved_as_plain_data_and_refused_if_they_cannot_be():
+    """A config node among a recipe's ``resume_facts`` is saved as plain lists and dicts; a value a checkpoint
+    cannot hold is refused before spawning, resuming or not (every checkpoint saves the facts)."""
+    import numpy as np
+    from omegaconf import OmegaConf
+
+    from recipes.gpt2.recipe import GPT2Recipe
+    from toolkit.run_state import resume_facts
+
+    class Facts(GPT2Recipe):
+        def __init__(self, facts):
+            super().__init__()
+            self.facts = facts
+
+        def resume_facts(self, cfg):
+            return self.facts
+
+    node = Facts({"model.widths": OmegaConf.create([1, 2]), "model.seed": 3})
+    assert resume_facts(node, cfg_of()) == {"model.widths": [1, 2], "model.seed": 3}
+    assert validate_for(cfg_of(), node).world_size == 1
+    with pytest.raises(ConfigError) as info:
+        validate_for(cfg_of(), Facts({"model.table": np.arange(3)}))
+    assert "recipe gpt2's resume_facts must be JSON data" in info.value.problems[0]
 
 
 def test_a_per_op_plan_entry_is_checked_against_the_models_parameters():

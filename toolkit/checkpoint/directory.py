@@ -7,15 +7,18 @@
     <root>/latest               "step_100": replaced atomically after the rename
 
 A checkpoint is complete once its ``manifest.json`` exists: rank 0 writes it
-last, after every rank's files are on disk. It becomes visible by the rename
-of its finished directory and then the ``os.replace`` of ``latest``, so a
-crash at any point leaves the previous checkpoint complete and ``latest``
-naming it, or the new one complete too. ``latest()`` trusts the pointer
-only when it names a directory with a manifest; otherwise it takes the most
-recently completed one, counting a ``step_<N>.tmp`` that holds a manifest
-while ``step_<N>`` does not (a finished save whose rename was cut short: the
-same step saved again moves the old ``step_<N>`` aside first). The next
-save renames such a directory into place and removes every other ``.tmp``.
+last, after every rank's files and the directory are on disk. It becomes
+visible by the rename of its finished directory and then the ``os.replace``
+of ``latest``, so a crash at any point leaves the previous checkpoint
+complete and ``latest`` naming it, or the new one complete too.
+``latest()`` trusts the pointer only when it names a directory with a
+manifest; otherwise it takes the most recently completed one, counting a
+``step_<N>.tmp`` that holds a manifest while ``step_<N>`` does not (a
+finished save whose rename was cut short: the same step saved again moves
+the old ``step_<N>`` aside first, and ``latest`` names the missing one).
+The next save renames the ``.tmp`` that ``latest()`` returns into place
+and removes every other ``.tmp`` (a finished save the pointer never
+reached is not what a resume continued from: its run was abandoned).
 """
 from __future__ import annotations
 
@@ -35,7 +38,7 @@ def step_name(step: int) -> str:
     return f"step_{int(step)}"
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -95,25 +98,28 @@ def resolve(path: str) -> str:
 
 
 def remove_stale(root: str) -> None:
-    """Finish what interrupted work left: rename a finished save's ``step_<N>.tmp`` into place, then remove
-    every other ``*.tmp`` directory (saves that never finished, a replaced checkpoint moved aside) and
-    ``step_<N>`` directories without a manifest (a removal by ``prune`` that never finished)."""
-    for tmp, name in _unrenamed(root, os.listdir(root)).items():
-        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-        os.rename(os.path.join(root, tmp), os.path.join(root, name))
+    """Finish what interrupted work left: rename the ``step_<N>.tmp`` that ``latest()`` returns (a finished
+    save whose rename was cut short) into place, then remove every other ``*.tmp`` directory (saves that
+    never finished or were abandoned, a replaced checkpoint moved aside) and ``step_<N>`` directories
+    without a manifest (a removal by ``prune`` that never finished)."""
+    found = latest(root)
+    m = _FINISHED.match(os.path.basename(found or ""))
+    if m:
+        shutil.rmtree(os.path.join(root, m.group(1)), ignore_errors=True)
+        os.rename(found, os.path.join(root, m.group(1)))
     for name in os.listdir(root):
         path = os.path.join(root, name)
         if not os.path.isdir(path):
             continue
         if name.endswith(".tmp") or (_STEP.match(name) and not _has_manifest(root, name)):
             shutil.rmtree(path, ignore_errors=True)
-    _fsync_dir(root)
+    fsync_dir(root)
 
 
 def publish(root: str, tmp: str, name: str) -> str:
     """Rename the finished ``tmp`` directory to ``name`` and point ``latest`` at it."""
     final = os.path.join(root, name)
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
     if os.path.exists(final):  # the same step saved again (e.g. after a resume): replace it
         old = final + ".replaced.tmp"  # until the next rename, ``tmp`` (finished) is the complete one
         shutil.rmtree(old, ignore_errors=True)
@@ -122,14 +128,14 @@ def publish(root: str, tmp: str, name: str) -> str:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.rename(tmp, final)
-    _fsync_dir(root)
+    fsync_dir(root)
     pointer = os.path.join(root, LATEST + ".tmp")
     with open(pointer, "w") as f:
         f.write(name + "\n")
         f.flush()
         os.fsync(f.fileno())
     os.replace(pointer, os.path.join(root, LATEST))
-    _fsync_dir(root)
+    fsync_dir(root)
     return final
 
 

@@ -183,6 +183,9 @@ def load(path: str, template: dict | None = None, *, per_rank=None, tied=()) -> 
     Raises ``CheckpointError`` naming the file for a missing, truncated or
     corrupted file (sizes from the manifest, CRC-32 of every record read),
     and naming the key for a tensor that is missing or has another shape.
+    Names and shapes are checked before any tensor is filled; a record that
+    fails its CRC is found as it is read, when the template's tensors read
+    before it (and that record's bytes, read in place) are filled already.
     """
     local = {}
 

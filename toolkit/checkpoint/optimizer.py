@@ -33,10 +33,10 @@ from .errors import CheckpointError
 # Group keys that list the group's members: kept from the current optimizer, never saved
 # (a pipeline stage's groups hold other members than the checkpoint's).
 _MEMBER_KEYS = ("params", "names", "param_names")
-# Group keys that choose the kernel for this run's devices, not the arithmetic: kept from the current
-# optimizer. They are in place before torch loads the state, which places ``step`` for them (on the
-# parameter's device for ``fused``/``capturable``, a CPU scalar otherwise).
-_KERNEL_KEYS = ("fused", "foreach", "capturable")
+# Group keys that choose the kernel for this run's devices (and whether autograd records the step), not
+# the arithmetic: kept from the current optimizer. They are in place before torch loads the state, which
+# places ``step`` for them (on the parameter's device for ``fused``/``capturable``, a CPU scalar otherwise).
+_KERNEL_KEYS = ("fused", "foreach", "capturable", "differentiable")
 
 
 class StateLike:

@@ -177,6 +177,7 @@ def save(ckpt_root: str, step: int, state: dict, keep_last: int | None = None, *
         spath = os.path.join(tmp, STATE_NAME)
         manifest.write_json_durably(spath, state_doc)
         files[STATE_NAME] = manifest.file_digest(spath)
+        directory.fsync_dir(tmp)  # every rank's file is in the directory before the manifest says so
         manifest.write(tmp, {"step": int(step), "world_size": len(views), "files": files})
         final = directory.publish(root, tmp, name)
         directory.prune(root, keep_last, keep=name)

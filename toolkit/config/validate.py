@@ -112,7 +112,7 @@ def _resume_problems(cfg, recipe) -> list:
     ``trainer.init_from``'s, and against the recipe's ``resume_facts``; a changed ``trainer.seed`` warns. A
     run directory that Hydra has not resolved here is checked as it loads."""
     from toolkit import checkpoint as ckpt
-    from toolkit.run_state import checkpoint_root
+    from toolkit.run_state import checkpoint_root, facts_problems, resume_facts
 
     try:
         root = checkpoint_root(str(cfg.run_dir))
@@ -121,14 +121,13 @@ def _resume_problems(cfg, recipe) -> list:
     path = ckpt.latest(root)
     if path is None:
         return []
-    valid = "the settings of the run it continues (config.yaml in its run directory), or another run directory " \
-            "(hydra.run.dir)"
     problems = _model_problems("trainer.resume=auto", f"the model of the run's newest checkpoint ({path})", path,
-                               cfg, recipe, valid)
+                               cfg, recipe, "the model settings of the run it continues (config.yaml in its run "
+                               "directory), or another run directory (hydra.run.dir)")
     if problems:
         return problems
     try:
-        saved = ckpt.plain_value(path, "facts") or {}  # a checkpoint from before facts were saved has none
+        saved = ckpt.plain_value(path, "facts")
         seed = (ckpt.plain_value(path, "sampler") or {}).get("seed")
     except ckpt.CheckpointError as err:
         return [f"trainer.resume=auto: {err}"]
@@ -136,9 +135,7 @@ def _resume_problems(cfg, recipe) -> list:
         warnings.warn(f"trainer.resume=auto: trainer.seed={cfg.trainer.seed}, the run's newest checkpoint ({path}) "
                       f"was saved with {seed}: the batches from its step on follow the config's seed, its random "
                       "states are the checkpoint's", ConfigWarning, stacklevel=4)
-    return [f"trainer.resume=auto: {key}={now!r}, but the run's newest checkpoint ({path}) was saved with "
-            f"{key}={saved[key]!r}, which its state means something only under; valid: {valid}"
-            for key, now in recipe.resume_facts(cfg).items() if key in saved and saved[key] != now]
+    return facts_problems(saved, resume_facts(recipe, cfg), path)
 
 
 def _meta_model(cfg, recipe):
@@ -447,8 +444,15 @@ def validate(cfg: Any, recipe, world_size: Optional[int] = None) -> JobLayout:
                  + "; valid: a checkpoint directory (<run>/checkpoints/step_<N>) or what the recipe's docs list")
     elif weights is not None:
         p.extend(_init_from_problems(str(tr.init_from), weights, cfg, recipe))
-    if tr.resume == "auto":
-        p.extend(_resume_problems(cfg, recipe))
+    from toolkit.run_state import resume_facts
+
+    try:
+        resume_facts(recipe, cfg)  # saved with every checkpoint: JSON data
+    except TypeError as err:
+        p.append(str(err))
+    else:
+        if tr.resume == "auto":
+            p.extend(_resume_problems(cfg, recipe))
     if degrees_ok:
         try:
             p.extend(recipe.check(cfg, layout))

@@ -174,7 +174,10 @@ class RecipeSearchModel:
     def problems(self, strategy: Strategy) -> list:
         out = []
         try:
-            validate(strategy_cfg(self.cfg, self.recipe, strategy), self.recipe, world_size=strategy.world)
+            cfg = strategy_cfg(self.cfg, self.recipe, strategy)
+            # The run's checkpoints are alike for every candidate: validated once, with the plan chosen.
+            cfg.trainer.resume, cfg.trainer.init_from = "none", None
+            validate(cfg, self.recipe, world_size=strategy.world)
         except ConfigError as err:
             out += err.problems
         for pat, sbp in strategy.ops:
