@@ -21,16 +21,19 @@ inside a ``record_function`` span, then synchronizes the device. Per step:
 - ``copies``: memcpy by direction (``HtoD``, ``DtoH``, ``DtoD``);
 - ``waits``: CUDA runtime calls inside the span that block their thread
   (``cudaStreamSynchronize``, ``cudaDeviceSynchronize``,
-  ``cudaEventSynchronize``, synchronous ``cudaMemcpy``), on any thread: a
-  read-ahead worker's wait for its copy on the side stream counts too,
-  though it holds up no kernel launch;
+  ``cudaEventSynchronize``, synchronous ``cudaMemcpy``) on the thread that
+  ran the steps, and apart from them ``waits_elsewhere``, those of other
+  threads: a read-ahead worker's wait for its copy on the side stream
+  holds up no kernel launch, an executor queue thread's may (``None``, and
+  every wait in ``waits``, where no launch carries the stepping thread's
+  id: the runtime calls were numbered otherwise);
 - ``sites``: where each synchronizing op torch warned about was called:
   the innermost Python frame outside torch and this module, and the
   thread (a read-ahead worker's or network thread's wait holds up no
   kernel launch), with counts.
 
 CUPTI records device activity and CUDA runtime calls from every thread, so
-``busy``, ``launches`` and ``waits`` include our executor's queue threads.
+``busy`` and ``launches`` include our executor's queue threads.
 A sync warning reaches Python in the thread that ran the op, so ``sites``
 sees those threads too; autograd's own CUDA thread (backward) gathers its
 warnings and torch replays them in the thread that called backward, when
@@ -73,6 +76,7 @@ class Event:
     start_ns: int
     dur_ns: int
     annotation: bool = False
+    thread: int = 0  # the host thread's system id (kineto's ``device_resource_id`` of a host event)
 
 
 @dataclass
@@ -86,6 +90,7 @@ class StepProfile:
     copies: dict = field(default_factory=dict)
     waits: float | None = None
     sites: Counter = field(default_factory=Counter)
+    waits_elsewhere: float | None = None
 
     def lines(self, label: str) -> list:
         """Printable lines: the figures per step, then each sync site with its count over all steps."""
@@ -97,6 +102,8 @@ class StepProfile:
             copies = " ".join(f"{self.copies.get(k, 0):g} {k}" for k in ("HtoD", "DtoH", "DtoD"))
             head += (f", device busy {self.busy_ms:.2f} ms ({share:.0%}), {self.launches:g} launches, "
                      f"copies {copies}, blocking calls {self.waits:g}")
+            if self.waits_elsewhere is not None:
+                head += f" (other threads {self.waits_elsewhere:g})"
         out = [head]
         out += [f"    sync x{n} at {site}" for site, n in self.sites.most_common()]
         return out
@@ -138,10 +145,15 @@ def reduce(events: list, steps: int, sites: Counter | None = None) -> StepProfil
         for kind in ("HtoD", "DtoH", "DtoD"):
             if e.name.startswith(f"Memcpy {kind}"):
                 copies[kind] += 1
-    api = [_VERSION.sub("", e.name) for e in host]  # CUPTI may name a call by its version: cudaX_v11060
+    api = [(_VERSION.sub("", e.name), e.thread) for e in host]  # CUPTI may name a call by its version: cudaX_v11060
+    waits = [t for a, t in api if a in WAITS]
+    # The stepping thread launches kernels; where none of the launches carries its id, the runtime calls
+    # are numbered otherwise than the span, and the waits are not told apart.
+    told = any(a in LAUNCHES and t == spans[0].thread for a, t in api)
+    here = sum(t == spans[0].thread for t in waits) if told else len(waits)
     return StepProfile(steps, (end - lo) / 1e6 / steps, busy / 1e6 / steps,
-                       sum(a in LAUNCHES for a in api) / steps, {k: v / steps for k, v in copies.items()},
-                       sum(a in WAITS for a in api) / steps, sites)
+                       sum(a in LAUNCHES for a, _ in api) / steps, {k: v / steps for k, v in copies.items()},
+                       here / steps, sites, (len(waits) - here) / steps if told else None)
 
 
 def _events(prof) -> list:
@@ -149,7 +161,7 @@ def _events(prof) -> list:
     out = []
     for e in prof.profiler.kineto_results.events():
         out.append(Event(e.name(), e.device_type() != torch.autograd.DeviceType.CPU, e.start_ns(),
-                         e.duration_ns(), bool(e.is_user_annotation())))
+                         e.duration_ns(), bool(e.is_user_annotation()), int(e.device_resource_id())))
     return out
 
 

@@ -38,7 +38,12 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("nccl: no CUDA device here (torch.cuda.is_available() is False); nothing was run")
         return 2
-    from toolkit.launcher import launch
+    try:
+        from toolkit.launcher import launch
+    except ImportError as e:  # not NCCL's fault: a retry with other NCCL settings would not help
+        print(f"nccl: cannot import the launcher ({type(e).__name__}: {e}); nothing was run (are hydra-core "
+              "and omegaconf installed? .ci/gpu's usage says how)")
+        return 3
 
     cumem = os.environ.get("NCCL_CUMEM_ENABLE", "unset")
     start = time.perf_counter()

@@ -52,6 +52,15 @@ def peak_memory_bytes() -> int:
     return int(peak if sys.platform == "darwin" else peak * 1024)  # Linux reports KiB
 
 
+def reset_peak_memory() -> None:
+    """Start ``peak_memory_bytes`` afresh on CUDA (a process that trains several jobs, as a bench does,
+    reports each one's peak); the peak RSS of a CPU process cannot be reset."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.reset_peak_memory_stats()
+
+
 def _this_rank() -> int:
     """This rank (``world_rank``); before the process group exists, the launcher's ``RANK`` says who logs."""
     import torch.distributed as dist

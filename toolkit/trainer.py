@@ -46,7 +46,7 @@ from runtime.pipeline.schedule import chunk_ranks
 from toolkit import run_state
 from toolkit.config import typed, validate
 from toolkit.mesh import model_names, plan_for_module, stage_placements, with_overrides
-from toolkit.metrics import MetricsLogger
+from toolkit.metrics import MetricsLogger, reset_peak_memory
 from toolkit.optim import build_scheduler, lr_at
 from toolkit.peak import device_peak
 from toolkit.recipe import data_shard, recipe_batch
@@ -245,6 +245,7 @@ def _synchronize(device: str) -> None:
 def train(cfg, recipe, layout=None):
     """Train ``recipe`` as ``cfg`` says, on this rank (every rank of the job calls it); rank 0 returns the last
     logged metrics. ``layout``: see ``Job``."""
+    reset_peak_memory()  # this job's peak, from its build on
     job = Job(cfg, recipe, layout)
     cfg, lay, tr = job.cfg, job.layout, job.cfg.trainer
     peak = device_peak(lay.device if lay.device == "cuda" else "cpu", str(tr.precision), tr.peak_tflops)

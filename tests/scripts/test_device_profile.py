@@ -32,6 +32,7 @@ def _events():
         Event("cudaLaunchKernelExC_v11060", False, 9_000, 10),
         Event("cudaMemcpyAsync", False, 9_100, 10),  # not a blocking call
         Event("cudaStreamSynchronize", False, 9_400, 700),
+        Event("cudaEventSynchronize", False, 5_000, 300, thread=7),  # a read-ahead worker's: not the step's
         Event("aten::mm", False, 1_400, 300),
         Event("cudaDeviceSynchronize", False, 11_500, 2_600),  # the probe's own synchronize, after the span
     ]
@@ -42,11 +43,19 @@ def test_reduce_takes_the_union_of_device_intervals_and_counts_per_step():
     assert p.steps == 2
     assert p.wall_ms == pytest.approx((14_000 - 1_000) / 2 / 1e6)
     assert p.busy_ms == pytest.approx((4_000 + 200 + 500 + 3_500) / 2 / 1e6)
-    assert p.launches == 1.5 and p.waits == 0.5
+    assert p.launches == 1.5 and p.waits == 0.5 and p.waits_elsewhere == 0.5
     assert p.copies == {"HtoD": 1.5, "DtoH": 0.5}
     head = p.lines("ours")[0]
     assert "device busy" in head and "(63%)" in head and "1.5 launches" in head, head
-    assert "copies 1.5 HtoD 0.5 DtoH 0 DtoD" in head and "blocking calls 0.5" in head, head
+    assert "copies 1.5 HtoD 0.5 DtoH 0 DtoD" in head and "blocking calls 0.5 (other threads 0.5)" in head, head
+
+
+def test_waits_are_not_told_apart_where_no_launch_carries_the_stepping_threads_id():
+    events = [Event(e.name, e.on_device, e.start_ns, e.dur_ns, e.annotation, 3 if e.thread == 0 else e.thread)
+              if not e.on_device and e.name != SPAN else e for e in _events()]
+    p = reduce(events, steps=2)
+    assert p.waits == 1.0 and p.waits_elsewhere is None
+    assert p.lines("ours")[0].endswith("blocking calls 1")
 
 
 def test_reduce_without_device_events_gives_the_span_and_refuses_a_missing_span():

@@ -77,6 +77,19 @@ def test_bad_values_and_backend(tmp_path):
         MetricsLogger(tmp_path, cfg_with("tensorboard"), enabled=True)
 
 
+@pytest.mark.cuda
+def test_a_jobs_peak_memory_starts_at_its_build():
+    """``train`` resets the CUDA peak first: a later job in the process does not report an earlier one's."""
+    from toolkit.metrics import reset_peak_memory
+
+    big = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+    del big
+    reset_peak_memory()
+    small = torch.empty(2**20, dtype=torch.uint8, device="cuda")
+    assert peak_memory_bytes() < 128 * 2**20
+    del small
+
+
 def test_peak_memory_is_bytes():
     before = peak_memory_bytes()
     block = torch.ones(64 * 2**20 // 4)  # 64 MiB touched
