@@ -194,9 +194,6 @@ def problems(cfg, layout) -> list:
         p.append(f"data.decoder=dali: {dali.why_unavailable()}; valid: data.decoder=pil or auto")
     if d.eval_batch_size < 1:
         p.append(f"data.eval_batch_size={d.eval_batch_size}: must be >= 1")
-    if layout.zero:
-        p.append(f"parallel.zero={layout.zero}: not supported by insightface (the FC is already split over "
-                 "every rank and the backbone is replicated); valid: parallel.zero=0")
     if tr.activation_checkpointing and tr.compile:
         p.append("trainer.compile=true with trainer.activation_checkpointing=true: torch.compile cannot trace "
                  "the recompute's restoring of batch norm's running statistics (the backbone would run eager); "

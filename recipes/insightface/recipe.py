@@ -87,7 +87,9 @@ class InsightFaceRecipe(Recipe):
         head = module.head  # None on a pipeline stage before the last: no class centres
         if str(tr.optimizer) != "sgd" or head is None:
             return super().build_optimizer(module, cfg)
-        return PartialFCSGD(param_groups(module, float(tr.weight_decay)), {head.weight: head.sampled_rows},
+        # The registered parameter, which the optimizer steps: under ZeRO the attribute is the compute copy.
+        weight = dict(head.named_parameters())["weight"]
+        return PartialFCSGD(param_groups(module, float(tr.weight_decay)), {weight: head.sampled_rows},
                             lr=float(tr.lr), momentum=float(tr.momentum))
 
     # -- data ----------------------------------------------------------------------------------

@@ -55,14 +55,15 @@ def test_resume_in_another_layout(run, tmp_path, sbp_cache):
 
 def test_partial_fc_resumes_the_draws_of_the_straight_run(tmp_path, sbp_cache):
     """Partial FC (100 classes, sample_rate 0.2: shards of 50 draw negatives beside a batch's positives) on
-    dp2: resumed from step 2, steps 3 and 4 draw the straight run's samples (the draw counter is checkpointed;
-    restarted at 0 they gave other losses) and give its losses."""
+    dp2: resumed from step 2 under ZeRO-1 (the backbone's momentum sharded over dp, Partial FC's SGD stepping
+    the sampled rows of its class shard), steps 3 and 4 draw the straight run's samples (the draw counter is
+    checkpointed; restarted at 0 they gave other losses) and give its losses."""
     pfc = [*TINY, "model.num_classes=100", "model.head.sample_rate=0.2", "parallel=dp2",
            "trainer.micro_batch_size=8", "trainer.eval_every=0"]
     straight = train_pooled(pfc, tmp_path / "straight", sbp_cache)
     resumed_dir = tmp_path / "resumed"
     shutil.copytree(tmp_path / "straight" / "checkpoints" / "step_2", resumed_dir / "checkpoints" / "step_2")
     (resumed_dir / "checkpoints" / "latest").write_text("step_2")
-    resumed = train_pooled([*pfc, "trainer.resume=auto"], resumed_dir, sbp_cache)
+    resumed = train_pooled([*pfc, "parallel.zero=1", "trainer.resume=auto"], resumed_dir, sbp_cache)
     assert len(straight) == 4 and len(resumed) == 2, (straight, resumed)
     assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(resumed, straight[2:])), (resumed, straight)

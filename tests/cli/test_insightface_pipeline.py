@@ -4,7 +4,8 @@ An iResNet's blocks change shape from stage to stage (channels double and the
 feature map halves at each of its four stages), so each stage boundary
 carries the shape its producing stage returns (``toolkit.stages.boundary_specs``).
 pp2, dp2_pp2 and pp4 (every boundary a different shape), pp2 with two
-stages per rank under interleaved 1F1B and ZB-V, and dp2 (whose
+stages per rank under interleaved 1F1B and ZB-V, dp2 under ZeRO-1 and
+ZeRO-3, and dp2 (whose
 data-parallel stage audits its first micro-batch on plain tensors, which
 must leave batch norm's running statistics alone), dp2 and pp2 with every
 block recomputed in backward (activation checkpointing, whose recompute
@@ -53,6 +54,10 @@ LAYOUTS = {"pp2": ["parallel.pp=2", "trainer.micro_batch_size=8"],
            # each block recomputed in backward: batch norm's running statistics updated once, by the forward
            "dp2_ac": ["parallel.dp=2", "trainer.micro_batch_size=4", "trainer.activation_checkpointing=true"],
            "pp2_ac": ["parallel.pp=2", "trainer.micro_batch_size=8", "trainer.activation_checkpointing=true"],
+           # ZeRO on the replicated backbone: its momentum sharded over dp (1); its weights too, gathered per
+           # block and freed after (3), with batch norm's buffers beside them
+           "dp2_zero1": ["parallel.dp=2", "parallel.zero=1", "trainer.micro_batch_size=4"],
+           "dp2_zero3": ["parallel.dp=2", "parallel.zero=3", "trainer.micro_batch_size=4"],
            "single": ["trainer.micro_batch_size=8"]}
 
 
@@ -73,6 +78,7 @@ def _rank_run(container: dict):
     cfg = OmegaConf.create(container)
     recipe = get(cfg.recipe.name)
     job = Job(cfg, recipe)
+    assert (job.zero.stage if job.zero else 0) == cfg.parallel.zero  # ZeRO runs where the layout asks
     losses = [job.pipe.step(i) for i in range(STEPS)]
     losses = None if losses[0] is None else [float(x) for x in losses]
     state = {}
@@ -113,7 +119,8 @@ def reference(tmp_path_factory, sbp_cache):
     return _reference(sbp_cache, str(tmp_path_factory.mktemp("single")))
 
 
-@pytest.mark.parametrize("layout", ["pp2", "dp2_pp2", "pp4", "dp2", "pp2_v2", "pp2_zbv", "dp2_ac", "pp2_ac"])
+@pytest.mark.parametrize("layout", ["pp2", "dp2_pp2", "pp4", "dp2", "pp2_v2", "pp2_zbv", "dp2_ac", "pp2_ac",
+                                    "dp2_zero1", "dp2_zero3"])
 def test_pipelined_insightface_matches_one_device(layout, reference, tmp_path, sbp_cache):
     from recipes.registry import get
 
