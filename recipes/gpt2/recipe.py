@@ -76,10 +76,18 @@ class GPT2Recipe(Recipe):
                        seed=int(cfg.trainer.seed), tokenizer=self.tokenizer_path(cfg), text_field=d.text_field)
 
     def tokenizer_path(self, cfg) -> str | None:
-        """``data.tokenizer``; without it, the tokenizer ``trainer.init_from``'s weights were trained with
-        (``tokenizer_of_weights``), since a new one's ids would not be theirs; ``None``: train one."""
-        if cfg.data.tokenizer is not None or not cfg.trainer.init_from:
+        """``data.tokenizer``; without it, under ``trainer.resume=auto`` the run's own copy (``on_start``
+        keeps one in the run directory), else the tokenizer ``trainer.init_from``'s weights were trained with
+        (``tokenizer_of_weights``), since a new one's ids would not be theirs (one trained on another
+        corpus, or the run's after ``data.path`` changed, has other ids); ``None``: train one."""
+        if cfg.data.tokenizer is not None:
             return cfg.data.tokenizer
+        if cfg.trainer.resume == "auto":
+            kept = os.path.join(str(cfg.run_dir), TOKENIZER_FILE)
+            if os.path.isfile(kept):
+                return kept
+        if not cfg.trainer.init_from:
+            return None
         weights = self.weights_path(str(cfg.trainer.init_from))
         return tokenizer_of_weights(weights) if weights else None
 

@@ -112,9 +112,29 @@ def test_weights_bring_their_tokenizer(trained, tmp_path):
     assert tokenizer_of_weights(str(step)) == tokenizer_of_weights(str(run / "checkpoints")) == str(run / "tokenizer.json")
 
     def cfg(init_from, tokenizer=None):
-        return OmegaConf.create({"trainer": {"init_from": init_from}, "data": {"tokenizer": tokenizer}})
+        return OmegaConf.create({"trainer": {"init_from": init_from, "resume": "none"},
+                                 "data": {"tokenizer": tokenizer}})
 
     assert RECIPE.tokenizer_path(cfg(str(hf))) == str(hf / "tokenizer.json")
     assert RECIPE.tokenizer_path(cfg(str(step))) == str(run / "tokenizer.json")
     assert RECIPE.tokenizer_path(cfg(str(hf), "/given/tokenizer.json")) == "/given/tokenizer.json"
     assert RECIPE.tokenizer_path(cfg(None)) is None
+
+
+def test_a_resumed_run_keeps_its_own_tokenizer(tmp_path):
+    """``trainer.resume=auto`` without ``data.tokenizer``: the copy the run keeps in its run directory, not
+    one trained anew (on another ``data.path`` its ids would differ from the weights'); the first run of a
+    directory, or one without the copy, trains one."""
+    from omegaconf import OmegaConf
+
+    from recipes.gpt2.recipe import RECIPE
+
+    def cfg(resume, tokenizer=None):
+        return OmegaConf.create({"run_dir": str(tmp_path), "trainer": {"init_from": None, "resume": resume},
+                                 "data": {"tokenizer": tokenizer}})
+
+    assert RECIPE.tokenizer_path(cfg("auto")) is None
+    (tmp_path / "tokenizer.json").write_text("{}")
+    assert RECIPE.tokenizer_path(cfg("auto")) == str(tmp_path / "tokenizer.json")
+    assert RECIPE.tokenizer_path(cfg("none")) is None
+    assert RECIPE.tokenizer_path(cfg("auto", "/given/tokenizer.json")) == "/given/tokenizer.json"
