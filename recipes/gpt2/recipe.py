@@ -5,6 +5,7 @@ import math
 import os
 
 import torch
+from omegaconf.errors import OmegaConfBaseException
 
 from . import flops
 from recipes.gpt2.data import prepare
@@ -83,7 +84,10 @@ class GPT2Recipe(Recipe):
         if cfg.data.tokenizer is not None:
             return cfg.data.tokenizer
         if cfg.trainer.resume == "auto":
-            kept = os.path.join(str(cfg.run_dir), TOKENIZER_FILE)
+            try:
+                kept = os.path.join(str(cfg.run_dir), TOKENIZER_FILE)
+            except (OmegaConfBaseException, ValueError):  # a run directory Hydra has not resolved here
+                kept = ""
             if os.path.isfile(kept):
                 return kept
         if not cfg.trainer.init_from:
