@@ -66,6 +66,9 @@ def resume(job) -> int:
             print(f"trainer.resume=auto: no complete checkpoint under {root}; starting from step 0 (to continue "
                   "a run, give its directory: hydra.run.dir=<run dir>)", flush=True)
         return 0
+    wrong = facts_problems(ckpt.plain_value(path, "facts"), resume_facts(job.recipe, job.cfg), path)
+    if wrong:  # validate refused these before spawning, unless this job was laid out without resuming
+        raise ckpt.CheckpointError("; ".join(wrong))
     template = {**_state(job, 0), "scheduler": None, "sampler": None, "step": None, "rng": None, "extra": None,
                 "facts": None, "loss_scale": None}
     out = ckpt.load(path, template, tied=job.recipe.tied)
@@ -76,9 +79,6 @@ def resume(job) -> int:
     if changed and job.rank == 0:
         print("resume: the config's optimizer settings apply, not the checkpoint's: "
               + ", ".join(f"{k} {a!r} -> {b!r}" for k, a, b in changed), flush=True)
-    wrong = facts_problems(out.get("facts"), resume_facts(job.recipe, job.cfg), path)
-    if wrong:  # validate refused these before spawning, unless this job was laid out without resuming
-        raise ckpt.CheckpointError("; ".join(wrong))
     ckpt.set_rng_state(out["rng"])
     ranks = job.placements[job.stage].ranks
     if rng.agree_within(ranks) and job.rank == min(ranks):

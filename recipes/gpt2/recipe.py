@@ -77,18 +77,23 @@ class GPT2Recipe(Recipe):
                        seed=int(cfg.trainer.seed), tokenizer=self.tokenizer_path(cfg), text_field=d.text_field)
 
     def tokenizer_path(self, cfg) -> str | None:
-        """``data.tokenizer``; without it, under ``trainer.resume=auto`` the run's own copy (``on_start``
-        keeps one in the run directory), else the tokenizer ``trainer.init_from``'s weights were trained with
+        """``data.tokenizer``; without it, under ``trainer.resume=auto`` with a checkpoint to continue the run's
+        own copy (``on_start`` keeps one in the run directory), else the tokenizer ``trainer.init_from``'s weights were trained with
         (``tokenizer_of_weights``), since a new one's ids would not be theirs (one trained on another
         corpus, or the run's after ``data.path`` changed, has other ids); ``None``: train one."""
         if cfg.data.tokenizer is not None:
             return cfg.data.tokenizer
         if cfg.trainer.resume == "auto":
+            from toolkit.checkpoint import latest
+            from toolkit.run_state import checkpoint_root
+
             try:
-                kept = os.path.join(str(cfg.run_dir), TOKENIZER_FILE)
+                run_dir = str(cfg.run_dir)
             except (OmegaConfBaseException, ValueError):  # a run directory Hydra has not resolved here
-                kept = ""
-            if os.path.isfile(kept):
+                run_dir = None
+            kept = os.path.join(run_dir, TOKENIZER_FILE) if run_dir else ""
+            # Only with weights to continue: a run that stopped before its first checkpoint starts afresh.
+            if os.path.isfile(kept) and latest(checkpoint_root(run_dir)) is not None:
                 return kept
         if not cfg.trainer.init_from:
             return None
@@ -152,15 +157,17 @@ class GPT2Recipe(Recipe):
         """Say which tokenizer fine-tuning uses; a copy of the run's tokenizer in the run directory
         (``generate.py`` reads it)."""
         cfg = job.cfg
-        if cfg.trainer.init_from and cfg.data.tokenizer is None:
-            given = self.tokenizer_path(cfg)
+        given = self.tokenizer_path(cfg) if cfg.data.tokenizer is None else None
+        dst = os.path.abspath(os.path.join(str(cfg.run_dir), TOKENIZER_FILE))
+        if given is not None and os.path.abspath(given) == dst:
+            print(f"tokenizer: the run's own ({given}), trainer.resume=auto", flush=True)
+        elif cfg.trainer.init_from and cfg.data.tokenizer is None:
             print(f"tokenizer: {given}, trainer.init_from's" if given else
                   f"tokenizer: trainer.init_from={cfg.trainer.init_from!r} has no {TOKENIZER_FILE} beside it, so "
                   f"one was trained on the corpus ({job.data.tokenizer_path}); its ids match the weights' only if "
                   "they were trained with the same one: set data.tokenizer", flush=True)
         src = job.data.tokenizer_path
-        dst = os.path.join(str(job.cfg.run_dir), "tokenizer.json")
-        if os.path.abspath(src) != os.path.abspath(dst):
+        if os.path.abspath(src) != dst:
             os.makedirs(os.path.dirname(dst), exist_ok=True)
             with open(src, "rb") as f, open(dst + ".tmp", "wb") as g:
                 g.write(f.read())

@@ -9,6 +9,8 @@ any process starts).
 """
 from __future__ import annotations
 
+import fnmatch
+
 import os
 from dataclasses import dataclass, field
 from typing import Optional
@@ -194,6 +196,11 @@ def problems(cfg, layout) -> list:
         p.append(f"data.decoder=dali: {dali.why_unavailable()}; valid: data.decoder=pil or auto")
     if d.eval_batch_size < 1:
         p.append(f"data.eval_batch_size={d.eval_batch_size}: must be >= 1")
+    held = [k for k in (cfg.parallel.get("plan") or {})
+            if any(fnmatch.fnmatchcase(name, str(k).split(":")[0]) for name in ("head.weight", "head.class_ids"))]
+    if held:
+        p.append(f"parallel.plan={held}: the class centres and their ids keep their class split (Partial FC's "
+                 "sampling and row steps index it, on the ZeRO master too); valid: entries for backbone.* only")
     if tr.activation_checkpointing and tr.compile:
         p.append("trainer.compile=true with trainer.activation_checkpointing=true: torch.compile cannot trace "
                  "the recompute's restoring of batch norm's running statistics (the backbone would run eager); "

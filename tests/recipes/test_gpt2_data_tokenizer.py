@@ -124,8 +124,10 @@ def test_weights_bring_their_tokenizer(trained, tmp_path):
 def test_a_resumed_run_keeps_its_own_tokenizer(tmp_path):
     """``trainer.resume=auto`` without ``data.tokenizer``: the copy the run keeps in its run directory, not
     one trained anew (on another ``data.path`` its ids would differ from the weights'); the first run of a
-    directory, or one without the copy, trains one."""
+    directory, one without a checkpoint (stopped before its first save) or without the copy trains one."""
     from omegaconf import OmegaConf
+
+    from toolkit import checkpoint as ckpt
 
     from recipes.gpt2.recipe import RECIPE
 
@@ -135,6 +137,8 @@ def test_a_resumed_run_keeps_its_own_tokenizer(tmp_path):
 
     assert RECIPE.tokenizer_path(cfg("auto")) is None
     (tmp_path / "tokenizer.json").write_text("{}")
+    assert RECIPE.tokenizer_path(cfg("auto")) is None  # no checkpoint: the run starts afresh, and trains one
+    ckpt.save(str(tmp_path / "checkpoints"), 2, {"step": 2})
     assert RECIPE.tokenizer_path(cfg("auto")) == str(tmp_path / "tokenizer.json")
     assert RECIPE.tokenizer_path(cfg("none")) is None
     assert RECIPE.tokenizer_path(cfg("auto", "/given/tokenizer.json")) == "/given/tokenizer.json"

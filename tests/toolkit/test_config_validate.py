@@ -181,6 +181,22 @@ def test_sequence_parallel_is_refused_where_the_plan_has_no_such_variant(name):
         "\n".join(info.value.problems)
 
 
+def test_insightface_refuses_a_plan_entry_for_its_class_centres():
+    """The class centres and their ids keep their class split: Partial FC's sampling and row steps (on the
+    ZeRO master too) index it. Entries for the backbone pass."""
+    from recipes.registry import get
+
+    insightface = get("insightface")
+    cfg = cfg_of("recipe=insightface", "parallel=dp2_tp2")
+    cfg.parallel.plan = {"head.*": "B"}
+    with pytest.raises(ConfigError) as info:
+        validate_for(cfg, insightface)
+    assert "parallel.plan=['head.*']: the class centres and their ids keep their class split" in \
+        "\n".join(info.value.problems)
+    cfg.parallel.plan = {"backbone.conv1.weight": "S(0)"}
+    assert validate_for(cfg, insightface).world_size == 4
+
+
 @pytest.mark.parametrize("override, fragment", [
     ("recipe.name=bert", "recipe.name='bert': does not name the recipe validated against, 'gpt2'"),
     ("trainer.optimizer=lamb", "trainer.optimizer='lamb': unknown choice; valid: adamw, sgd"),
