@@ -8,6 +8,9 @@ schedules fill idle time with weight passes.
 """
 from __future__ import annotations
 
+import random
+import statistics
+
 import pytest
 
 from runtime.pipeline.schedule import SCHEDULES, chunk_ranks, stash_budget
@@ -107,3 +110,65 @@ def test_under_zero_a_weight_pass_only_frees_the_stash():
         if name.startswith("s1.") and role in ("B", "W"):
             took.setdefault(role, set()).add(round(end - start, 9))
     assert took == {"B": {2.0}, "W": {0.0}}
+
+
+def _megatron_interleaved(stages: list, m: int, v: int) -> float:
+    """Makespan of Megatron's interleaved 1F1B order (a fixed list per rank: warm-up forwards, then one
+    forward and one backward in turn, then the remaining backwards; chunk and micro-batch of each from its
+    index) on the same chunk works, each action starting when the rank is free and its inputs are done."""
+    n = len(stages)
+    pp = n // v
+    lists = {}
+    for r in range(pp):
+        def action(kind, k, r=r):
+            chunk = (k // pp) % v
+            return kind, (chunk if kind == "F" else v - 1 - chunk) * pp + r, (k // (pp * v)) * pp + k % pp
+        warm = min(2 * (pp - r - 1) + (v - 1) * pp, v * m)
+        seq = [action("F", k) for k in range(warm)]
+        for i in range(v * m - warm):
+            seq += [action("F", warm + i), action("B", i)]
+        lists[r] = seq + [action("B", k) for k in range(v * m - warm, v * m)]
+    done, free, at = {}, [0.0] * pp, [0] * pp
+    while any(at[r] < len(lists[r]) for r in range(pp)):
+        moved = False
+        for r in range(pp):
+            while at[r] < len(lists[r]):
+                kind, c, k = lists[r][at[r]]
+                needs = ([("F", c - 1, k)] if c else []) if kind == "F" else \
+                    [("F", c, k)] + ([("B", c + 1, k)] if c < n - 1 else [])
+                if any(x not in done for x in needs):
+                    break
+                w = stages[c]
+                took = w.forward if kind == "F" else (w.backward_first if k == 0 else w.backward)
+                done[(kind, c, k)] = free[r] = max([free[r]] + [done[x] for x in needs]) + took
+                at[r] += 1
+                moved = True
+        assert moved, "Megatron's order deadlocked"
+    return max(done.values())
+
+
+def _interleaved(stages: list, m: int) -> float:
+    tl = simulate(pipeline_graph(stages, m, "1f1b", virtual=2))
+    return max(e for n, _, _, e in tl.tasks if n.split(".")[1] in ("F", "B"))
+
+
+def test_interleaved_1f1b_keeps_megatrons_pace_on_unequal_chunks():
+    """Two chunks per rank whose works differ (an embedding or a head makes a chunk heavier): the greedy
+    order from quotas and priorities (deeper backwards, then forwards shallow first, the first chunk's
+    backward last) against Megatron's fixed order. Deeper-chunk-first priorities with backward over forward
+    took 15% longer with the first chunk 7% heavier (pp2, m8), and on the random set a median 11% (worst
+    22%); these priorities 0.4%, and a median 2.5% (worst 10%)."""
+    heavy = [StageWork(1.0, 2.0, 2.0, 0.0, 0.0) for _ in range(4)]
+    heavy[0] = StageWork(1.07, 2.14, 2.14, 0.0, 0.0)
+    assert _interleaved(heavy, 8) <= 1.01 * _megatron_interleaved(heavy, 8, 2)
+    rng = random.Random(0)
+    ratios = []
+    for _ in range(24):
+        pp, spread, back = rng.choice((2, 4)), rng.choice((0.05, 0.1, 0.2)), rng.choice((1.5, 2.0, 2.5))
+        m = pp * rng.choice((2, 4))
+        stages = []
+        for _ in range(2 * pp):
+            f = 1.0 + rng.uniform(-spread, spread)
+            stages.append(StageWork(f, back * f, back * f, 0.0, 0.0))
+        ratios.append(_interleaved(stages, m) / _megatron_interleaved(stages, m, 2))
+    assert statistics.median(ratios) <= 1.04 and max(ratios) <= 1.12, sorted(ratios)
