@@ -77,10 +77,11 @@ class GPT2Recipe(Recipe):
                        seed=int(cfg.trainer.seed), tokenizer=self.tokenizer_path(cfg), text_field=d.text_field)
 
     def tokenizer_path(self, cfg) -> str | None:
-        """``data.tokenizer``; without it, under ``trainer.resume=auto`` with a checkpoint to continue the run's
-        own copy (``on_start`` keeps one in the run directory), else the tokenizer ``trainer.init_from``'s weights were trained with
-        (``tokenizer_of_weights``), since a new one's ids would not be theirs (one trained on another
-        corpus, or the run's after ``data.path`` changed, has other ids); ``None``: train one."""
+        """``data.tokenizer``; without it, under ``trainer.resume=auto`` with a checkpoint to continue, the
+        run's own copy (``on_start`` keeps one in the run directory), else the tokenizer
+        ``trainer.init_from``'s weights were trained with (``tokenizer_of_weights``): a new one's ids would
+        not be the weights' (one trained on another corpus, as after a change of ``data.path``, has other
+        ids). ``None``: train one."""
         if cfg.data.tokenizer is not None:
             return cfg.data.tokenizer
         if cfg.trainer.resume == "auto":

@@ -42,7 +42,8 @@ and chunks: file, offset, length, CRC-32), ``state.json`` (plain data, the
 tree's shape, aliases, each tensor's saving placement and SBP), ``manifest.json`` (every file's size, CRC-32 of the
 JSON files, written last). See ``directory`` for ``latest`` and the
 ``.tmp`` protocol. ``verify(path)`` checks every byte of a checkpoint; ``tensor_shapes(path, key, names)``
-finds the saved shapes of named tensors without reading them.
+finds the saved shapes of named tensors without reading them, ``plain_value(path, key)`` a key saved as
+plain data (both from the verified metadata alone, in one process).
 """
 from .directory import latest
 from .errors import CheckpointError
@@ -51,5 +52,5 @@ from .optimizer import StateLike, load_optimizer_state_dict, optimizer_state_dic
 from .rng import rng_state, set_rng_state
 from .save import save
 
-__all__ = ["save", "load", "latest", "verify", "tensor_shapes", "plain_value", "CheckpointError", "optimizer_state_dict", "load_optimizer_state_dict",
-           "StateLike", "rng_state", "set_rng_state"]
+__all__ = ["save", "load", "latest", "verify", "tensor_shapes", "plain_value", "CheckpointError",
+           "optimizer_state_dict", "load_optimizer_state_dict", "StateLike", "rng_state", "set_rng_state"]
