@@ -122,30 +122,35 @@ def test_same_step_saved_again_replaces_it(tmp_path):
     assert ckpt.load(str(tmp_path), {"sampler": None})["sampler"]["index"] == -1
 
 
+def _save_killed_at_its_rename(monkeypatch, root: str, step: int, state: dict, **kw) -> None:
+    """``ckpt.save`` of ``step``, killed as it renames its finished ``step_<step>.tmp`` into place."""
+    from toolkit.checkpoint import directory
+
+    rename = os.rename
+
+    def killed(src, dst):
+        if src.endswith(f"step_{step}.tmp"):
+            raise KeyboardInterrupt("killed")
+        rename(src, dst)
+
+    monkeypatch.setattr(directory.os, "rename", killed)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.save(root, step, state, **kw)
+    monkeypatch.setattr(directory.os, "rename", rename)
+
+
 @pytest.mark.parametrize("keep_last", [None, 1])
 def test_a_crash_while_a_step_is_saved_again_leaves_it_complete(tmp_path, monkeypatch, keep_last):
     """Saving a step that exists moves the old directory aside, then renames the new one into place; a
     crash between the two renames leaves no ``step_5``, and the finished ``step_5.tmp`` is the newest
     complete checkpoint (with ``keep_last=1`` the only one): ``latest`` finds it, and the next save puts
     it in place."""
-    from toolkit.checkpoint import directory
-
     root = str(tmp_path)
     ckpt.save(root, 4, _state(4), keep_last=keep_last)
     ckpt.save(root, 5, _state(5), keep_last=keep_last)
     again = _state(5)
     again["sampler"]["index"] = -1
-    rename = os.rename
-
-    def crash_at_the_second_rename(src, dst):
-        if src.endswith("step_5.tmp"):
-            raise KeyboardInterrupt("killed")
-        rename(src, dst)
-
-    monkeypatch.setattr(directory.os, "rename", crash_at_the_second_rename)
-    with pytest.raises(KeyboardInterrupt):
-        ckpt.save(root, 5, again, keep_last=keep_last)
-    monkeypatch.setattr(directory.os, "rename", rename)
+    _save_killed_at_its_rename(monkeypatch, root, 5, again, keep_last=keep_last)  # the second: step_5 is aside
     assert not os.path.exists(os.path.join(root, "step_5"))
     assert ckpt.latest(root) == os.path.join(root, "step_5.tmp")
     assert ckpt.load(root, {"sampler": None})["sampler"]["index"] == -1
@@ -158,21 +163,9 @@ def test_a_finished_save_the_pointer_never_reached_is_not_resumed_nor_kept(tmp_p
     """A save of a new step that crashed after its manifest, before its rename: ``latest`` still names the
     previous step, so a resume continues from there, and the next save removes the abandoned run's
     ``step_<N>.tmp`` rather than putting it in place (a later ``init_from`` of ``step_<N>`` would take it)."""
-    from toolkit.checkpoint import directory
-
     root = str(tmp_path)
     ckpt.save(root, 4, _state(4))
-    rename = os.rename
-
-    def crash_at_the_rename(src, dst):
-        if src.endswith("step_8.tmp"):
-            raise KeyboardInterrupt("killed")
-        rename(src, dst)
-
-    monkeypatch.setattr(directory.os, "rename", crash_at_the_rename)
-    with pytest.raises(KeyboardInterrupt):
-        ckpt.save(root, 8, _state(8))
-    monkeypatch.setattr(directory.os, "rename", rename)
+    _save_killed_at_its_rename(monkeypatch, root, 8, _state(8))
     assert os.path.isfile(os.path.join(root, "step_8.tmp", "manifest.json"))
     assert ckpt.latest(root) == os.path.join(root, "step_4")
     ckpt.save(root, 6, _state(6))
