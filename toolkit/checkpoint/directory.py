@@ -50,14 +50,10 @@ def _has_manifest(root: str, name: str) -> bool:
     return os.path.isfile(os.path.join(root, name, manifest.NAME))
 
 
-def _unrenamed(root: str, names) -> dict:
-    """``{step_<N>.tmp: step_<N>}`` for finished saves whose rename was cut short."""
-    out = {}
-    for name in names:
-        m = _FINISHED.match(name)
-        if m and _has_manifest(root, name) and not _has_manifest(root, m.group(1)):
-            out[name] = m.group(1)
-    return out
+def _unrenamed(root: str, names) -> list:
+    """The ``step_<N>.tmp`` among ``names`` that are finished saves whose rename was cut short."""
+    return [n for n in names if _FINISHED.match(n) and _has_manifest(root, n)
+            and not _has_manifest(root, _FINISHED.match(n).group(1))]
 
 
 def complete_dirs(root: str) -> list:
@@ -66,7 +62,7 @@ def complete_dirs(root: str) -> list:
     if not os.path.isdir(root):
         return []
     names = os.listdir(root)
-    found = [n for n in names if _STEP.match(n) and _has_manifest(root, n)] + list(_unrenamed(root, names))
+    found = [n for n in names if _STEP.match(n) and _has_manifest(root, n)] + _unrenamed(root, names)
     return sorted(found, key=lambda n: (os.path.getmtime(os.path.join(root, n, manifest.NAME)),
                                         int(re.search(r"\d+", n).group()), n))
 
