@@ -10,7 +10,6 @@ any process starts).
 from __future__ import annotations
 
 import fnmatch
-
 import os
 from dataclasses import dataclass, field
 from typing import Optional

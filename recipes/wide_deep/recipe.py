@@ -107,9 +107,7 @@ class WideDeepRecipe(Recipe):
     def resume_facts(self, cfg) -> dict:
         """How ids become table rows: the hash seed, and one shared vocabulary or one per field (as many
         rows in all hash otherwise; the total is the table's shape, checked apart)."""
-        sizes = cfg.model.field_vocab_sizes
-        return {"model.hash_seed": int(cfg.model.hash_seed),
-                "model.field_vocab_sizes": None if sizes is None else [int(n) for n in sizes]}
+        return {"model.hash_seed": cfg.model.hash_seed, "model.field_vocab_sizes": cfg.model.field_vocab_sizes}
 
     def on_start(self, job) -> None:
         print(f"wide_deep data: {len(job.data.train)} train rows, {len(job.data.val)} held out; {job.data.summary}",
