@@ -43,17 +43,23 @@ first within each. ``reduce`` and ``update`` (once per step) come after
 every backward.
 
 One more quota shapes interleaved 1F1B and interleaved zero bubble: a
-shallower chunk's forward of micro-batch ``k`` waits for the rank's next
-deeper chunk's forward of ``k - pp`` (``forward_credits``: an edge holding
-``pp`` credits, through a ``T`` actor that turns each deeper forward into a
-credit). Without it a rank runs a shallow chunk's forward that is ready
-while the deeper chunk's input is still on its way, and the deeper chunk,
-on the critical path, waits for it: in the simulator, on equal work per
-chunk over pp 2-8, m = pp..4pp and backward 1-3x the forward, two chunks
-per rank took a median 2.8% (worst 15.5%) longer than Megatron's order
-without the credits, and a median 0.0% (worst 6.4%) with them. Interleaved
-zero bubble on the same grid, against interleaved 1F1B's step: a median
-0.949 (worst 1.139) without the credits, 0.937 (worst 1.059) with them.
+shallower chunk's forward of micro-batch ``k`` waits for the forward of
+``k - pp`` of the rank's deepest chunk (``forward_credits``,
+``credit_stage``: an edge holding ``pp`` credits, through a ``T`` actor that
+turns each deepest forward into a credit). Without it a rank runs a shallow
+chunk's forward that is ready while the deeper chunk's input is still on
+its way, and the deeper chunk, on the critical path, waits for it: in the
+simulator, on equal work per chunk over pp 2-8, m = pp..4pp and backward
+1-3x the forward, two chunks per rank took a median 2.8% (worst 15.5%)
+longer than Megatron's order without the credits, and a median 0.0% (worst
+6.4%) with them. Interleaved zero bubble on the same grid, against
+interleaved 1F1B's step: a median 0.949 (worst 1.139) without the credits,
+0.937 (worst 1.059) with them. With three or four chunks per rank the
+credits come from the deepest chunk, not the next deeper one: chained, the
+first chunk could run ``(v - 1) pp`` micro-batches ahead of the deepest and
+fill the budget with work far from the loss — on the same grid a median 8%
+(worst 30%) over Megatron's order at v = 3 and 21% (43%) at v = 4; from
+the deepest, 4% (9%) and 6% (9%).
 
 The interleaved priorities matter where chunks' works differ (an embedding
 or a head makes a chunk heavier): with deeper-chunk-first priorities and a
@@ -133,10 +139,16 @@ def stash_reserve(pp: int, v: int, stage: int) -> int:
 
 
 def forward_credits(schedule: str, pp: int, v: int, stage: int) -> int:
-    """How many micro-batches stage ``stage``'s forward may run ahead of the forward of ``stage + pp`` (the
-    next deeper stage on its rank): ``pp`` under interleaved 1F1B and interleaved zero bubble, Megatron's
+    """How many micro-batches stage ``stage``'s forward may run ahead of the forward of ``credit_stage``
+    (the deepest stage on its rank): ``pp`` under interleaved 1F1B and interleaved zero bubble, Megatron's
     rounds of ``pp`` micro-batches per chunk; 0 (no such edge) otherwise."""
     return pp if schedule in ("1f1b", "zb") and v > 1 and stage // pp < v - 1 else 0
+
+
+def credit_stage(pp: int, v: int, stage: int) -> int:
+    """The stage whose forwards grant stage ``stage``'s forward credits: the deepest of its rank's chunks
+    (round-robin placement), so every shallower chunk stays within ``pp`` micro-batches of it."""
+    return stage % pp + (v - 1) * pp
 
 
 def split_backward(schedule: str, chunk: int) -> bool:
@@ -156,7 +168,7 @@ def compute_actors(schedule: str, pp: int, stage: int, micro_batches: int, v: in
     (``every`` is the number of pieces per run: 1 per micro-batch,
     ``micro_batches`` per step), after every chunk's last backward — they
     are the rank's, listed with its every chunk; ``T`` (with
-    ``forward_credits``) turns each forward of the rank's next deeper chunk
+    ``forward_credits``) turns each forward of the rank's deepest chunk
     into a credit for this chunk's forward, at once (no work). Priorities as
     the module docstring says.
     """

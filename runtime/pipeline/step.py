@@ -34,8 +34,8 @@ on each of its ranks ``r``:
   backward is the rank's last);
 - ``s{s}.T@r`` (interleaved 1F1B and interleaved zero bubble, every stage
   but a rank's deepest): a credit for this stage's forward each time the
-  rank's next deeper stage runs a forward; ``F`` holds ``pp`` credits at the start, so it runs at
-  most ``pp`` micro-batches ahead of that stage (``forward_credits``);
+  rank's deepest stage runs a forward; ``F`` holds ``pp`` credits at the start, so it runs at
+  most ``pp`` micro-batches ahead of that stage (``forward_credits``, ``credit_stage``);
 - ``s{s}.W@r`` (zero-bubble schedules ``zb``/``zbv``, every stage but the
   first, lowest priority): the stage's backward is split for every
   micro-batch: ``B`` computes the input gradient alone and sends it, ``W``
@@ -109,8 +109,8 @@ from ..executor import run
 from ..plan import ActorSpec, Plan
 from . import plain_stage
 from .boundary import as_tuple, boundary_actors
-from .schedule import (check_schedule, chunk_ranks, compute_actors, forward_credits, split_backward, stash_budget,
-                       stash_reserve, too_few_micro_batches)
+from .schedule import (check_schedule, chunk_ranks, compute_actors, credit_stage, forward_credits, split_backward,
+                       stash_budget, stash_reserve, too_few_micro_batches)
 from .tied import TiedGrads
 from .weight_pass import input_first
 
@@ -673,9 +673,9 @@ class PipelineStep:
                 if pool:
                     pools[pool] = stash_budget(cfg.schedule, len(cfg.placements), v, where[s], m)
                 credits = {}
-                if "T" in table:  # at most pp micro-batches ahead of the rank's next deeper stage's forward
+                if "T" in table:  # at most pp micro-batches ahead of the rank's deepest stage's forward
                     tq, tp, _ = table["T"]
-                    turn, deeper = f"s{s}.T@{r}", f"s{s + len(cfg.placements)}.F@{r}"
+                    turn, deeper = f"s{s}.T@{r}", f"s{credit_stage(len(cfg.placements), v, s)}.F@{r}"
                     actors.append(ActorSpec(turn, _credit, inputs=(deeper,), quota=tq, priority=tp, rank=r,
                                             role=f"T{tag}"))
                     f_in, credits = f_in + (turn,), {turn: forward_credits(cfg.schedule, len(cfg.placements), v, s)}

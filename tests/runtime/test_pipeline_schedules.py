@@ -15,10 +15,11 @@ from runtime.pipeline.schedule import stash_budget
 from toolkit.rank_pool import get_pool
 
 CASES = [  # (layout, schedule, virtual, n_layer)
-    ("pp2", "1f1b", 2, 4), ("pp4", "1f1b", 2, 8), ("dp2_pp2", "1f1b", 2, 4), ("tp2_pp2", "1f1b", 2, 4),
+    ("pp2", "1f1b", 2, 4), ("pp4", "1f1b", 2, 8), ("pp2", "1f1b", 3, 6), ("dp2_pp2", "1f1b", 2, 4),
+    ("tp2_pp2", "1f1b", 2, 4),
     ("dp2_tp2_pp2", "1f1b", 2, 4), ("pp2", "looped_bfs", 2, 4),
     ("pp2", "zb", 1, 4), ("pp4", "zb", 1, 4), ("tp2_pp2", "zb", 1, 4), ("dp2_pp2", "zb", 1, 4),
-    ("pp2", "zb", 2, 4), ("pp4", "zb", 2, 8), ("dp2_pp2", "zb", 2, 4),
+    ("pp2", "zb", 2, 4), ("pp4", "zb", 2, 8), ("pp2", "zb", 3, 6), ("dp2_pp2", "zb", 2, 4),
     ("pp2", "zbv", 2, 4), ("pp4", "zbv", 2, 8), ("tp2_pp2", "zbv", 2, 4), ("dp2_pp2", "zbv", 2, 4),
 ]
 

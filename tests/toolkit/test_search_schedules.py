@@ -147,8 +147,8 @@ def _megatron_interleaved(stages: list, m: int, v: int) -> float:
     return max(done.values())
 
 
-def _interleaved(stages: list, m: int) -> float:
-    tl = simulate(pipeline_graph(stages, m, "1f1b", virtual=2))
+def _interleaved(stages: list, m: int, v: int = 2) -> float:
+    tl = simulate(pipeline_graph(stages, m, "1f1b", virtual=v))
     return max(e for n, _, _, e in tl.tasks if n.split(".")[1] in ("F", "B"))
 
 
@@ -172,3 +172,17 @@ def test_interleaved_1f1b_keeps_megatrons_pace_on_unequal_chunks():
             stages.append(StageWork(f, back * f, back * f, 0.0, 0.0))
         ratios.append(_interleaved(stages, m) / _megatron_interleaved(stages, m, 2))
     assert statistics.median(ratios) <= 1.04 and max(ratios) <= 1.12, sorted(ratios)
+
+
+@pytest.mark.parametrize("v", [3, 4])
+def test_interleaved_1f1b_with_more_chunks_per_rank_keeps_near_megatrons_pace(v):
+    """Three or four chunks per rank, equal works (pp 2 and 4, m = pp, 2pp, 4pp, backward 1-2x the
+    forward): each shallower chunk's forward within ``pp`` micro-batches of the rank's deepest chunk's.
+    Credits from the next deeper chunk instead let the first chunk run up to ``(v - 1) pp`` ahead of the
+    deepest, filling the budget with work far from the loss: a median 8% (worst 30%) over Megatron's order
+    at v = 3, 16% (36%) at v = 4; from the deepest, 3% (7%) and 6% (9%)."""
+    ratios = []
+    for pp, mm, back in [(pp, mm, back) for pp in (2, 4) for mm in (1, 2, 4) for back in (1.0, 2.0)]:
+        stages = [StageWork(1.0, back, back, 0.0, 0.0)] * (pp * v)
+        ratios.append(_interleaved(stages, pp * mm, v) / _megatron_interleaved(stages, pp * mm, v))
+    assert statistics.median(ratios) <= 1.065 and max(ratios) <= 1.10, sorted(ratios)

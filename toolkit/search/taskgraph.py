@@ -24,7 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from runtime.pipeline.schedule import (ASSEMBLE_QUOTA, CUT_QUOTA, SEND_QUOTA, chunk_ranks, compute_actors,
-                                       forward_credits, stash_budget, stash_reserve, too_few_micro_batches)
+                                       credit_stage, forward_credits, stash_budget, stash_reserve,
+                                       too_few_micro_batches)
 
 from .simulator import SimActor, TaskGraph
 
@@ -108,8 +109,8 @@ def pipeline_graph(stages: list, micro_batches: int, schedule: str = "1f1b", tie
         work = {"F": w.forward, "B": backward}
         inputs = {"F": f_in, "B": b_in}
         credits = {}
-        if "T" in table:  # the forward runs at most pp micro-batches ahead of the rank's next deeper stage's
-            work["T"], inputs["T"] = 0.0, (f"s{c + pp}.F",)
+        if "T" in table:  # the forward runs at most pp micro-batches ahead of the rank's deepest stage's
+            work["T"], inputs["T"] = 0.0, (f"s{credit_stage(pp, v, c)}.F",)
             inputs["F"] += (f"s{c}.T",)
             credits = {f"s{c}.T": forward_credits(schedule, pp, v, c)}
         if "W" in table:
