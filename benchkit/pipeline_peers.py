@@ -28,12 +28,20 @@ SCHEDULE_VARIANTS = ("ours interleaved", "torch Interleaved1F1B", "ours zb", "to
                      "ours zb2", "torch InterleavedZeroBubble2", "ours zbv", "torch ZBVZeroBubble", "ours 1f1b")
 SCHEDULE_PAIRS = tuple((SCHEDULE_VARIANTS[i], SCHEDULE_VARIANTS[i + 1]) for i in (0, 2, 4, 6))
 SCHEDULE_TRACE = ("ours 1f1b", "ours interleaved", "ours zbv")  # --trace in --schedules mode: side by side
-# Each variant's schedule: (our pp_schedule, stages per rank); a peer's torch class shares its pair's split.
-# A peer's name is its torch class's less ``Schedule``, with a trailing 2 where it runs two stages per rank.
-SCHEDULES = {"1f1b": ("1f1b", 1), "gpipe": ("gpipe", 1), "interleaved": ("1f1b", 2), "zb": ("zb", 1),
-             "zb2": ("zb", 2), "zbv": ("zbv", 2), "1F1B": ("1f1b", 1), "GPipe": ("gpipe", 1),
-             "Interleaved1F1B": ("1f1b", 2), "InterleavedZeroBubble": ("zb", 1), "InterleavedZeroBubble2": ("zb", 2),
-             "ZBVZeroBubble": ("zbv", 2)}
+# Each variant's schedule: (our pp_schedule, stages per rank; None: ``--virtual``, 2 by default); a peer's torch
+# class shares its pair's split. A peer's name is its torch class's less ``Schedule``, with a trailing 2 where it
+# runs ``--virtual`` stages per rank (zb2 likewise).
+SCHEDULES = {"1f1b": ("1f1b", 1), "gpipe": ("gpipe", 1), "interleaved": ("1f1b", None), "zb": ("zb", 1),
+             "zb2": ("zb", None), "zbv": ("zbv", 2), "1F1B": ("1f1b", 1), "GPipe": ("gpipe", 1),
+             "Interleaved1F1B": ("1f1b", None), "InterleavedZeroBubble": ("zb", 1),
+             "InterleavedZeroBubble2": ("zb", None), "ZBVZeroBubble": ("zbv", 2)}
+
+
+def schedule_of(variant: str, o) -> tuple:
+    """``(our pp_schedule, stages per rank)`` of a variant (``interleaved``, ``Interleaved1F1B``, ...) under the
+    options ``o``: the interleaved pairs run ``o.virtual`` stages per rank."""
+    schedule, virtual = SCHEDULES[variant]
+    return schedule, getattr(o, "virtual", 2) if virtual is None else virtual
 ADAMW = dict(lr=1e-3, weight_decay=0.1)
 MB = 1 << 20
 
@@ -134,7 +142,7 @@ class Ours:
     def __init__(self, o, variant: str):
         from benchkit.pipeline_parity import build
 
-        schedule, virtual = SCHEDULES[variant]
+        schedule, virtual = schedule_of(variant, o)
         batch_of = functools.partial(_batch, vocab=o.vocab, batch=o.batch, seq=o.seq)
         self.step_, module = build(1, 1, o.pp, o.micro, schedule, True, _cfg(o), batch_of, o.seq, o.batch,
                                    virtual=virtual)
@@ -170,7 +178,7 @@ class Theirs:
         self.o = o
         self.rank = dist.get_rank()
         self.stage = self.rank
-        schedule, virtual = SCHEDULES[variant]
+        schedule, virtual = schedule_of(variant, o)
         n = o.pp * virtual
         where = chunk_ranks(schedule, o.pp, virtual)
         self.mine = [c for c in range(n) if where[c] == self.rank]
@@ -345,13 +353,16 @@ def parse(argv=None, description: str = "pipeline benchmark on a GPT-2 split"):
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--trace", default=None, help="write the first pair's last step as a Chrome trace here")
     ap.add_argument("--schedules", action="store_true",
-                    help="interleaved 1F1B and zb2 (2 stages per rank), zb and zbv against torch's schedules, "
-                         "not 1f1b and gpipe")
+                    help="interleaved 1F1B and zb2 (--virtual stages per rank), zb and zbv against torch's "
+                         "schedules, not 1f1b and gpipe")
+    ap.add_argument("--virtual", type=int, default=2, choices=(2, 3, 4),
+                    help="with --schedules: stages per rank of the interleaved pairs (interleaved, zb2)")
     o = ap.parse_args(argv)
-    stages = o.pp * (2 if o.schedules else 1)
-    if o.batch % o.micro or o.layers % stages:
-        ap.error(f"--batch {o.batch} must divide into --micro {o.micro} and --layers {o.layers} into "
-                 f"{stages} stages (--pp {o.pp}{' x 2 stages per rank' if o.schedules else ''})")
+    per_rank = o.virtual if o.schedules else 1
+    if o.batch % o.micro or o.layers % (o.pp * per_rank) or (o.schedules and o.layers % (2 * o.pp)):
+        ap.error(f"--batch {o.batch} must divide into --micro {o.micro} and --layers {o.layers} into the stages "
+                 f"of every variant (--pp {o.pp}"
+                 f"{f' x {o.virtual} and x 2 stages per rank' if o.schedules else ''})")
     return o
 
 

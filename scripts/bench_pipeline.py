@@ -1,6 +1,6 @@
 """Our pipelined GPT-2 (schedules from placements and register quotas) against ``torch.distributed.pipelining``.
 
-    python scripts/bench_pipeline.py [--pp 2|4] [--micro 8] [--steps 6] [--warmup 1] [--schedules]
+    python scripts/bench_pipeline.py [--pp 2|4] [--micro 8] [--steps 6] [--warmup 1] [--schedules [--virtual 2]]
 
 On ``pp`` local gloo ranks (one rank pool, CPU, one intra-op thread per rank),
 four variants train the same GPT-2 (``--layers 8 --embd 256 --heads 8 --vocab
@@ -21,12 +21,14 @@ live on the same ranks of one pool for the whole run:
   ``m`` as we divide each micro-batch's loss by ``m``; ``return_outputs=False``).
 
 ``--schedules`` runs eight other variants instead, in four pairs on the
-same split into ``2 pp`` or ``pp`` stages: ``ours interleaved`` (1F1B,
-``pp_virtual=2``, stages round robin) against ``ScheduleInterleaved1F1B``;
+same split into ``v pp``, ``2 pp`` or ``pp`` stages: ``ours interleaved`` (1F1B,
+``pp_virtual=2``, stages round robin; ``--virtual 3`` or ``4`` for more
+stages per rank, with ``--layers`` a multiple of ``2 pp`` and of ``v pp``,
+e.g. ``--layers 12``) against ``ScheduleInterleaved1F1B``;
 ``ours zb`` (ZB-H1) against ``ScheduleInterleavedZeroBubble`` with one stage
 per rank (torch's nearest: its ZB1P, whose warm-up with one stage per rank
-is 1F1B's); ``ours zb2`` (interleaved zero bubble, ``pp_virtual=2``)
-against the same class with two stages per rank, round robin; ``ours zbv`` against ``ScheduleZBVZeroBubble`` (two stages per
+is 1F1B's); ``ours zb2`` (interleaved zero bubble, ``pp_virtual=2``, or ``--virtual``)
+against the same class with as many stages per rank, round robin; ``ours zbv`` against ``ScheduleZBVZeroBubble`` (two stages per
 rank in a V, so the first and last stage, and their tied copies, share
 rank 0, where the peer sums them locally); and ``ours 1f1b`` on ``pp``
 stages beside them, unpaired (its bubble; with ``--trace``, the trace
@@ -106,7 +108,8 @@ import re
 import statistics
 
 from benchkit.paired import paired_ratio
-from benchkit.pipeline_peers import MB, SCHEDULE_TRACE, SCHEDULES, VARIANTS, pairs_of, parse, variants_of, worker
+from benchkit.pipeline_peers import (MB, SCHEDULE_TRACE, VARIANTS, pairs_of, parse, schedule_of, variants_of,
+                                     worker)
 from runtime.pipeline.timeline import bubble, peak_held, theory
 
 
@@ -195,7 +198,7 @@ def report(res, o) -> str:
     lines.append("paired, the median over rounds of each round's own ratio (drift between rounds cancels): "
                  + "; ".join(paired))
     lines.append("")
-    virtuals = sorted({SCHEDULES[n.split()[1]][1] for n in variants})
+    virtuals = sorted({schedule_of(n.split()[1], o)[1] for n in variants})
     lines.append("per pipeline rank: bubble (median over the timed steps; 1F1B's theory (p-1)/(v m+p-1) = "
                  + ", ".join(f"{theory(o.pp, o.micro, v):.2f} for v={v}" for v in virtuals)
                  + ") and the most micro-batches (of any stage) held between forward and backward (or weight pass)")

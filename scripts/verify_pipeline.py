@@ -4,9 +4,10 @@
 
 Each layout trains 3 AdamW steps of a tiny GPT-2 (4 layers, dropout 0) with
 8 micro-batches per step under 1F1B, in float64 and in float32; then, in
-float64, each layout under interleaved 1F1B (2 stages per rank), looped
-BFS (2 per rank), ZB-H1, interleaved zero bubble (2 per rank) and ZB-V
-(pp4 with 8 layers, so that every stage keeps a layer); every run compares
+float64, each layout under interleaved 1F1B (2 and 3 stages per rank),
+looped BFS (2 per rank), ZB-H1, interleaved zero bubble (2 and 3 per rank)
+and ZB-V (with a layer per stage where the stages are more than 4: pp4 v2
+8 layers, pp2 v3 6, pp4 v3 12); every run compares
 with one device training on its own on the whole batch (its own forward,
 backward and AdamW, never fed the pipeline's gradients): per step the loss
 and every parameter's gradient, and every parameter after the last step
@@ -26,7 +27,13 @@ from benchkit.pipeline_parity import LAYOUTS, MICRO, TOLERANCE, WORLD, compare, 
 from runtime.pipeline.schedule import stash_budget
 from runtime.pipeline.timeline import theory
 
-SCHEDULES = (("1f1b", 2), ("looped_bfs", 2), ("zb", 1), ("zb", 2), ("zbv", 2))  # (pp_schedule, stages per rank)
+SCHEDULES = (("1f1b", 2), ("1f1b", 3), ("looped_bfs", 2), ("zb", 1), ("zb", 2), ("zb", 3),
+             ("zbv", 2))  # (pp_schedule, stages per rank)
+
+
+def _layers(pp: int, v: int) -> int:
+    """Four layers, or one per stage where the ``v * pp`` stages are more."""
+    return max(4, pp * v)
 
 
 def main():
@@ -43,7 +50,7 @@ def main():
                   f"{'ok' if ok else 'FAIL'}")
     for schedule, v in SCHEDULES:
         for name in LAYOUTS:
-            n_layer = 8 if LAYOUTS[name][2] * v > 4 else 4
+            n_layer = _layers(LAYOUTS[name][2], v)
             res = pool.run(run_pipeline, name, 3, schedule, MICRO, None, None, "float64", v, n_layer)
             errs = compare(res, dtype="float64", n_layer=n_layer)
             ok = all(e <= bar for e, bar in zip(errs, TOLERANCE["float64"]))
@@ -51,8 +58,9 @@ def main():
             print(f"float64 {name:12s} {schedule:10s} v={v} loss {errs[0]:.2e}  grads {errs[1]:.2e}  "
                   f"params {errs[2]:.2e}  {'ok' if ok else 'FAIL'}")
     for schedule, v in (("1f1b", 1), ("gpipe", 1), *SCHEDULES):
-        name, n_layer = "pp4", (8 if v > 1 else 4)
+        name = "pp4"
         pp = LAYOUTS[name][2]
+        n_layer = _layers(pp, v)
         held, bub = schedule_report(pool.run(run_pipeline, name, 2, schedule, MICRO, None, None, "float32", v,
                                              n_layer), pp, MICRO)
         bound = {s: stash_budget(schedule, pp, v, s, MICRO) for s in range(pp)}

@@ -1,6 +1,8 @@
 """scripts/bench_pipeline.py end to end on a tiny GPT-2: the table and the summary line print (no timing checks)."""
 import re
 
+import pytest
+
 from scripts.bench_pipeline import VARIANTS, main
 
 TINY = ["--layers", "2", "--embd", "32", "--heads", "2", "--vocab", "128", "--seq", "16", "--batch", "4",
@@ -21,11 +23,15 @@ def test_bench_pipeline_prints_table_and_summary(capsys):
                         r"vs ScheduleGPipe: \d+\.\d\dx, \d+\.\d\dx", last), last
 
 
-def test_bench_pipeline_schedules_against_torch_s(capsys):
-    """--schedules: interleaved, zb, zb2 and zbv against torch's classes on the same split; the losses agree."""
+@pytest.mark.parametrize("virtual,layers", [(2, 4), (3, 12)])
+def test_bench_pipeline_schedules_against_torch_s(capsys, virtual, layers):
+    """--schedules: interleaved, zb, zb2 (--virtual stages per rank) and zbv against torch's classes on the same
+    split; the losses agree."""
     from benchkit.pipeline_peers import SCHEDULE_VARIANTS
 
-    text = main([*TINY[:-6], "--layers", "4", "--micro", "2", "--steps", "1", "--warmup", "0", "--schedules"])
+    text = main([*TINY[:-6], "--layers", str(layers), "--micro", "2", "--steps", "1", "--warmup", "0", "--schedules",
+                 "--virtual", str(virtual)])
+    assert f"for v={virtual})" in text
     for name in SCHEDULE_VARIANTS:
         assert re.search(rf"^{re.escape(name)}\s+\d+\s+\d+", text, re.M), f"no table row for {name}"
     worst = float(re.search(r"max rel diff ([\d.e+-]+)", text).group(1))
