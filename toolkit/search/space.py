@@ -20,9 +20,9 @@ from dataclasses import replace
 
 from .strategy import Strategy
 
-# (pp_schedule, stages per pipeline rank) the search may pick for a pipeline: 1F1B, interleaved 1F1B,
-# GPipe, ZB-H1, interleaved zero bubble and ZB-V.
-PIPELINES = (("1f1b", 1), ("1f1b", 2), ("gpipe", 1), ("zb", 1), ("zb", 2), ("zbv", 2))
+# (pp_schedule, stages per pipeline rank) the search may pick for a pipeline: 1F1B, interleaved 1F1B (2 or 3
+# stages per rank), GPipe, ZB-H1, interleaved zero bubble (2 or 3) and ZB-V.
+PIPELINES = (("1f1b", 1), ("1f1b", 2), ("1f1b", 3), ("gpipe", 1), ("zb", 1), ("zb", 2), ("zb", 3), ("zbv", 2))
 
 
 def divisors(n: int) -> list:
