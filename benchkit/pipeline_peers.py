@@ -22,7 +22,7 @@ from toolkit.stages import keep_stage, stage_ranges
 
 VARIANTS = ("ours 1f1b", "torch 1F1B", "ours gpipe", "torch GPipe")
 PAIRS = ((VARIANTS[0], VARIANTS[1]), (VARIANTS[2], VARIANTS[3]))  # (ours, the peer) compared
-# --schedules: interleaved (2 stages per rank) and zero-bubble schedules against torch's on the same split, and
+# --schedules: interleaved (--virtual stages per rank) and zero-bubble schedules against torch's on the same split, and
 # our 1F1B beside them (its bubble and trace, unpaired).
 SCHEDULE_VARIANTS = ("ours interleaved", "torch Interleaved1F1B", "ours zb", "torch InterleavedZeroBubble",
                      "ours zb2", "torch InterleavedZeroBubble2", "ours zbv", "torch ZBVZeroBubble", "ours 1f1b")

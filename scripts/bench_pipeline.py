@@ -23,12 +23,13 @@ live on the same ranks of one pool for the whole run:
 ``--schedules`` runs eight other variants instead, in four pairs on the
 same split into ``v pp``, ``2 pp`` or ``pp`` stages: ``ours interleaved`` (1F1B,
 ``pp_virtual=2``, stages round robin; ``--virtual 3`` or ``4`` for more
-stages per rank, with ``--layers`` a multiple of ``2 pp`` and of ``v pp``,
-e.g. ``--layers 12``) against ``ScheduleInterleaved1F1B``;
+stages per rank, with ``--layers`` a multiple of ``2 pp`` and of ``v pp``:
+``--layers 12`` at pp2 and v3, 24 at pp4) against ``ScheduleInterleaved1F1B``;
 ``ours zb`` (ZB-H1) against ``ScheduleInterleavedZeroBubble`` with one stage
 per rank (torch's nearest: its ZB1P, whose warm-up with one stage per rank
-is 1F1B's); ``ours zb2`` (interleaved zero bubble, ``pp_virtual=2``, or ``--virtual``)
-against the same class with as many stages per rank, round robin; ``ours zbv`` against ``ScheduleZBVZeroBubble`` (two stages per
+is 1F1B's); ``ours zb2`` (interleaved zero bubble, ``pp_virtual=2``, or
+``--virtual``) against the same class with as many stages per rank, round
+robin; ``ours zbv`` against ``ScheduleZBVZeroBubble`` (two stages per
 rank in a V, so the first and last stage, and their tied copies, share
 rank 0, where the peer sums them locally); and ``ours 1f1b`` on ``pp``
 stages beside them, unpaired (its bubble; with ``--trace``, the trace

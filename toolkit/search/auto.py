@@ -31,6 +31,7 @@ from toolkit.search.strategy import Strategy
 from toolkit.config import typed
 
 from .cluster_file import load_cluster
+from .space import PIPELINES
 from .stage_spec import mesh_plan, strategy_cfg
 
 PLAN_FORMAT = 2  # 2: the strategy holds the pipeline schedule and stages per rank
@@ -57,7 +58,8 @@ def plan_key(cfg, recipe, cluster_text: str, devices: int) -> str:
              "trainer": {k: tr.get(k) for k in ("global_batch_size", "precision", "activation_checkpointing",
                                                  "grad_clip", "optimizer")},
              "cluster": cluster_text, "devices": devices,
-             "search": {k: v for k, v in search.items() if k != "cache_dir"}, "format": PLAN_FORMAT}
+             "search": {k: v for k, v in search.items() if k != "cache_dir"}, "format": PLAN_FORMAT,
+             "pipelines": PIPELINES}  # a schedule the search may newly pick: search again
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
