@@ -358,6 +358,8 @@ def parse(argv=None, description: str = "pipeline benchmark on a GPT-2 split"):
     ap.add_argument("--virtual", type=int, default=2, choices=(2, 3, 4),
                     help="with --schedules: stages per rank of the interleaved pairs (interleaved, zb2)")
     o = ap.parse_args(argv)
+    if o.virtual != 2 and not o.schedules:
+        ap.error(f"--virtual {o.virtual} sets the interleaved pairs of --schedules: add --schedules")
     per_rank = o.virtual if o.schedules else 1
     if o.batch % o.micro or o.layers % (o.pp * per_rank) or (o.schedules and o.layers % (2 * o.pp)):
         ap.error(f"--batch {o.batch} must divide into --micro {o.micro} and --layers {o.layers} into the stages "

@@ -39,3 +39,14 @@ def test_bench_pipeline_schedules_against_torch_s(capsys, virtual, layers):
     last = text.strip().splitlines()[-1]
     assert re.fullmatch(r"schedules: interleaved \d+\.\d\dx thr \d+\.\d\dx mem; zb \d+\.\d\dx thr \d+\.\d\dx mem; "
                         r"zb2 \d+\.\d\dx thr \d+\.\d\dx mem; zbv \d+\.\d\dx thr \d+\.\d\dx mem \(vs torch\)", last), last
+
+
+def test_bench_pipeline_refuses_options_that_do_not_fit(capsys):
+    from benchkit.pipeline_peers import parse
+
+    with pytest.raises(SystemExit):
+        parse(["--virtual", "3"])
+    assert "add --schedules" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse(["--schedules", "--virtual", "3"])  # 8 layers do not make 6 stages
+    assert "--layers 8" in capsys.readouterr().err
