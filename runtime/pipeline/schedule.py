@@ -34,10 +34,10 @@ From those, with the executor taking the highest-priority ready actor:
   first-stage memory on every rank, as each chunk is half a stage).
 
 Within a rank, a backward outranks a forward (1F1B); with several chunks
-per rank (interleaved 1F1B) the backwards of every chunk but the rank's
-first come first, deeper first (their gradients are on the way back to the
-other ranks, and free memory), then the forwards, shallower first (they
-feed the pipeline), then the first chunk's backward. Under ``zb``/``zbv`` a
+per rank (interleaved 1F1B) the deepest chunk's backward comes first (its
+gradient is on the way back to the other ranks, and frees memory), then
+the forwards, shallower first (they feed the pipeline), then the other
+chunks' backwards, deeper first. Under ``zb``/``zbv`` a
 backward outranks every forward, every forward every weight pass, deeper
 first within each. ``reduce`` and ``update`` (once per step) come after
 every backward.
@@ -60,6 +60,18 @@ first chunk could run ``(v - 1) pp`` micro-batches ahead of the deepest and
 fill the budget with work far from the loss — on the same grid a median 8%
 (worst 30%) over Megatron's order at v = 3 and 21% (43%) at v = 4; from
 the deepest, 4% (9%) and 6% (9%).
+
+With three or more chunks per rank, two more choices close the rest
+(same grid, credits from the deepest chunk): a shallower chunk leaves one
+slot of the budget for the deepest (``stash_reserve``; one per deeper
+chunk held the first chunk's forward back where Megatron's order runs
+it), and only the deepest chunk's backward outranks the forwards (all
+backwards but the first chunk's above them ran the middle chunks'
+backwards where Megatron's order runs a forward). With both, a median
+0.0% behind Megatron's order (worst 4.0% at v = 3, 1.5% at v = 4; with one
+chunk 7% or 30% heavier, first or last, 2.1% and 1.0%); the one slot
+alone 2.8% (8.6%) and 3.0% (8.0%); the order alone 0.0%, but 15.5% and
+19.7% at pp 8, m = 16. Two chunks per rank keep the same order and reserve.
 
 The interleaved priorities matter where chunks' works differ (an embedding
 or a head makes a chunk heavier): with deeper-chunk-first priorities and a
@@ -127,15 +139,20 @@ CUT_QUOTA, SEND_QUOTA, ASSEMBLE_QUOTA = 1, RECEIVE_QUOTA, 2
 
 
 def stash_reserve(pp: int, v: int, stage: int) -> int:
-    """Slots of its rank's budget chunk ``stage``'s forward leaves free: one per deeper chunk of the rank.
+    """Slots of its rank's budget chunk ``stage``'s forward leaves free: one, for the rank's deepest chunk.
 
-    So the chunks up to the ``j``-th of a rank never hold more than the
-    budget less ``v - 1 - j`` slots: a deeper chunk, nearer the loss, always
-    finds one, and its backwards free slots for the rest (without it, a
-    rank could fill its budget with its first chunk's micro-batches while
-    its last chunk's forward, whose backward frees them, waits).
+    So the rank's deepest chunk, nearest the loss, always finds a slot, and
+    its backwards free slots for the rest (without it, a rank could fill its
+    budget with its first chunk's micro-batches while its last chunk's
+    forward, whose backward frees them, waits). One slot is enough with
+    ``forward_credits``: a rank's micro-batches past its first chunk but not
+    its deepest are at most ``pp``, holding at most ``(v - 1) pp`` slots,
+    less than any rank's budget; when they hold that many, each waits for
+    the deepest chunk's forward alone. One slot per deeper chunk instead
+    (``v - 1 - j`` for the ``j``-th) held the first chunk back where
+    Megatron's order runs its next forward (see the module docstring).
     """
-    return v - 1 - stage // pp
+    return 1 if stage // pp < v - 1 else 0
 
 
 def forward_credits(schedule: str, pp: int, v: int, stage: int) -> int:
@@ -179,8 +196,8 @@ def compute_actors(schedule: str, pp: int, stage: int, micro_batches: int, v: in
         prio = {"W": j, "F": v + j, "B": 2 * v + j}
     elif schedule in ("gpipe", "looped_bfs"):
         prio = {"F": v - 1 - j, "B": v + j}  # the shallowest chunk's forwards first: breadth first
-    elif v > 1:  # interleaved 1F1B: deeper backwards, then forwards shallow first, the first chunk's backward last
-        prio = {"F": v - j, "B": v + j if j else 0}
+    elif v > 1:  # interleaved 1F1B: the deepest chunk's backward, forwards shallow first, other backwards deep first
+        prio = {"F": 2 * v - 1 - j, "B": 3 * v if j == v - 1 else j}
     else:
         prio = {"F": 0, "B": 1}
     roles = {"F": (quota, prio["F"], 1), "B": (quota if split_backward(schedule, stage) else 2, prio["B"], 1)}

@@ -19,7 +19,8 @@ on each of its ranks ``r``:
   stage per rank, ``m`` under GPipe; with several stages per rank a pool
   they share): a rank cannot start a forward while that many micro-batches
   await their backward;
-- ``s{s}.B@r`` (compute, higher priority than F): backward of micro-batch
+- ``s{s}.B@r`` (compute, higher priority than F with one stage per rank;
+  with several, ``schedule.compute_actors`` ranks them): backward of micro-batch
   ``k`` (``loss / m`` on the last stage, the received output gradient
   elsewhere); gradients accumulate in the layout they arrive in
   (``defer_grad_boxing``: partial sums add locally, no traffic) except in

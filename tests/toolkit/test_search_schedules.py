@@ -175,14 +175,18 @@ def test_interleaved_1f1b_keeps_megatrons_pace_on_unequal_chunks():
 
 
 @pytest.mark.parametrize("v", [3, 4])
-def test_interleaved_1f1b_with_more_chunks_per_rank_keeps_near_megatrons_pace(v):
+def test_interleaved_1f1b_with_more_chunks_per_rank_keeps_megatrons_pace(v):
     """Three or four chunks per rank, equal works (pp 2 and 4, m = pp, 2pp, 4pp, backward 1-2x the
-    forward): each shallower chunk's forward within ``pp`` micro-batches of the rank's deepest chunk's.
-    Credits from the next deeper chunk instead let the first chunk run up to ``(v - 1) pp`` ahead of the
-    deepest, filling the budget with work far from the loss: a median 8% (worst 30%) over Megatron's order
-    at v = 3, 16% (36%) at v = 4; from the deepest, 3% (7%) and 6% (9%)."""
+    forward; and pp8, m = 16, backward 2-3x, where Megatron's rounds of ``pp`` forwards matter most).
+    Each shallower chunk's forward stays within ``pp`` micro-batches of the rank's deepest chunk's, leaves
+    one slot of the budget for it, and only its backward outranks the forwards: a median 0.0% behind
+    Megatron's order, worst 4.0% (v = 3) and 1.5% (v = 4). Credits from the next deeper chunk, a slot per
+    deeper chunk and every backward but the first chunk's above the forwards: a median 7.8% and 22.0%
+    (worst 29.6% and 42.6%); the same with credits from the deepest, 3.6% and 5.8%; and one slot, 2.0% and
+    1.0%; a slot per deeper chunk under these priorities, worst 15.5% and 19.7% (pp8)."""
     ratios = []
-    for pp, mm, back in [(pp, mm, back) for pp in (2, 4) for mm in (1, 2, 4) for back in (1.0, 2.0)]:
+    cases = [(pp, mm, back) for pp in (2, 4) for mm in (1, 2, 4) for back in (1.0, 2.0)] + [(8, 2, 2.0), (8, 2, 3.0)]
+    for pp, mm, back in cases:
         stages = [StageWork(1.0, back, back, 0.0, 0.0)] * (pp * v)
         ratios.append(_interleaved(stages, pp * mm, v) / _megatron_interleaved(stages, pp * mm, v))
-    assert statistics.median(ratios) <= 1.065 and max(ratios) <= 1.10, sorted(ratios)
+    assert statistics.median(ratios) <= 1.005 and max(ratios) <= 1.045, sorted(ratios)
