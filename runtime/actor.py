@@ -34,8 +34,8 @@ class Pool:
     it is freed. A pipeline rank's stages share their activation memory this
     way: the rank holds at most ``size`` micro-batches' activations,
     whichever of its stages they belong to, and a shallower stage leaves a
-    slot to each deeper one, so the deeper ones, whose backwards free the
-    slots, can always go on.
+    slot to the rank's deepest one, so that stage, whose backwards free the
+    slots, can always go on (``runtime.pipeline.schedule.stash_reserve``).
     """
 
     __slots__ = ("name", "size", "free", "max_live")

@@ -144,12 +144,17 @@ def stash_reserve(pp: int, v: int, stage: int) -> int:
     So the rank's deepest chunk, nearest the loss, always finds a slot, and
     its backwards free slots for the rest (without it, a rank could fill its
     budget with its first chunk's micro-batches while its last chunk's
-    forward, whose backward frees them, waits). One slot is enough with
-    ``forward_credits``: a rank's micro-batches past its first chunk but not
-    its deepest are at most ``pp``, holding at most ``(v - 1) pp`` slots,
-    less than any rank's budget; when they hold that many, each waits for
-    the deepest chunk's forward alone. One slot per deeper chunk instead
-    (``v - 1 - j`` for the ``j``-th) held the first chunk back where
+    forward, whose backward frees them, waits). Backwards and weight passes
+    need no slot, so only micro-batches whose forward is unfinished can
+    hold the budget up. One slot is enough: under interleaved 1F1B and
+    interleaved zero bubble (``forward_credits``) a rank's micro-batches
+    past its first chunk but not its deepest are at most ``pp``, holding at
+    most ``(v - 1) pp`` slots, less than either budget; when they hold that
+    many, each waits for the deepest chunk's forward alone. GPipe and looped
+    BFS budget every micro-batch (``v m``); ZB-V has two chunks per rank, no
+    middle one. A schedule with a pool, more than two chunks per rank, no
+    credits and a budget under ``v m`` would need more. One slot per deeper
+    chunk (``v - 1 - j`` for the ``j``-th) held the first chunk back where
     Megatron's order runs its next forward (see the module docstring).
     """
     return 1 if stage // pp < v - 1 else 0

@@ -65,8 +65,8 @@ on each of its ranks ``r``:
 Nothing here orders forwards and backwards: with the stash full a stage can
 only run a backward, and a backward wins when both are ready, so stage
 ``s`` runs ``pp - s`` forwards, then alternates — 1F1B; with several
-stages per rank the deeper stage's actions win, and interleaved 1F1B
-follows from the rank's budget (the schedule module). The ranks of a stage
+stages per rank the priorities, the rank's budget and the forward credits
+of the schedule module make interleaved 1F1B. The ranks of a stage
 form a lockstep gang (their actions call collectives with each other), so
 they act in the order their first rank picks — unless that order is forced
 (a stash of one register, evaluation), when they need no gang.

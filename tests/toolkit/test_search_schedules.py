@@ -182,8 +182,9 @@ def test_interleaved_1f1b_with_more_chunks_per_rank_keeps_megatrons_pace(v):
     one slot of the budget for it, and only its backward outranks the forwards: a median 0.0% behind
     Megatron's order, worst 4.0% (v = 3) and 1.5% (v = 4). Credits from the next deeper chunk, a slot per
     deeper chunk and every backward but the first chunk's above the forwards: a median 7.8% and 22.0%
-    (worst 29.6% and 42.6%); the same with credits from the deepest, 3.6% and 5.8%; and one slot, 2.0% and
-    1.0%; a slot per deeper chunk under these priorities, worst 15.5% and 19.7% (pp8)."""
+    (worst 29.6% and 42.6%); the same with credits from the deepest, 3.6% and 5.8%; with those credits and
+    one slot but the old priorities, 2.0% and 1.0%; these priorities with a slot per deeper chunk, worst
+    15.5% and 19.7% (pp8)."""
     ratios = []
     cases = [(pp, mm, back) for pp in (2, 4) for mm in (1, 2, 4) for back in (1.0, 2.0)] + [(8, 2, 2.0), (8, 2, 3.0)]
     for pp, mm, back in cases:
