@@ -22,8 +22,8 @@ from toolkit.stages import keep_stage, stage_ranges
 
 VARIANTS = ("ours 1f1b", "torch 1F1B", "ours gpipe", "torch GPipe")
 PAIRS = ((VARIANTS[0], VARIANTS[1]), (VARIANTS[2], VARIANTS[3]))  # (ours, the peer) compared
-# --schedules: interleaved (--virtual stages per rank) and zero-bubble schedules against torch's on the same split, and
-# our 1F1B beside them (its bubble and trace, unpaired).
+# --schedules: interleaved (--virtual stages per rank) and zero-bubble schedules against torch's on the same split,
+# and our 1F1B beside them (its bubble and trace, unpaired).
 SCHEDULE_VARIANTS = ("ours interleaved", "torch Interleaved1F1B", "ours zb", "torch InterleavedZeroBubble",
                      "ours zb2", "torch InterleavedZeroBubble2", "ours zbv", "torch ZBVZeroBubble", "ours 1f1b")
 SCHEDULE_PAIRS = tuple((SCHEDULE_VARIANTS[i], SCHEDULE_VARIANTS[i + 1]) for i in (0, 2, 4, 6))
@@ -42,6 +42,8 @@ def schedule_of(variant: str, o) -> tuple:
     options ``o``: the interleaved pairs run ``o.virtual`` stages per rank."""
     schedule, virtual = SCHEDULES[variant]
     return schedule, getattr(o, "virtual", 2) if virtual is None else virtual
+
+
 ADAMW = dict(lr=1e-3, weight_decay=0.1)
 MB = 1 << 20
 
