@@ -41,7 +41,7 @@ def schedule_of(variant: str, o) -> tuple:
     """``(our pp_schedule, stages per rank)`` of a variant (``interleaved``, ``Interleaved1F1B``, ...) under the
     options ``o``: the interleaved pairs run ``o.virtual`` stages per rank."""
     schedule, virtual = SCHEDULES[variant]
-    return schedule, getattr(o, "virtual", 2) if virtual is None else virtual
+    return schedule, o.virtual if virtual is None else virtual
 
 
 ADAMW = dict(lr=1e-3, weight_decay=0.1)
