@@ -14,13 +14,21 @@
   boxed, by an all-to-all where another dim can be split instead).
 - ``cumsum`` along ``dim``: a split other dim -> ``S``; ``P(sum)`` stays
   ``P(sum)`` (a prefix sum is linear); along a split dim the input is boxed.
-- ``max``/``min`` over ``dim`` (values and indices), ``topk``, ``sort``: a
-  split kept dim -> ``S``; ``B -> B``; a split reduced or sorted dim is
-  boxed. Their backward scatters into ``grad.new_zeros`` from torch 2.13;
-  torch 2.11 scatters into a plain ``torch.zeros``, which the dispatcher
-  refuses to mix with a global gradient.
-- ``count_nonzero``: a reduced split dim -> ``P(sum)``. No rule for
-  ``prod``: its backward concatenates a plain tensor (torch 2.13).
+- ``max``/``min`` over ``dim`` (values and indices), ``topk``, ``sort``,
+  ``median``/``nanmedian`` over ``dim``, ``kthvalue``, ``mode``: a split
+  kept dim -> ``S``; ``B -> B``; a split reduced or sorted dim is boxed
+  (an order statistic has no partial form). Their backward scatters into
+  ``grad.new_zeros`` from torch 2.13; torch 2.11 scatters into a plain
+  ``torch.zeros``, which the dispatcher refuses to mix with a global
+  gradient (``sbp_core.torch_compat`` installs 2.13's kernel there).
+  ``median()``/``nanmedian()`` of the whole tensor: ``B -> B``.
+- ``logcumsumexp`` along ``dim``: a split other dim -> ``S``; along a split
+  dim, or of a partial input (not linear), the input is boxed.
+- ``count_nonzero``: a reduced split dim -> ``P(sum)``.
+- No rule for ``prod``, ``cumprod``, ``cummax``/``cummin`` or ``trace``:
+  their backward formulas (torch 2.13) build a plain ``ones``/``zeros``
+  tensor, which the dispatcher refuses to mix with a global gradient; they
+  raise ``NoSbpRule`` naming the op.
 - ``var``/``std``/``logsumexp``: a split kept dim -> ``S``; over a split
   reduced dim they are *decomposed*. ``var``: the global mean (a ``P(sum)``
   row sum boxed to ``B``, divided by the global count), then the squared
@@ -189,6 +197,31 @@ def _topk_rule(call):
 @register(aten.sort.default, aten.sort.stable)
 def _sort_rule(call):  # sort.stable's dim is keyword-only: _dim finds it there
     return _kept_only(call, (_dim(call, 1, -1),), True, n_out=2)
+
+
+@register(aten.median.dim, aten.nanmedian.dim)
+def _median_dim_rule(call):
+    return _kept_only(call, (_dim(call, 1),), bool(call.arg(2, "keepdim", False)), n_out=2)
+
+
+@register(aten.kthvalue.default)
+def _kthvalue_rule(call):
+    return _kept_only(call, (_dim(call, 2, -1),), bool(call.arg(3, "keepdim", False)), n_out=2)
+
+
+@register(aten.mode.default)
+def _mode_rule(call):
+    return _kept_only(call, (_dim(call, 1, -1),), bool(call.arg(2, "keepdim", False)), n_out=2)
+
+
+@register(aten.median.default, aten.nanmedian.default)
+def _whole_median_rule(call):
+    return [Sig((B,), (B,))]
+
+
+@register(aten.logcumsumexp.default)
+def _logcumsumexp_rule(call):
+    return _kept_only(call, (_dim(call, 1),), True)
 
 
 register(aten.count_nonzero.default, aten.count_nonzero.dim_IntList)(_rule(P, partial_in=False))

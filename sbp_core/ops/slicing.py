@@ -24,6 +24,14 @@ partial on the axis):
   the flattened tensor.
 - ``repeat``: ``S`` on a dim repeated once stays (on its index among the
   output's dims); partial passes (each term is repeated alike).
+- ``diagonal``/``diagonal_copy`` (``torch.diag`` of a matrix, ``einsum("ii->i")``)
+  and their backward ``diagonal_backward``: ``S`` on a dim other than the two
+  the diagonal runs across stays, on its index among the others (the output
+  puts the diagonal last); partial passes (entries are picked, or zeros
+  filled in). A split diagonal dim is boxed first: its shards' diagonals are
+  not ``tensor_split`` pieces of the global one.
+- ``diag_embed`` (``torch.diag`` of a vector): the reverse, ``S`` on a dim
+  other than the last stays, on its index among the output's other dims.
 """
 from __future__ import annotations
 
@@ -146,3 +154,38 @@ def triangle(call):
     ax = axis_of(call)
     nd = call.metas[0].ndim
     return [Sig((B,), (B,))] + [Sig((Split(i),), (Split(i),)) for i in range(nd)] + passthrough(ax, 0)
+
+
+def _diagonal_dims(nd: int, dim1: int, dim2: int) -> list:
+    """The dims of an ``nd``-dim tensor other than the diagonal's two, in order (the output's leading dims)."""
+    across = {dim1 % nd, dim2 % nd}
+    return [i for i in range(nd) if i not in across]
+
+
+def _across_diagonal(ax, others: list, leading_to_full: bool) -> list:
+    """``B``; ``S`` between a dim in ``others`` and its index among them; partial passes."""
+    sigs = [Sig((B,), (B,))]
+    for k, i in enumerate(others):
+        sigs.append(Sig((Split(k),), (Split(i),)) if leading_to_full else Sig((Split(i),), (Split(k),)))
+    return sigs + passthrough(ax, 0)
+
+
+@register(aten.diagonal.default, aten.diagonal_copy.default)
+def diagonal(call):
+    nd = call.metas[0].ndim
+    others = _diagonal_dims(nd, call.arg(2, "dim1", 0), call.arg(3, "dim2", 1))
+    return _across_diagonal(axis_of(call), others, leading_to_full=False)
+
+
+@register(aten.diagonal_backward.default, local=sized_local)
+def diagonal_backward(call):
+    nd = len(call.arg(1, "input_sizes"))
+    others = _diagonal_dims(nd, call.arg(3, "dim1"), call.arg(4, "dim2"))
+    return _across_diagonal(axis_of(call), others, leading_to_full=True)
+
+
+@register(aten.diag_embed.default)
+def diag_embed(call):
+    nd = call.metas[0].ndim + 1
+    others = _diagonal_dims(nd, call.arg(2, "dim1", -2), call.arg(3, "dim2", -1))
+    return _across_diagonal(axis_of(call), others, leading_to_full=True)

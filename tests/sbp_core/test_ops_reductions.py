@@ -75,6 +75,21 @@ def top_and_sorted(x):
     return top, at, ordered, order
 
 
+def order_statistics(x):  # median and nanmedian over a dim, kthvalue, mode: values and indices
+    mid, at = x.median(1)
+    nan_mid, nan_at = x.nanmedian(0, keepdim=True)
+    second, where = x.kthvalue(2, 1)
+    return mid, at, nan_mid, nan_at, second, where, x.median() * 2
+
+
+def most_common(i):  # integer rows with repeats, so that ``mode`` has a choice to make
+    return i.mode(1)
+
+
+def log_running_sum(x):
+    return x.logcumsumexp(1)
+
+
 def counts(x):
     return torch.count_nonzero(x > 0, 0), torch.count_nonzero(x > 0)
 
@@ -115,6 +130,7 @@ def test_reductions_match_one_device():
 def test_variance_extrema_sorting_and_moves_match_one_device():
     x = torch.randn(7, 5, generator=g)
     a, m = torch.randn(6, 4, generator=g), torch.randn(4, 5, generator=g)
+    ints = torch.randint(0, 3, (7, 5), generator=g)
     part = sbp.partial_sum
     run([
         (variance, [x], [S1], R3, [S0, None, part]),  # var over the split dim 0: decomposed, P(sum) left
@@ -124,6 +140,14 @@ def test_variance_extrema_sorting_and_moves_match_one_device():
         (extremum_rows, [x], [S1], R2, None),
         (top_and_sorted, [x], [S0], R3, [S0, S0, None, None]),
         (top_and_sorted, [x], [S1], R3, None),
+        (order_statistics, [x], [S0], R3, [S0, S0, None, None, S0, S0, B]),
+        (order_statistics, [x], [S1], R3, [None, None, S1, S1, None, None, B]),
+        (order_statistics, [x], [(S0, S1)], M22, None),
+        (most_common, [ints], [S0], R3, [S0, S0], False),
+        (most_common, [ints], [S1], R2, None, False),
+        (log_running_sum, [x], [S0], R3, [S0]),
+        (log_running_sum, [x], [S1], R2, None),  # along the split dim: boxed first
+        (log_running_sum, [a @ m], [part], R2, None),
         (counts, [x], [S0], R3, [part, part], False),
         (counts, [x], [S1], R2, [sbp.split(0), part], False),
         (rolled_and_repeated, [x], [S0], R3, [S0, None, sbp.split(1), None]),

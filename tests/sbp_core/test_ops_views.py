@@ -313,6 +313,33 @@ def test_slicing():
     ])
 
 
+def diagonals(x):  # [2, 5, 5]: the diagonal of each matrix, and a band above it, as ``torch.diagonal`` gives
+    return x.diagonal(0, 1, 2) * 2, x.diagonal(1, -1, -2) * 3
+
+
+def diagonal_rows(x):  # [4, 3, 3]: ``einsum("bii->bi")`` and ``diag_embed`` back to matrices
+    return torch.einsum("bii->bi", x).diag_embed(1) * 2
+
+
+def matrix_diagonal(x):  # [4, 4]: ``torch.diag`` of a matrix (``diagonal_copy``) and of a vector
+    return torch.diag(x) * 2, torch.diag(x[0] * 3)
+
+
+def test_diagonals():
+    x255, x433, x44 = rnd(2, 5, 5), rnd(4, 3, 3), rnd(4, 4)
+    run([
+        (diagonals, [x255], [S0], R3, [S0, S0]),
+        (diagonals, [x255], [P], R2, [P, P]),
+        (diagonals, [x255], [S1], R3, ANY),  # across the diagonal: boxed first
+        (diagonals, [x255], [(S0, S2)], M22, lambda got: got is not None and all(o[0] == S0 for o in got)),  # S(2) boxed
+        (diagonal_rows, [x433], [S0], R3, [S0]),
+        (diagonal_rows, [x433], [S2], R2, ANY),
+        (matrix_diagonal, [x44], [S1], R2, ANY),
+        (matrix_diagonal, [x44], [B], R3, [B, B]),
+        (matrix_diagonal, [x44], [P], R2, [P, ANY]),
+    ])
+
+
 # -- tensor-indexed ops ---------------------------------------------------------------------
 
 
