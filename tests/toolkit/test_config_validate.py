@@ -297,6 +297,23 @@ def test_device_cuda_without_cuda():
            "device=auto" in problems("device=cuda", "parallel=dp2")
 
 
+def test_a_cuda_pipeline_with_one_device_connection_warns(monkeypatch):
+    import warnings
+
+    from toolkit.config import environment
+
+    monkeypatch.setattr(environment, "cuda_device_count", lambda: 8)  # as on a machine with 8 GPUs
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    with pytest.warns(ConfigWarning, match="CUDA_DEVICE_MAX_CONNECTIONS=1 .* unset it for pipeline jobs"):
+        assert validate(cfg_of("device=cuda", "parallel=dp2_pp2")).device == "cuda"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConfigWarning)
+        validate(cfg_of("device=cuda", "parallel=dp2"))  # no pipeline: no channels
+        validate(cfg_of("device=cpu", "parallel=dp2_pp2"))  # gloo
+        monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")
+        validate(cfg_of("device=cuda", "parallel=dp2_pp2"))
+
+
 def test_validate_accepts_plain_dicts_and_does_not_modify():
     cfg = cfg_of("parallel=dp4_zero2")
     before = cfg.copy()

@@ -9,7 +9,9 @@ value range and cross-field rule, collecting *all* problems into one
 - ``dp * tp * pp`` equals the processes available: torchrun's / Slurm's world
   size when launched (see :mod:`toolkit.config.environment`), else what will
   be spawned; with ``device=cuda`` (or ``auto`` on a CUDA machine) the ranks
-  on a node must not outnumber its visible devices.
+  on a node must not outnumber its visible devices. A pipeline on CUDA
+  with ``CUDA_DEVICE_MAX_CONNECTIONS=1`` in the environment warns (see
+  ``docs/design.md``: its channels' communicators may then deadlock).
 - With a pipeline split: the recipe's layer count divides by
   ``pp * pp_virtual``, or ``stage_layers`` has ``pp * pp_virtual`` positive
   entries summing to it; ``pp_virtual > 1`` needs ``pp > 1``; ``zbv`` needs
@@ -335,6 +337,13 @@ def _check_device(p: list, cfg, env, world: int) -> str:
         if cfg.device == "auto" and device == "cpu" and 0 < (count := cuda_device_count()) < local:
             warnings.warn(f"device=auto: {count} CUDA devices for {local} local ranks; running on CPU "
                           "(gloo)", ConfigWarning, stacklevel=3)
+    if device == "cuda" and cfg.parallel.pp > 1 and os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
+        warnings.warn("CUDA_DEVICE_MAX_CONNECTIONS=1 (a Megatron-LM setting for its tensor-parallel overlap) makes "
+                      "each GPU start every stream's work in one launch order; a pipeline's channels each drive "
+                      "an NCCL communicator of their own from a thread of their own, and NCCL documents that "
+                      "communicators in flight together can then deadlock (here: every rank ends with a timeout "
+                      "error after SBP_TIMEOUT). This runtime does not need it; unset it for pipeline jobs",
+                      ConfigWarning, stacklevel=3)
     return device
 
 
