@@ -1,5 +1,5 @@
-"""Parity of a distributed run against one device training on its own: the MLP and tiny GPT-2 layouts of
-scripts/verify_parity.py (its docstring says what is compared and why the bars are what they are)."""
+"""Parity of a distributed run against one device training on its own: the MLP, tiny GPT-2 and tiny LLaMA
+layouts of scripts/verify_parity.py (its docstring says what is compared and why the bars are what they are)."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,6 +11,8 @@ from torch import nn
 import sbp_core as sc
 from recipes.gpt2.model import GPT2Config, GPT2LMHeadModel
 from recipes.gpt2.plan import RESIDUAL_WHOLE, SEQUENCE_PARALLEL, TENSOR_PARALLEL
+from recipes.llama import plan as llama_plan
+from recipes.llama.model import LlamaConfig, LlamaForCausalLM
 from sbp_core.sbp import Broadcast, Split
 
 WORLD = 4
@@ -44,6 +46,9 @@ GPT_TP_PINS = RESIDUAL_WHOLE
 # Sequence parallel: LayerNorm regions split along the sequence.
 GPT_SP_PINS = SEQUENCE_PARALLEL
 MLP_TP = {"fc1.weight": S0, "fc1.bias": S0, "fc2.weight": S1}
+# LLaMA: grouped-query attention (4 query heads, 2 key/value heads), SwiGLU, RMSNorm, rotary embeddings.
+LLAMA_CFG = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
 
 
 def _on_axis(plan, axis_sbp_other, tp_axis, ndim):
@@ -66,6 +71,13 @@ def layouts():
         out[f"{kind} tp4"] = (kind, [0, 1, 2, 3], {**tp_plan, **pins}, (B,))
         out[f"{kind} dp2 x tp2"] = (kind, [[0, 1], [2, 3]], _on_axis({**tp_plan, **pins}, B, 1, 2), (S0, B))
         out[f"{kind} tp2 cost-chosen"] = (kind, [0, 1], dict(tp_plan), (B,))
+    out["llama dp2"] = ("llama", [0, 1], {}, (S0,))
+    out["llama tp2"] = ("llama", [0, 1], {**llama_plan.TENSOR_PARALLEL, **llama_plan.RESIDUAL_WHOLE}, (B,))
+    out["llama tp2 sequence-parallel"] = ("llama", [0, 1], {**llama_plan.TENSOR_PARALLEL,
+                                                             **llama_plan.SEQUENCE_PARALLEL}, (B,))
+    out["llama dp2 x tp2"] = ("llama", [[0, 1], [2, 3]], llama_plan.mesh_plan(), (S0, B))
+    out["llama dp2 x tp2 cost-chosen"] = ("llama", [[0, 1], [2, 3]], _on_axis(llama_plan.TENSOR_PARALLEL, B, 1, 2),
+                                          (S0, B))
     out["gpt2 tp2 sequence-parallel"] = ("gpt2", [0, 1], {**GPT_TP, **GPT_SP_PINS}, (B,))
     out["gpt2 dp2 x tp2 sequence-parallel"] = ("gpt2", [[0, 1], [2, 3]], _on_axis({**GPT_TP, **GPT_SP_PINS}, B, 1, 2), (S0, B))
     out["gpt2 dp2 x tp2 cost-chosen"] = ("gpt2", [[0, 1], [2, 3]], _on_axis(GPT_TP, B, 1, 2), (S0, B))
@@ -80,6 +92,9 @@ def _model_and_batches(kind, dtype=torch.float64):
     if kind == "mlp":
         model = MLP()
         batches = [(torch.randn(16, 32).to(dtype), torch.randint(0, 8, (16,))) for _ in range(STEPS)]
+    elif kind == "llama":
+        model = LlamaForCausalLM(LLAMA_CFG)
+        batches = [(ids, ids) for ids in (torch.randint(0, LLAMA_CFG.vocab_size, (4, 16)) for _ in range(STEPS))]
     else:
         p = 0.1 if kind == "gpt2-dropout" else 0.0
         model = GPT2LMHeadModel(dataclasses.replace(GPT_CFG, embd_pdrop=p, resid_pdrop=p, attn_pdrop=p))

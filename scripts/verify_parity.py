@@ -1,4 +1,4 @@
-"""Train an MLP and a tiny GPT-2 under many layouts and compare with one device training on its own.
+"""Train an MLP, a tiny GPT-2 and a tiny LLaMA under many layouts and compare with one device training on its own.
 
     python scripts/verify_parity.py [--dtype float64|float32|both]
 
@@ -24,7 +24,7 @@ for the gradients and 1e-2 for the parameters.
 
 Layouts: data parallel on 2 and 4 ranks, Megatron tensor parallel on 2 and
 4 ranks, data x tensor on a 2x2 mesh, the same with sequence-parallel
-LayerNorm regions (GPT-2), a layout where the cost model chose every
+norm regions (GPT-2, LLaMA), a layout where the cost model chose every
 activation layout from the weights' SBP alone, and data x tensor with
 dropout 0.1 (both runs draw from one RNG state). Last line:
 ``parity: K/K layouts within their mode's bars``.

@@ -1,4 +1,4 @@
-"""Three AdamW steps of an MLP and a tiny GPT-2 under every layout equal one device training on its own.
+"""Three AdamW steps of an MLP, a tiny GPT-2 and a tiny LLaMA under every layout equal one device training on its own.
 
 The same layouts and bars as ``python scripts/verify_parity.py``: data parallel
 (2, 4), Megatron tensor parallel (2, 4), 2x2 data x tensor, sequence parallel,

@@ -1,0 +1,195 @@
+"""A LLaMA-style decoder as plain torch modules, with ``transformers``' ``LlamaForCausalLM`` names and shapes.
+
+``LlamaForCausalLM(LlamaConfig(...))`` has ``model.embed_tokens``,
+``model.layers.{i}.input_layernorm``, ``.self_attn.{q,k,v,o}_proj``,
+``.post_attention_layernorm``, ``.mlp.{gate,up,down}_proj``, ``model.norm``
+and ``lm_head`` (not tied), each of the same shape as Hugging Face's
+(``nn.Linear`` weights are ``[out, in]``): RMSNorm, rotary position
+embeddings in the rotate-half form Hugging Face's weights use, grouped-query
+attention (``num_key_value_heads`` key/value heads, each shared by
+``num_attention_heads / num_key_value_heads`` query heads) and a SwiGLU MLP.
+
+No communication here: parallel layouts come from a plan (``plan.py``). A
+pipeline stage is this model with the modules of other stages set to
+``None`` (layers of ``model.layers`` included): ``forward`` skips what is
+absent, so a stage's parameter names stay the whole model's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from recipes.gpt2.model import _generator
+
+
+@dataclass
+class LlamaConfig:
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 32
+    max_position_embeddings: int = 2048
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    initializer_range: float = 0.02
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+class RMSNorm(nn.Module):
+    """``x / sqrt(mean(x^2) + eps) * weight`` over the last dim, computed in at least float32 (as Hugging Face's
+    for half precision; float64 stays float64)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        h = x.to(torch.promote_types(x.dtype, torch.float32))
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        hd, nh, nkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim, self.groups = hd, nh // nkv
+        self.q_proj = nn.Linear(cfg.hidden_size, nh * hd, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, nkv * hd, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, nkv * hd, bias=False)
+        self.o_proj = nn.Linear(nh * hd, cfg.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin):
+        b, t, _ = x.shape
+        # ``-1`` heads: a tensor-parallel rank's projections hold whole heads (plan.py), so the view is local.
+        q = self.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        if self.groups > 1:  # query heads g*i .. g*i+g-1 share key/value head i
+            k = k.repeat_interleave(self.groups, dim=1)
+            v = v.repeat_interleave(self.groups, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """``forward(input_ids, labels=None) -> (logits, loss)``; ``loss`` is next-token cross-entropy when ``labels`` is given.
+
+    As a pipeline stage: without ``model.embed_tokens`` the first argument
+    is the previous stage's hidden states ``[b, t, hidden_size]``; without
+    ``lm_head`` it returns ``(hidden states, None)``. The rotary tables
+    ``rope_cos``/``rope_sin`` (``[max_position_embeddings, head_dim]``,
+    float32, not saved) are buffers of every stage.
+    """
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        shape = (cfg.max_position_embeddings, cfg.head_dim)
+        self.register_buffer("rope_cos", torch.empty(shape), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(shape), persistent=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        """The initial value of every parameter and buffer this model, or pipeline stage of it, holds
+        (``init_shard`` of the whole parameter); meta parameters and buffers are skipped."""
+        for name, p in self.named_parameters():
+            if not p.is_meta:
+                p.copy_(self.init_shard(name, tuple((0, n) for n in p.shape)))
+        self.reset_buffers()
+
+    @torch.no_grad()
+    def reset_buffers(self):
+        """The rotary tables, as Hugging Face's default rotary embedding computes them (float32)."""
+        if self.rope_cos.is_meta:
+            return
+        cfg = self.config
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim))
+        angles = torch.outer(torch.arange(cfg.max_position_embeddings).float(), inv_freq)
+        angles = torch.cat((angles, angles), dim=-1)
+        self.rope_cos.copy_(angles.cos())
+        self.rope_sin.copy_(angles.sin())
+
+    def init_shard(self, name: str, box) -> torch.Tensor:
+        """The box ``((start, length), ...)`` of parameter ``name``'s initial value, on the CPU (``sbp_core``'s
+        contract for a parameter left on the meta device: each rank builds only its shard).
+
+        Norm weights are 1; every other weight is drawn whole from N(0, ``initializer_range``) by a generator
+        seeded from the global seed and the parameter's name alone (Hugging Face's initialisation), then the
+        box is cut from it: any stage, or shard of one, holds the values the whole model has on one device.
+        """
+        param = self.get_parameter(name)
+        size = tuple(n for _, n in box)
+        if name.endswith("norm.weight"):
+            return torch.ones(size, dtype=param.dtype, device="cpu")
+        whole = torch.empty(param.shape, dtype=param.dtype, device="cpu").normal_(
+            0.0, self.config.initializer_range, generator=_generator(name))
+        shard = whole[tuple(slice(start, start + n) for start, n in box)]
+        return shard.clone() if shard.numel() < whole.numel() else whole
+
+    def forward(self, input_ids, labels=None):
+        t = input_ids.shape[1]
+        m = self.model
+        x = m.embed_tokens(input_ids) if m.embed_tokens is not None else input_ids
+        cos, sin = self.rope_cos[:t].to(x.dtype), self.rope_sin[:t].to(x.dtype)
+        for layer in m.layers:
+            if layer is not None:
+                x = layer(x, cos, sin)
+        if self.lm_head is None:
+            return x, None
+        logits = self.lm_head(m.norm(x))
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+        return logits, loss

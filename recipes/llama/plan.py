@@ -1,0 +1,37 @@
+"""The LLaMA recipe's parallel plan as data: Megatron's layout (torchtitan's for Llama) in SBP terms.
+
+On a stage's ``(dp, tp)`` mesh parameters are ``B`` on the dp axis and, on
+the tp axis: the query, key, value, gate and up projections column-split
+(``nn.Linear`` weights are ``[out, in]``: ``S(0)``, whole heads per rank,
+and with grouped-query attention whole key/value heads, so their query
+heads stay on the same rank), the output and down projections row-split
+``S(1)``, the token embedding and the LM head vocabulary-split ``S(0)``,
+norms ``B``. Activations: ``S(0)`` batch on dp, and ``B`` on tp at RMSNorm
+inputs (the residual stream whole), or ``S(1)`` there with
+``sequence_parallel``. Nothing is tied.
+"""
+from __future__ import annotations
+
+from sbp_core.sbp import Broadcast, Split
+
+B, S0, S1 = Broadcast(), Split(0), Split(1)
+
+TENSOR_PARALLEL = {
+    "*.self_attn.q_proj.weight": S0, "*.self_attn.k_proj.weight": S0, "*.self_attn.v_proj.weight": S0,
+    "*.self_attn.o_proj.weight": S1,
+    "*.mlp.gate_proj.weight": S0, "*.mlp.up_proj.weight": S0, "*.mlp.down_proj.weight": S1,
+    "model.embed_tokens.weight": S0, "lm_head.weight": S0,
+}
+RESIDUAL_WHOLE = {"*.input_layernorm:input": B, "*.post_attention_layernorm:input": B, "model.norm:input": B}
+SEQUENCE_PARALLEL = {"*.input_layernorm:input": S1, "*.post_attention_layernorm:input": S1, "model.norm:input": S1}
+
+PIPELINE = {"layers": "model.layers", "first": ["model.embed_tokens"], "last": ["model.norm", "lm_head"]}
+
+DATA_SBP = (S0, B)
+ACT_SBP = (S0, B)
+
+
+def mesh_plan(sequence_parallel: bool = False) -> dict:
+    """The plan on a ``(dp, tp)`` mesh: parameters ``(B, tp SBP)``; activation pins ``(S(0), tp SBP)``."""
+    pins = SEQUENCE_PARALLEL if sequence_parallel else RESIDUAL_WHOLE
+    return {**{k: (B, v) for k, v in TENSOR_PARALLEL.items()}, **{k: (S0, v) for k, v in pins.items()}}
