@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 
-RECIPES = ("gpt2", "insightface", "wide_deep")
+RECIPES = ("gpt2", "llama", "insightface", "wide_deep")
 
 
 def get(name: str):

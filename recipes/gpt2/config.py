@@ -97,7 +97,7 @@ def gpt2_config_kwargs(model: Any) -> dict:
 def problems(cfg, layout, trains_tokenizer: bool = True) -> list:
     """GPT-2's rules: dimensions, whole heads and vocabulary per tp rank, sequence and vocabulary of the data."""
     p: list = []
-    m, data, par, tr = cfg.model, cfg.data, cfg.parallel, cfg.trainer
+    m, tr = cfg.model, cfg.trainer
     dims_ok = True
     for key in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "make_vocab_size_divisible_by"):
         if m[key] < 1:
@@ -118,6 +118,28 @@ def problems(cfg, layout, trains_tokenizer: bool = True) -> list:
         p.append(f"model.vocab_size={m.vocab_size} (embedding rows: {rows}) must divide by parallel.tp="
                  f"{layout.tp} (vocab-parallel embedding and loss); valid: pad the rows, e.g. "
                  f"model.make_vocab_size_divisible_by={multiple} ({padded_vocab_size(m.vocab_size, multiple)} rows)")
+    p += data_problems(cfg, layout, "n_positions", trains_tokenizer)
+    if tr.init_from in HF_GPT2_DIMS:
+        want = HF_GPT2_DIMS[tr.init_from]
+        wrong = {k: m[k] for k, v in want.items() if m[k] != v}
+        if wrong:
+            p.append(f"trainer.init_from={tr.init_from!r}: the checkpoint has "
+                     f"{ {k: want[k] for k in wrong} } but the model has {wrong}; valid: "
+                     f"model={tr.init_from}")
+        if m.vocab_size != 50257:
+            p.append(f"trainer.init_from={tr.init_from!r}: the checkpoint has 50257 tokens, "
+                     f"model.vocab_size={m.vocab_size}; valid: 50257 (with tensor parallelism pad the rows with "
+                     "model.make_vocab_size_divisible_by, e.g. 128)")
+    return p
+
+
+def data_problems(cfg, layout, positions_key: str, trains_tokenizer: bool = True) -> list:
+    """The token data's rules for a language model whose context holds ``cfg.model[positions_key]`` tokens:
+    the corpus, the tokenizer, the sequence length (and its split under sequence parallelism), the vocabulary
+    against the model's ``vocab_size``, the held-out share."""
+    p: list = []
+    m, data, par, tr = cfg.model, cfg.data, cfg.parallel, cfg.trainer
+    positions = m[positions_key]
     if data.source not in DATA_SOURCES:
         p.append(f"data.source={data.source!r}: unknown choice; valid: {', '.join(DATA_SOURCES)}")
     elif data.source == "text" and data.path is None:
@@ -133,9 +155,9 @@ def problems(cfg, layout, trains_tokenizer: bool = True) -> list:
     seq_len = data.seq_len
     if seq_len < 2:
         p.append(f"data.seq_len={seq_len!r}: must be >= 2 (next-token targets)")
-    elif seq_len > m.n_positions:
-        p.append(f"data.seq_len={seq_len}: exceeds model.n_positions={m.n_positions}; "
-                 f"valid: 2..{m.n_positions}")
+    elif seq_len > positions:
+        p.append(f"data.seq_len={seq_len}: exceeds model.{positions_key}={positions}; "
+                 f"valid: 2..{positions}")
     if par.sequence_parallel and layout.tp > 1 and seq_len % layout.tp:
         p.append(f"data.seq_len={seq_len}: sequence_parallel splits it over parallel.tp={layout.tp}; "
                  "valid: a multiple of tp, or parallel.sequence_parallel=false")
@@ -152,15 +174,4 @@ def problems(cfg, layout, trains_tokenizer: bool = True) -> list:
                  "evaluates; valid: data.val_fraction > 0, or trainer.eval_every=0")
     if data.max_bytes is not None and data.max_bytes < 1:
         p.append(f"data.max_bytes={data.max_bytes!r}: must be >= 1 (or null for the whole corpus)")
-    if tr.init_from in HF_GPT2_DIMS:
-        want = HF_GPT2_DIMS[tr.init_from]
-        wrong = {k: m[k] for k, v in want.items() if m[k] != v}
-        if wrong:
-            p.append(f"trainer.init_from={tr.init_from!r}: the checkpoint has "
-                     f"{ {k: want[k] for k in wrong} } but the model has {wrong}; valid: "
-                     f"model={tr.init_from}")
-        if m.vocab_size != 50257:
-            p.append(f"trainer.init_from={tr.init_from!r}: the checkpoint has 50257 tokens, "
-                     f"model.vocab_size={m.vocab_size}; valid: 50257 (with tensor parallelism pad the rows with "
-                     "model.make_vocab_size_divisible_by, e.g. 128)")
     return p

@@ -1,0 +1,77 @@
+"""LLaMA's ``cfg.model`` and ``cfg.data``: the typed schemas and the model's checks.
+
+``configs/model/llama*.yaml`` fill the model; the data is GPT-2's token
+stream (``recipes.gpt2.config.DataConfig``: ``configs/data/{stdlib,text}.yaml``)
+with ``data.seq_len`` defaulting to ``${model.max_position_embeddings}``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from omegaconf import II
+
+from recipes.gpt2.config import DataConfig as GPT2DataConfig
+from recipes.gpt2.config import data_problems
+
+from .model import LlamaConfig
+
+
+@dataclass
+class ModelConfig:
+    """LLaMA dimensions (Hugging Face's ``LlamaConfig`` names).
+
+    ``num_key_value_heads`` below ``num_attention_heads`` is grouped-query
+    attention (it must divide them). ``name`` labels the preset (run names,
+    W&B); the dimensions are what count.
+    """
+
+    name: str = "llama-tiny"
+    vocab_size: int = 8192
+    hidden_size: int = 128
+    intermediate_size: int = 352
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    max_position_embeddings: int = 256
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    initializer_range: float = 0.02
+
+
+@dataclass
+class DataConfig(GPT2DataConfig):
+    seq_len: int = II("model.max_position_embeddings")
+
+
+def llama_config_kwargs(model: Any) -> dict:
+    """Keyword arguments of ``recipes.llama.model.LlamaConfig`` for a ``model`` config node."""
+    return {f.name: type(f.default)(model.get(f.name, f.default)) for f in fields(LlamaConfig)}
+
+
+def problems(cfg, layout, trains_tokenizer: bool = True) -> list:
+    """LLaMA's rules: dimensions, whole (key/value) heads, MLP columns and vocabulary per tp rank, then the data's."""
+    p: list = []
+    m, tp = cfg.model, layout.tp
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "max_position_embeddings")
+    bad = [k for k in keys if m[k] < 1]
+    p += [f"model.{k}={m[k]!r}: must be >= 1" for k in bad]
+    if bad:
+        return p
+    heads, kv = m.num_attention_heads, m.num_key_value_heads
+    if m.hidden_size % heads or (m.hidden_size // heads) % 2:
+        p.append(f"model.hidden_size={m.hidden_size}: must divide by model.num_attention_heads={heads} into an "
+                 "even head dim (rotary embeddings rotate pairs)")
+    if heads % kv:
+        p.append(f"model.num_key_value_heads={kv}: must divide model.num_attention_heads={heads} (query heads per "
+                 "key/value head)")
+    if not m.rms_norm_eps > 0 or not m.rope_theta > 0:
+        p.append(f"model.rms_norm_eps={m.rms_norm_eps}, model.rope_theta={m.rope_theta}: both must be > 0")
+    for key, what in (("num_key_value_heads", "whole key/value heads per rank"),
+                      ("intermediate_size", "MLP columns per rank"),
+                      ("vocab_size", "vocab-parallel embedding and loss")):
+        if m[key] % tp:
+            p.append(f"model.{key}={m[key]}: must divide by parallel.tp={tp} ({what}); valid tp: "
+                     f"{[d for d in range(1, min(m[key], 64) + 1) if m[key] % d == 0]}")
+    return p + data_problems(cfg, layout, "max_position_embeddings", trains_tokenizer)

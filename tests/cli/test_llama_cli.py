@@ -1,0 +1,48 @@
+"""The LLaMA recipe trains like one device under tensor, sequence, pipeline (interleaved) and ZeRO-3 layouts.
+
+A tiny LLaMA (grouped-query attention: 4 query heads, 2 key/value heads) on
+the GPT-2 tests' slice of the stdlib corpus (the same cached tokenizer and
+token files), 3 steps, the same global batch in every layout; the per-step
+losses equal ``single``'s. Bad dimensions fail before any process starts.
+"""
+from __future__ import annotations
+
+import pytest
+
+from recipes.registry import get
+from tests.cli.pooled import train_pooled
+from toolkit.config import ConfigError, compose, validate
+
+TINY = ["recipe=llama", "model.num_hidden_layers=4", "model.hidden_size=64", "model.intermediate_size=96",
+        "model.num_attention_heads=4", "model.num_key_value_heads=2", "model.vocab_size=512",
+        "model.max_position_embeddings=64", "data.max_bytes=300000", "trainer.global_batch_size=16",
+        "trainer.micro_batch_size=2", "trainer.max_steps=3", "trainer.log_every=1", "trainer.eval_every=0",
+        "logger=none", "trainer.peak_tflops=1"]
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory, sbp_cache):
+    return train_pooled([*TINY, "parallel=single"], tmp_path_factory.mktemp("llama-single"), sbp_cache)
+
+
+@pytest.mark.parametrize("layout", ["tp2 parallel.sequence_parallel=true", "dp2_tp2_pp2 parallel.pp_virtual=2",
+                                    "dp2_tp2_zero3"])
+def test_layout_losses_equal_single(layout, single, sbp_cache, tmp_path):
+    layout, *options = layout.split()
+    losses = train_pooled([*TINY, f"parallel={layout}", *options], tmp_path, sbp_cache)
+    assert len(losses) == len(single) == 3
+    for a, b in zip(losses, single):
+        assert abs(a - b) <= 1e-5 * abs(b), (layout, losses, single)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.num_key_value_heads=3"], "model.num_key_value_heads=3: must divide model.num_attention_heads=4"),
+    (["parallel=tp4"], "model.num_key_value_heads=2: must divide by parallel.tp=4 (whole key/value heads per rank)"),
+    (["model.hidden_size=60"], "model.hidden_size=60: must divide by model.num_attention_heads=4 into an even head dim"),
+    (["data.seq_len=128"], "data.seq_len=128: exceeds model.max_position_embeddings=64"),
+])
+def test_bad_dimensions_are_refused_before_any_process_starts(overrides, message, tmp_path):
+    cfg = compose([*TINY, *overrides], run_dir=str(tmp_path))
+    with pytest.raises(ConfigError) as info:
+        validate(cfg, get("llama"), world_size=None)
+    assert message in str(info.value)
