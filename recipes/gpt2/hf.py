@@ -149,7 +149,7 @@ def _check_names(sd: dict, cfg: dict) -> None:
 
 # -- Hugging Face directories -------------------------------------------------
 
-def _weight_files(path: str) -> tuple:
+def weight_files(path: str) -> tuple:
     """``(files, index file or None)`` of a Hugging Face directory's weights (safetensors first, then
     ``.bin``, each sharded by an index or whole); ``FileNotFoundError`` when there are none."""
     for index_name, single in (("model.safetensors.index.json", "model.safetensors"),
@@ -173,7 +173,7 @@ def hf_dir_problems(path: str, model_cfg) -> list:
     except ValueError as err:  # json.JSONDecodeError
         return [f"{cpath}: not valid JSON ({err})"]
     try:
-        files, index = _weight_files(path)
+        files, index = weight_files(path)
     except (OSError, ValueError, KeyError) as err:
         return [str(err)]
     problems = []
@@ -190,13 +190,13 @@ def hf_dir_problems(path: str, model_cfg) -> list:
 
 
 def read_hf_dir(path: str) -> tuple:
-    """``(config dict, state dict)`` of a ``transformers`` GPT-2 directory (safetensors or ``.bin``, sharded or not)."""
+    """``(config dict, state dict)`` of a ``transformers`` model directory (safetensors or ``.bin``, sharded or not)."""
     cpath = os.path.join(path, "config.json")
     if not os.path.isfile(cpath):
         raise FileNotFoundError(f"{cpath}: missing; a Hugging Face model directory holds config.json")
     with open(cpath) as f:
         config = json.load(f)
-    files, _ = _weight_files(path)
+    files, _ = weight_files(path)
     sd = {}
     for name in files:
         fpath = os.path.join(path, name)

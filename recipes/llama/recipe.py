@@ -3,15 +3,17 @@
 Everything about the data (the corpus, the tokenizer, its checks) is the
 GPT-2 recipe's (``recipes.gpt2.recipe``); what differs is the model
 (``model.py``), its plan and pipeline split (``plan.py``), its checks
-(``config.py``) and its FLOPs. Weights come from this project's checkpoints;
-Hugging Face directories are not read.
+(``config.py``), its FLOPs and ``trainer.init_from`` of a Hugging Face
+``LlamaForCausalLM`` directory (``hf.py``).
 """
 from __future__ import annotations
+
+import os
 
 from recipes.gpt2.recipe import GPT2Recipe
 from toolkit.recipe import Recipe
 
-from . import config
+from . import config, hf
 from .model import LlamaConfig, LlamaForCausalLM
 from .plan import ACT_SBP, DATA_SBP, PIPELINE, mesh_plan
 
@@ -52,16 +54,29 @@ class LlamaRecipe(GPT2Recipe):
         return 6.0 * matmuls + 12.0 * m.num_hidden_layers * int(cfg.data.seq_len) * m.hidden_size
 
     def weights_path(self, init_from: str) -> str | None:
-        return Recipe.weights_path(self, init_from)
+        """A path, or a Hugging Face model's name (``TinyLlama/TinyLlama_v1.1``) in the local hub cache."""
+        from recipes.gpt2.hf import hub_dir
+
+        path = Recipe.weights_path(self, init_from)
+        if path is None and "/" in init_from and not os.path.isabs(os.path.expanduser(init_from)):
+            path = hub_dir(init_from)
+        return path
 
     def reads_weights(self, path: str) -> bool:
-        return False
+        from recipes.gpt2.hf import is_hf_dir
+
+        return is_hf_dir(path)
 
     def weights_problems(self, path: str, cfg) -> list:
-        return []
+        return hf.hf_dir_problems(path, cfg.model)
 
     def init_weights(self, model, path: str, cfg) -> bool:
-        return False
+        if not self.reads_weights(path):
+            return False
+        model.to_empty(device="cpu")  # build_stage left the parameters on the meta device: all are read below
+        model.reset_buffers()
+        hf.load_hf_into(model, path, cfg.model)
+        return True
 
     def extra_state(self, cfg) -> dict:
         return {"model_config": config.llama_config_kwargs(cfg.model)}

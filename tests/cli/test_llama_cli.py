@@ -46,3 +46,22 @@ def test_bad_dimensions_are_refused_before_any_process_starts(overrides, message
     with pytest.raises(ConfigError) as info:
         validate(cfg, get("llama"), world_size=None)
     assert message in str(info.value)
+
+
+def test_fine_tuning_from_a_hugging_face_directory_is_the_same_in_every_layout(single, sbp_cache, tmp_path):
+    """``trainer.init_from=<a LlamaForCausalLM directory>``: single and dp2_tp2_pp2 start from its weights (their
+    first losses are not the seed's) and log the same losses."""
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(3)
+    hf = tmp_path / "hf"
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        initializer_range=0.2)).save_pretrained(hf)
+    tuned = [*TINY, f"trainer.init_from={hf}"]
+    alone = train_pooled([*tuned, "parallel=single"], tmp_path / "single", sbp_cache)
+    split = train_pooled([*tuned, "parallel=dp2_tp2_pp2"], tmp_path / "split", sbp_cache)
+    assert abs(alone[0] - single[0]) > 0.1, (alone, single)  # initializer_range 0.2: far from the seed's start
+    for a, b in zip(split, alone):
+        assert abs(a - b) <= 1e-5 * abs(b), (split, alone)

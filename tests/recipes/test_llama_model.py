@@ -39,3 +39,58 @@ def test_logits_loss_and_gradients_match_transformers(kv_heads):
     grads = dict(theirs.named_parameters())
     worst = max(_rel(p.grad, grads[n].grad) for n, p in ours.named_parameters())
     assert worst < 1e-5, worst
+
+
+def _hf_dir(tmp_path, **changes):
+    """A tiny ``transformers`` Llama saved as Hugging Face saves it (config.json + model.safetensors)."""
+    torch.manual_seed(1)
+    cfg = transformers.LlamaConfig(**{**DIMS, "num_key_value_heads": 2, "tie_word_embeddings": False, **changes})
+    model = transformers.LlamaForCausalLM(cfg)
+    model.save_pretrained(tmp_path)
+    return model
+
+
+def _model_cfg(**changes):
+    from omegaconf import OmegaConf
+
+    from recipes.llama.config import ModelConfig
+
+    return OmegaConf.merge(OmegaConf.structured(ModelConfig), {**DIMS, "num_key_value_heads": 2, **changes})
+
+
+def test_a_hugging_face_directory_loads_into_a_pipeline_stage(tmp_path):
+    """``trainer.init_from``'s path: each stage, built on the meta device, gets the directory's weights; the
+    whole model so loaded computes Hugging Face's logits."""
+    from recipes.llama.recipe import RECIPE
+    from toolkit.stages import keep_stage, stage_ranges
+
+    from omegaconf import OmegaConf
+
+    theirs = _hf_dir(tmp_path).eval()
+    cfg = OmegaConf.create({"model": _model_cfg()})
+    assert RECIPE.reads_weights(str(tmp_path)) and RECIPE.weights_problems(str(tmp_path), cfg) == []
+    whole = RECIPE.build_stage(cfg.model, lambda m: m)
+    assert RECIPE.init_weights(whole, str(tmp_path), cfg)
+    ids = torch.randint(0, DIMS["vocab_size"], (2, 12))
+    with torch.no_grad():
+        assert _rel(whole(ids)[0], theirs(input_ids=ids).logits) < 1e-5
+    last = RECIPE.build_stage(cfg.model, lambda m: keep_stage(m, RECIPE.pipeline, stage_ranges(2, 2), 1))
+    assert RECIPE.init_weights(last, str(tmp_path), cfg)
+    assert last.model.embed_tokens is None
+    assert torch.equal(last.lm_head.weight, theirs.lm_head.weight)
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                       "original_max_position_embeddings": 16}}, "rope_scaling="),
+    ({"tie_word_embeddings": True}, "tie_word_embeddings=true"),
+    ({"attention_bias": True}, "attention_bias=true"),
+    ({"num_hidden_layers": 3}, "num_hidden_layers=3, the model num_hidden_layers=2"),
+])
+def test_what_our_model_lacks_is_refused_from_the_config_alone(changes, message, tmp_path):
+    from recipes.llama.hf import hf_dir_problems
+
+    _hf_dir(tmp_path, **changes)
+    (tmp_path / "model.safetensors").write_bytes(b"not read")  # the check reads config.json and file names only
+    assert any(message in p for p in hf_dir_problems(str(tmp_path), _model_cfg())), \
+        hf_dir_problems(str(tmp_path), _model_cfg())

@@ -1,0 +1,89 @@
+"""Hugging Face ``LlamaForCausalLM`` directories as ``trainer.init_from`` of the LLaMA recipe.
+
+Our model (``model.py``) has Hugging Face's parameter names, shapes and
+rotary convention (rotate-half), so its weights load by name, unchanged.
+What our model does not implement is refused by name, before any process
+starts: rotary scaling (``rope_scaling``, as Llama 3.1/3.2 use), an LM head
+tied to the embedding, biases, another activation or head size.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from recipes.gpt2.hf import read_hf_dir, weight_files
+
+# (our model config key, Hugging Face config key); every one must be equal.
+DIMS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "max_position_embeddings", "rms_norm_eps", "rope_theta")
+
+
+def _hf_value(hf: dict, key: str):
+    if key == "num_key_value_heads":
+        return hf.get(key) or hf.get("num_attention_heads")
+    if key == "rope_theta":  # newer transformers keep it under rope_parameters
+        return hf.get(key, (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+    return hf.get(key)
+
+
+def unsupported(hf: dict) -> list:
+    """The options of a Hugging Face Llama ``config.json`` that our model does not implement."""
+    bad = []
+    if hf.get("model_type") != "llama":
+        bad.append(f"model_type={hf.get('model_type')!r} (only 'llama' loads)")
+    scaling = hf.get("rope_scaling") or {
+        k: v for k, v in (hf.get("rope_parameters") or {}).items() if k != "rope_theta"}
+    if scaling and scaling.get("rope_type", scaling.get("type", "default")) != "default":
+        bad.append(f"rope_scaling={scaling} (ours: plain rotary embeddings)")
+    if hf.get("tie_word_embeddings"):
+        bad.append("tie_word_embeddings=true (ours: an LM head of its own)")
+    for key in ("attention_bias", "mlp_bias"):
+        if hf.get(key):
+            bad.append(f"{key}=true (ours has no biases)")
+    if hf.get("hidden_act", "silu") != "silu":
+        bad.append(f"hidden_act={hf.get('hidden_act')!r} (ours: SwiGLU with SiLU)")
+    heads, hidden = hf.get("num_attention_heads") or 1, hf.get("hidden_size") or 0
+    if hf.get("head_dim") not in (None, hidden // heads):
+        bad.append(f"head_dim={hf.get('head_dim')} (ours: hidden_size / num_attention_heads = {hidden // heads})")
+    return bad
+
+
+def hf_dir_problems(path: str, model_cfg) -> list:
+    """What ``load_hf_into`` would refuse in the Hugging Face directory ``path`` for ``model_cfg``, from its
+    ``config.json`` and file names alone (no weights read)."""
+    cpath = os.path.join(path, "config.json")
+    try:
+        with open(cpath) as f:
+            hf = json.load(f)
+    except ValueError as err:  # json.JSONDecodeError
+        return [f"{cpath}: not valid JSON ({err})"]
+    problems = [f"its config.json has {b}" for b in unsupported(hf)]
+    wrong = [k for k in DIMS if _hf_value(hf, k) != type(model_cfg[k])(model_cfg[k])]
+    if wrong:
+        problems.append(f"its config.json has {', '.join(f'{k}={_hf_value(hf, k)}' for k in wrong)}, the model "
+                        f"{', '.join(f'{k}={model_cfg[k]}' for k in wrong)}; valid: the model settings that match "
+                        "it (model.hidden_size=..., or a preset)")
+    try:
+        files, index = weight_files(path)
+    except (OSError, ValueError, KeyError) as err:
+        return problems + [str(err)]
+    absent = [f for f in files if not os.path.isfile(os.path.join(path, f))]
+    if absent:
+        problems.append(f"{index} names {absent[:3]}, which are not in {path}")
+    return problems
+
+
+def load_hf_into(model, path: str, model_cfg) -> None:
+    """Copy a Hugging Face Llama directory's weights into ``model``, the whole model or a pipeline stage of it
+    (the full model's names: the weights of other stages are not used)."""
+    problems = hf_dir_problems(path, model_cfg)
+    if problems:
+        raise ValueError(f"trainer.init_from={path}: " + "; ".join(problems))
+    _, hf_sd = read_hf_dir(path)
+    hf_sd = {k: v for k, v in hf_sd.items() if not k.endswith("rotary_emb.inv_freq")}  # older files keep it
+    with torch.no_grad():
+        result = model.load_state_dict(hf_sd, strict=False)
+    if result.missing_keys:
+        raise ValueError(f"trainer.init_from={path}: no weights for {result.missing_keys[:5]}")
