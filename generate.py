@@ -2,8 +2,8 @@
 
 Reads the run's ``config.yaml``, its newest checkpoint (any layout it was
 trained in: the checkpoint reshards into one process) and its
-``tokenizer.json``, and prints the prompt's continuation. Samples from GPT-2
-runs (``recipe=gpt2``) only. A ``run`` that is not a directory, has no
+``tokenizer.json``, and prints the prompt's continuation. Samples from the
+language-model recipes' runs (``recipe=gpt2``, ``recipe=llama``). A ``run`` that is not a directory, has no
 ``config.yaml`` or ``tokenizer.json``, is another recipe's run or has no
 checkpoint ends with a one-line error (exit status 1) before any model is
 built.
@@ -15,6 +15,8 @@ import sys
 
 import torch
 
+# The language-model recipes, and the model key holding the longest context each can read.
+CONTEXT = {"gpt2": "n_positions", "llama": "max_position_embeddings"}
 OPTIONS = {"run": None, "prompt": "def ", "tokens": "200", "temperature": "0.8", "top_k": "50", "seed": "0"}
 
 
@@ -31,7 +33,8 @@ def parse(argv) -> dict:
 
 
 def check_run(run: str):
-    """The typed config of ``run``, a GPT-2 run directory; a one-line ``SystemExit`` naming ``run`` otherwise."""
+    """The typed config of ``run``, a language-model run directory; a one-line ``SystemExit`` naming ``run``
+    otherwise."""
     from toolkit.config import load_config
 
     if not os.path.isdir(run):
@@ -39,9 +42,9 @@ def check_run(run: str):
     if not os.path.isfile(os.path.join(run, "config.yaml")):
         raise SystemExit(f"generate.py: run={run}: no config.yaml there, so not a run directory train.py wrote")
     cfg = load_config(run)
-    if cfg.recipe.name != "gpt2":
+    if cfg.recipe.name not in CONTEXT:
         raise SystemExit(f"generate.py: run={run} was trained with recipe={cfg.recipe.name}; generate.py samples "
-                         "from GPT-2 runs (recipe=gpt2) only")
+                         f"from language-model runs only (recipe={' or '.join(CONTEXT)})")
     if not os.path.isfile(os.path.join(run, "tokenizer.json")):
         raise SystemExit(f"generate.py: run={run}: no tokenizer.json there (train.py copies the run's tokenizer "
                          "into its run directory when training starts)")
@@ -85,7 +88,7 @@ def main(argv=None) -> str:
     torch.manual_seed(int(opts["seed"]))
     ids = tok.encode(opts["prompt"]) or [tok.eos_id]
     out = sample(model, ids, int(opts["tokens"]), float(opts["temperature"]), int(opts["top_k"]),
-                 int(cfg.model.n_positions))
+                 int(cfg.model[CONTEXT[cfg.recipe.name]]))
     text = tok.decode(out)
     print(text)
     return text

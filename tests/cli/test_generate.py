@@ -41,7 +41,7 @@ def test_generate_refuses_another_recipes_run_before_loading_it(tmp_path, monkey
     with pytest.raises(SystemExit) as exit_:
         generate.main([f"run={run}"])
     assert exit_.value.code == (f"generate.py: run={run} was trained with recipe=insightface; generate.py samples "
-                                "from GPT-2 runs (recipe=gpt2) only")
+                                "from language-model runs only (recipe=gpt2 or llama)")
     (tmp_path / "empty").mkdir()
     with pytest.raises(SystemExit, match="no config.yaml there"):
         generate.main([f"run={tmp_path / 'empty'}"])

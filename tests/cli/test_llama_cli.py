@@ -21,8 +21,15 @@ TINY = ["recipe=llama", "model.num_hidden_layers=4", "model.hidden_size=64", "mo
 
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory, sbp_cache):
-    return train_pooled([*TINY, "parallel=single"], tmp_path_factory.mktemp("llama-single"), sbp_cache)
+def single_llama(tmp_path_factory, sbp_cache):
+    """``(run directory, per-step losses)`` of the one-process run (it ends with a checkpoint)."""
+    run = tmp_path_factory.mktemp("llama-single")
+    return run, train_pooled([*TINY, "parallel=single"], run, sbp_cache)
+
+
+@pytest.fixture(scope="module")
+def single(single_llama):
+    return single_llama[1]
 
 
 @pytest.mark.parametrize("layout", ["tp2 parallel.sequence_parallel=true", "dp2_tp2_pp2 parallel.pp_virtual=2",
@@ -65,3 +72,10 @@ def test_fine_tuning_from_a_hugging_face_directory_is_the_same_in_every_layout(s
     assert abs(alone[0] - single[0]) > 0.1, (alone, single)  # initializer_range 0.2: far from the seed's start
     for a, b in zip(split, alone):
         assert abs(a - b) <= 1e-5 * abs(b), (split, alone)
+
+
+def test_generate_continues_a_prompt_from_a_llama_run(single_llama):
+    import generate
+
+    text = generate.main([f"run={single_llama[0]}", "prompt=def f(x):", "tokens=12", "seed=1"])
+    assert text.startswith("def f(x):") and len(text) > len("def f(x):")
