@@ -1,4 +1,4 @@
-"""GPT-2 between Hugging Face ``transformers`` directories and our checkpoints.
+"""GPT-2 between Hugging Face ``transformers`` directories and our checkpoints; LLaMA runs to Hugging Face.
 
     python scripts/convert_hf.py import <hf_dir> <ckpt_dir> [--make-vocab-size-divisible-by N]
     python scripts/convert_hf.py export <run_or_ckpt_dir> <hf_dir> [--n-head N]
@@ -21,6 +21,10 @@ checkpoint's ``extra.model_config`` (or ``extra.hf_config``), else from the
 run's ``config.yaml``, else from the weights' shapes plus ``--n-head``;
 rows of the embedding past the recorded ``vocab_size`` (padding) are
 dropped.
+A LLaMA run's checkpoint (``recipe=llama``) exports as a ``LlamaForCausalLM``
+directory: its tensors already have Hugging Face's names and shapes, and
+its ``extra.model_config`` gives ``config.json`` (a LLaMA needs no
+``import``: ``trainer.init_from`` reads a Hugging Face directory itself).
 When the run directory above the checkpoint holds the run's tokenizer
 (``tokenizer.json``, which a GPT-2 run copies there), export copies it
 beside the weights: a ``tokenizers`` file that
@@ -40,6 +44,7 @@ import sys
 
 from toolkit import checkpoint as ckpt
 from recipes.gpt2 import hf as hf_gpt2
+from recipes.llama import hf as hf_llama
 from recipes.gpt2.data.tokenizer import TOKENIZER_FILE, tokenizer_of_weights
 from toolkit.checkpoint.directory import resolve
 from toolkit.checkpoint.errors import CheckpointError
@@ -119,18 +124,25 @@ def model_config(model: dict, extra: dict, ckpt_path: str, n_head: int | None) -
 
 
 def export_hf(src: str, hf_dir: str, n_head: int | None = None) -> str:
-    """Write the newest checkpoint under ``src`` as a ``transformers`` GPT-2 directory, with the run's
+    """Write the newest checkpoint under ``src`` as a ``transformers`` GPT-2 or Llama directory, with the run's
     ``tokenizer.json`` when there is one (``tokenizer_of_weights``); returns ``hf_dir``."""
     path = find_checkpoint(src)
     state = ckpt.load(path, {"model": None, "extra": None})
     if not state.get("model"):
         raise CheckpointError(f"{path}: holds no 'model' state")
-    cfg = model_config(state["model"], state.get("extra"), path, n_head)
-    hf_sd, tied = hf_gpt2.to_hf(state["model"], cfg)
-    base = (state.get("extra") or {}).get("hf_config")
-    config = hf_gpt2.hf_config(cfg, base if isinstance(base, dict) else None)
-    config["tie_word_embeddings"] = tied
-    hf_gpt2.write_hf_dir(hf_dir, config, hf_sd)
+    if hf_llama.holds_llama(state["model"]):
+        config = hf_llama.hf_config((state.get("extra") or {}).get("model_config") or {})
+        hf_gpt2.write_hf_dir(hf_dir, config, state["model"])
+    elif "transformer.wte.weight" in state["model"]:
+        cfg = model_config(state["model"], state.get("extra"), path, n_head)
+        hf_sd, tied = hf_gpt2.to_hf(state["model"], cfg)
+        base = (state.get("extra") or {}).get("hf_config")
+        config = hf_gpt2.hf_config(cfg, base if isinstance(base, dict) else None)
+        config["tie_word_embeddings"] = tied
+        hf_gpt2.write_hf_dir(hf_dir, config, hf_sd)
+    else:
+        raise ValueError(f"{path}: holds neither a GPT-2's nor a LLaMA's weights (no transformer.wte.weight or "
+                         "model.embed_tokens.weight); export converts those two recipes' checkpoints")
     tokenizer = tokenizer_of_weights(path)
     if tokenizer is not None:
         shutil.copyfile(tokenizer, os.path.join(hf_dir, TOKENIZER_FILE))
@@ -146,7 +158,8 @@ def main(argv=None) -> int:
     imp.add_argument("--make-vocab-size-divisible-by", type=int, default=128, dest="vocab_multiple",
                      help="pad the vocabulary's rows to a multiple of this (the gpt2* presets' "
                           "model.make_vocab_size_divisible_by; 1: no padding)")
-    exp = sub.add_parser("export", help="our checkpoint (run, root or step directory) -> Hugging Face directory, "
+    exp = sub.add_parser("export", help="our GPT-2 or LLaMA checkpoint (run, root or step directory) -> Hugging "
+                                        "Face directory, "
                                         "with the run's tokenizer.json when the run directory holds one")
     exp.add_argument("src")
     exp.add_argument("hf_dir")

@@ -1,7 +1,9 @@
-"""Hugging Face ``LlamaForCausalLM`` directories as ``trainer.init_from`` of the LLaMA recipe.
+"""Hugging Face ``LlamaForCausalLM`` directories as ``trainer.init_from`` of the LLaMA recipe, and back.
 
 Our model (``model.py``) has Hugging Face's parameter names, shapes and
-rotary convention (rotate-half), so its weights load by name, unchanged.
+rotary convention (rotate-half), so its weights load by name, unchanged,
+and a checkpoint's ``model`` state is a Hugging Face state dict
+(``scripts/convert_hf.py export`` writes it with ``hf_config``).
 What our model does not implement is refused by name, before any process
 starts: rotary scaling (``rope_scaling``, as Llama 3.1/3.2 use), an LM head
 tied to the embedding, biases, another activation or head size.
@@ -20,12 +22,18 @@ DIMS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "
         "num_key_value_heads", "max_position_embeddings", "rms_norm_eps", "rope_theta")
 
 
+# transformers' LlamaConfig defaults, for keys a config.json leaves out.
+HF_DEFAULTS = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+               "num_attention_heads": 32, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
+               "rope_theta": 10000.0}
+
+
 def _hf_value(hf: dict, key: str):
     if key == "num_key_value_heads":
-        return hf.get(key) or hf.get("num_attention_heads")
-    if key == "rope_theta":  # newer transformers keep it under rope_parameters
-        return hf.get(key, (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0))
-    return hf.get(key)
+        return hf.get(key) or _hf_value(hf, "num_attention_heads")
+    if key == "rope_theta":  # transformers 5 keeps it under rope_parameters, which wins over a top-level copy
+        return (hf.get("rope_parameters") or {}).get("rope_theta", hf.get(key, HF_DEFAULTS[key]))
+    return hf.get(key, HF_DEFAULTS[key])
 
 
 def unsupported(hf: dict) -> list:
@@ -42,9 +50,11 @@ def unsupported(hf: dict) -> list:
     for key in ("attention_bias", "mlp_bias"):
         if hf.get(key):
             bad.append(f"{key}=true (ours has no biases)")
-    if hf.get("hidden_act", "silu") != "silu":
+    if hf.get("hidden_act", "silu") not in ("silu", "swish"):  # transformers' two names of one function
         bad.append(f"hidden_act={hf.get('hidden_act')!r} (ours: SwiGLU with SiLU)")
-    heads, hidden = hf.get("num_attention_heads") or 1, hf.get("hidden_size") or 0
+    if hf.get("attention_dropout"):
+        bad.append(f"attention_dropout={hf.get('attention_dropout')} (ours has no attention dropout)")
+    heads, hidden = _hf_value(hf, "num_attention_heads") or 1, _hf_value(hf, "hidden_size") or 0
     if hf.get("head_dim") not in (None, hidden // heads):
         bad.append(f"head_dim={hf.get('head_dim')} (ours: hidden_size / num_attention_heads = {hidden // heads})")
     return bad
@@ -87,3 +97,21 @@ def load_hf_into(model, path: str, model_cfg) -> None:
         result = model.load_state_dict(hf_sd, strict=False)
     if result.missing_keys:
         raise ValueError(f"trainer.init_from={path}: no weights for {result.missing_keys[:5]}")
+
+
+def holds_llama(model_state: dict) -> bool:
+    """Whether a checkpoint's ``model`` state is this recipe's model (by its embedding's name)."""
+    return "model.embed_tokens.weight" in model_state
+
+
+def hf_config(ours: dict) -> dict:
+    """A Hugging Face Llama ``config.json`` dict for our model config (``recipes.llama.model.LlamaConfig``'s
+    fields, as a checkpoint's ``extra.model_config`` records them)."""
+    missing = [k for k in DIMS if k not in ours]
+    if missing:
+        raise ValueError(f"the checkpoint's extra.model_config lacks {missing}: not a LLaMA run's checkpoint")
+    return {**{k: ours[k] for k in DIMS}, "initializer_range": ours.get("initializer_range", 0.02),
+            "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_act": "silu",
+            "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
+            "head_dim": ours["hidden_size"] // ours["num_attention_heads"], "rope_scaling": None,
+            "torch_dtype": "float32"}

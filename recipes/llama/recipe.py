@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 
+from recipes.gpt2.data.tokenizer import TOKENIZER_FILE
 from recipes.gpt2.recipe import GPT2Recipe
 from toolkit.recipe import Recipe
 
@@ -34,7 +35,16 @@ class LlamaRecipe(GPT2Recipe):
     tied = ()
 
     def check(self, cfg, layout) -> list:
-        return config.problems(cfg, layout, trains_tokenizer=self.tokenizer_path(cfg) is None)
+        tokenizer = self.tokenizer_path(cfg)
+        p = config.problems(cfg, layout, trains_tokenizer=tokenizer is None)
+        weights = self.weights_path(str(cfg.trainer.init_from)) if cfg.trainer.init_from else None
+        if tokenizer is None and weights is not None and self.reads_weights(weights):
+            # Many Llama repositories ship sentencepiece's tokenizer.model alone: a tokenizer trained on the
+            # corpus would give ids the pretrained embedding does not mean.
+            p.append(f"trainer.init_from={cfg.trainer.init_from!r}: {weights} has no {TOKENIZER_FILE}, and a "
+                     "tokenizer trained on the corpus would not have its token ids; valid: data.tokenizer=<the "
+                     f"{TOKENIZER_FILE} its weights were trained with> (transformers' fast tokenizer file)")
+        return p
 
     def n_layers(self, model_cfg) -> int:
         return int(model_cfg.num_hidden_layers)

@@ -55,9 +55,12 @@ def test_bad_dimensions_are_refused_before_any_process_starts(overrides, message
     assert message in str(info.value)
 
 
-def test_fine_tuning_from_a_hugging_face_directory_is_the_same_in_every_layout(single, sbp_cache, tmp_path):
+def test_fine_tuning_from_a_hugging_face_directory_is_the_same_in_every_layout(single_llama, sbp_cache, tmp_path):
     """``trainer.init_from=<a LlamaForCausalLM directory>``: single and dp2_tp2_pp2 start from its weights (their
-    first losses are not the seed's) and log the same losses."""
+    first losses are not the seed's) and log the same losses. Without a ``tokenizer.json`` beside the weights
+    (nor ``data.tokenizer``) the job is refused before any process starts."""
+    import shutil
+
     transformers = pytest.importorskip("transformers")
     torch = pytest.importorskip("torch")
     torch.manual_seed(3)
@@ -67,6 +70,10 @@ def test_fine_tuning_from_a_hugging_face_directory_is_the_same_in_every_layout(s
         num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False,
         initializer_range=0.2)).save_pretrained(hf)
     tuned = [*TINY, f"trainer.init_from={hf}"]
+    with pytest.raises(ConfigError, match="has no tokenizer.json, and a tokenizer trained on the corpus"):
+        validate(compose(tuned, run_dir=str(tmp_path / "refused")), get("llama"))
+    run, single = single_llama
+    shutil.copyfile(run / "tokenizer.json", hf / "tokenizer.json")  # the ids the corpus is tokenized with
     alone = train_pooled([*tuned, "parallel=single"], tmp_path / "single", sbp_cache)
     split = train_pooled([*tuned, "parallel=dp2_tp2_pp2"], tmp_path / "split", sbp_cache)
     assert abs(alone[0] - single[0]) > 0.1, (alone, single)  # initializer_range 0.2: far from the seed's start
@@ -79,3 +86,26 @@ def test_generate_continues_a_prompt_from_a_llama_run(single_llama):
 
     text = generate.main([f"run={single_llama[0]}", "prompt=def f(x):", "tokens=12", "seed=1"])
     assert text.startswith("def f(x):") and len(text) > len("def f(x):")
+
+
+def test_a_run_exports_as_a_directory_transformers_loads(single_llama, tmp_path):
+    """``convert_hf.py export``: the run's last checkpoint as a ``LlamaForCausalLM`` directory (with the run's
+    tokenizer), whose logits are our model's with the checkpoint's weights."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from scripts.convert_hf import main as convert
+    from toolkit import checkpoint as ckpt
+    from toolkit.config import load_config
+
+    run = single_llama[0]
+    assert convert(["export", str(run), str(tmp_path / "hf")]) == 0
+    assert (tmp_path / "hf" / "tokenizer.json").is_file()
+    theirs = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    cfg = load_config(str(run))
+    ours = get("llama").build_model(cfg.model).eval()
+    ckpt.load(ckpt.latest(str(run / "checkpoints")), {"model": ours.state_dict()})
+    ids = torch.randint(0, 512, (2, 16))
+    with torch.no_grad():
+        a, b = ours(ids)[0], theirs(input_ids=ids).logits
+    assert ((a - b).abs().max() / b.abs().max()).item() < 1e-5

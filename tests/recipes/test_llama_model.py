@@ -86,6 +86,7 @@ def test_a_hugging_face_directory_loads_into_a_pipeline_stage(tmp_path):
     ({"tie_word_embeddings": True}, "tie_word_embeddings=true"),
     ({"attention_bias": True}, "attention_bias=true"),
     ({"num_hidden_layers": 3}, "num_hidden_layers=3, the model num_hidden_layers=2"),
+    ({"attention_dropout": 0.1}, "attention_dropout=0.1"),
 ])
 def test_what_our_model_lacks_is_refused_from_the_config_alone(changes, message, tmp_path):
     from recipes.llama.hf import hf_dir_problems
@@ -94,3 +95,15 @@ def test_what_our_model_lacks_is_refused_from_the_config_alone(changes, message,
     (tmp_path / "model.safetensors").write_bytes(b"not read")  # the check reads config.json and file names only
     assert any(message in p for p in hf_dir_problems(str(tmp_path), _model_cfg())), \
         hf_dir_problems(str(tmp_path), _model_cfg())
+
+
+def test_keys_a_config_leaves_out_take_transformers_defaults():
+    from recipes.llama.hf import _hf_value, unsupported
+
+    minimal = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "hidden_act": "swish"}
+    assert unsupported(minimal) == []
+    assert [_hf_value(minimal, k) for k in ("num_key_value_heads", "rms_norm_eps", "rope_theta")] == [4, 1e-6, 1e4]
+    # transformers 5 writes rope_parameters; its theta wins over a stale top-level one
+    assert _hf_value({"rope_theta": 1e4, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}},
+                     "rope_theta") == 5e5
+    assert transformers.LlamaConfig().rms_norm_eps == 1e-6 and transformers.LlamaConfig().max_position_embeddings == 2048

@@ -449,7 +449,8 @@ def validate(cfg: Any, recipe, world_size: Optional[int] = None) -> JobLayout:
     weights = recipe.weights_path(str(tr.init_from)) if tr.init_from else None
     if tr.init_from and weights is None:
         p.append(f"trainer.init_from={tr.init_from!r}: no such file or directory"
-                 + (f" (nor a name recipe {recipe.name} resolves)" if os.sep not in str(tr.init_from) else "")
+                 + ("" if os.path.isabs(os.path.expanduser(str(tr.init_from)))  # a hub name has one "/"
+                    else f" (nor a name recipe {recipe.name} resolves)")
                  + "; valid: a checkpoint directory (<run>/checkpoints/step_<N>) or what the recipe's docs list")
     elif weights is not None:
         p.extend(_init_from_problems(str(tr.init_from), weights, cfg, recipe))
