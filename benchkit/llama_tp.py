@@ -1,0 +1,108 @@
+"""LLaMA under tensor parallelism both ways, on one model class: ours (``recipes.llama.plan``) and DTensor's
+``parallelize_module`` with torchtitan's Llama plan, as ``scripts/bench_llama_tp.py`` runs them.
+
+The peer parallelises the very module ours lays out (``recipes.llama.model.LlamaForCausalLM``: its
+attention views ``-1`` heads, so a rank's column shard of the projections runs as a smaller model, as
+torchtitan's does): ``ColwiseParallel`` on the query, key, value, gate and up projections,
+``RowwiseParallel`` on the output and down projections, the embedding ``RowwiseParallel`` (vocabulary
+rows) and the LM head ``ColwiseParallel`` with ``Shard(-1)`` logits under ``loss_parallel``. Norms, the
+residual stream and the rotary tables stay replicated, as in ours with ``RESIDUAL_WHOLE``.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+from benchkit.paired import balanced_orders
+
+ADAMW = dict(lr=1e-3, weight_decay=0.1)
+
+
+def _torchtitan_tp(model, mesh):
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    plan = {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "lm_head": ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1), use_local_output=False),
+    }
+    for i in range(len(model.model.layers)):
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+            plan[f"model.layers.{i}.{name}"] = ColwiseParallel()
+        for name in ("self_attn.o_proj", "mlp.down_proj"):
+            plan[f"model.layers.{i}.{name}"] = RowwiseParallel()
+    return parallelize_module(model, mesh, plan)
+
+
+def tp_worker(dims: dict, batch: int, seq: int, steps: int, warmup: int) -> dict:
+    """On every rank: each way's step times (s) and first losses, and the collectives of one step each.
+
+    Both ways are built from one seed (the same initial weights), train on the same batch with AdamW, and
+    run in balanced order round by round, each step after a barrier."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    import sbp_core as sc
+    from recipes.llama import plan as llama_plan
+    from recipes.llama.model import LlamaConfig, LlamaForCausalLM
+    from sbp_core import sbp
+
+    n = dist.get_world_size()
+    cfg = LlamaConfig(**dims)
+    torch.manual_seed(0)
+    ours = LlamaForCausalLM(cfg)
+    torch.manual_seed(0)
+    peer = LlamaForCausalLM(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
+    p = sc.placement("cpu", list(range(n)))
+    sc.distribute_module(ours, p, {**llama_plan.TENSOR_PARALLEL, **llama_plan.RESIDUAL_WHOLE})
+    ours_opt = torch.optim.AdamW(ours.parameters(), **ADAMW)
+    gids = sc.distribute(ids, p, sbp.broadcast)
+    _torchtitan_tp(peer, init_device_mesh("cpu", (n,)))
+    peer_opt = torch.optim.AdamW(peer.parameters(), **ADAMW)
+    labels = ids[:, 1:].reshape(-1)
+
+    def ours_step():
+        loss = ours(gids, gids)[1]
+        loss.backward()
+        ours_opt.step()
+        ours_opt.zero_grad()
+        return loss
+
+    def peer_step():
+        logits = peer(ids)[0]
+        with loss_parallel():
+            loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels)
+            loss.backward()
+        peer_opt.step()
+        peer_opt.zero_grad()
+        return loss
+
+    ways = {"ours": ours_step, "dtensor": peer_step}
+    orders = balanced_orders(list(ways))
+    times, losses = {k: [] for k in ways}, {k: [] for k in ways}
+    for i in range(warmup + steps):
+        for name in orders[i % len(orders)]:
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss = ways[name]()
+            elapsed = time.perf_counter() - t0
+            if i >= warmup:
+                times[name].append(elapsed)
+            else:  # outside the timed steps: the loss on every rank
+                losses[name].append(loss.full_tensor().item())
+    import warnings
+
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    with sc.comm_ledger() as ledger:
+        ours_step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # CommDebugMode's module hooks warn about inputs without grad
+        with CommDebugMode() as comm:
+            peer_step()
+    return {"times": times, "losses": losses, "params": sum(q.numel() for q in ours.parameters()),
+            "collectives": {"ours": ledger.count(), "dtensor": comm.get_total_counts()}}

@@ -1,0 +1,22 @@
+"""scripts/bench_llama_tp.py: ours and DTensor (torchtitan's plan) train the same LLaMA alike, and the table prints."""
+from __future__ import annotations
+
+import re
+
+from .running import run_script
+
+
+def test_ours_and_dtensor_agree_and_the_summary_prints(tmp_path):
+    out = run_script("bench_llama_tp.py", ["--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2",
+                                           "--vocab", "512", "--seq", "16", "--batch", "4", "--steps", "2",
+                                           "--warmup", "2"], tmp_path)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]  # 1: the warm-up losses disagree
+    lines = out.stdout.strip().splitlines()
+    assert [line.split()[0] for line in lines[-4:-2]] == ["ours", "dtensor"], lines
+    assert re.fullmatch(r"llama tp: ours \d+\.\d\dx DTensor \(paired \d+\.\d\dx, \d+\.\d\d-\d+\.\d\d\); "
+                        r"collectives \d+ vs \d+", lines[-1]), lines[-1]
+
+
+def test_kv_heads_that_do_not_split_are_refused(tmp_path):
+    out = run_script("bench_llama_tp.py", ["--tp", "2", "--kv-heads", "1"], tmp_path)
+    assert out.returncode == 2 and "--kv-heads 1 must divide --heads 8 and divide by --tp 2" in out.stderr
