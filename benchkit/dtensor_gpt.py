@@ -250,19 +250,26 @@ def tp_worker(batch: int, seq: int, steps: int, warmup: int) -> dict:
                 times[name].append(dt)
             else:  # outside the timed region: the loss on every rank
                 losses[name].append(loss.full_tensor().item())
-    # One more step each, untimed, counting collectives (ours: the comm ledger; DTensor: CommDebugMode).
+    return {"times": times, "losses": losses, "params": sum(q.numel() for q in dtm.parameters()),
+            "collectives": collectives_of(ours_step, dt_step)}
+
+
+def collectives_of(ours_step, dtensor_step) -> dict:
+    """``{"ours": n, "dtensor": m}``: the collectives of one more step each, untimed (ours: the comm ledger;
+    DTensor: ``CommDebugMode``)."""
     import warnings
 
     from torch.distributed.tensor.debug import CommDebugMode
+
+    import sbp_core as sc
 
     with sc.comm_ledger() as ledger:
         ours_step()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # CommDebugMode's module hooks warn about inputs without grad
         with CommDebugMode() as comm:
-            dt_step()
-    return {"times": times, "losses": losses, "params": sum(q.numel() for q in dtm.parameters()),
-            "collectives": {"ours": ledger.count(), "dtensor": comm.get_total_counts()}}
+            dtensor_step()
+    return {"ours": ledger.count(), "dtensor": comm.get_total_counts()}
 
 
 # -- reporting -------------------------------------------------------------

@@ -15,6 +15,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from benchkit.dtensor_gpt import collectives_of
 from benchkit.paired import balanced_orders
 
 ADAMW = dict(lr=1e-3, weight_decay=0.1)
@@ -63,7 +64,6 @@ def tp_worker(dims: dict, batch: int, seq: int, steps: int, warmup: int) -> dict
     gids = sc.distribute(ids, p, sbp.broadcast)
     _torchtitan_tp(peer, init_device_mesh("cpu", (n,)))
     peer_opt = torch.optim.AdamW(peer.parameters(), **ADAMW)
-    labels = ids[:, 1:].reshape(-1)
 
     def ours_step():
         loss = ours(gids, gids)[1]
@@ -74,8 +74,8 @@ def tp_worker(dims: dict, batch: int, seq: int, steps: int, warmup: int) -> dict
 
     def peer_step():
         logits = peer(ids)[0]
-        with loss_parallel():
-            loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels)
+        with loss_parallel():  # the labels shifted in the step, as ours' forward shifts them
+            loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
             loss.backward()
         peer_opt.step()
         peer_opt.zero_grad()
@@ -94,15 +94,5 @@ def tp_worker(dims: dict, batch: int, seq: int, steps: int, warmup: int) -> dict
                 times[name].append(elapsed)
             else:  # outside the timed steps: the loss on every rank
                 losses[name].append(loss.full_tensor().item())
-    import warnings
-
-    from torch.distributed.tensor.debug import CommDebugMode
-
-    with sc.comm_ledger() as ledger:
-        ours_step()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # CommDebugMode's module hooks warn about inputs without grad
-        with CommDebugMode() as comm:
-            peer_step()
     return {"times": times, "losses": losses, "params": sum(q.numel() for q in ours.parameters()),
-            "collectives": {"ours": ledger.count(), "dtensor": comm.get_total_counts()}}
+            "collectives": collectives_of(ours_step, peer_step)}

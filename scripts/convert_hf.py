@@ -45,7 +45,7 @@ import sys
 from toolkit import checkpoint as ckpt
 from recipes.gpt2 import hf as hf_gpt2
 from recipes.llama import hf as hf_llama
-from recipes.gpt2.data.tokenizer import TOKENIZER_FILE, tokenizer_of_weights
+from recipes.gpt2.data.tokenizer import TOKENIZER_FILE, load_tokenizer, tokenizer_of_weights
 from toolkit.checkpoint.directory import resolve
 from toolkit.checkpoint.errors import CheckpointError
 
@@ -131,7 +131,11 @@ def export_hf(src: str, hf_dir: str, n_head: int | None = None) -> str:
     if not state.get("model"):
         raise CheckpointError(f"{path}: holds no 'model' state")
     if hf_llama.holds_llama(state["model"]):
-        config = hf_llama.hf_config((state.get("extra") or {}).get("model_config") or {})
+        if n_head is not None:
+            raise ValueError(f"--n-head {n_head}: a LLaMA checkpoint records its heads (extra.model_config)")
+        tokenizer = tokenizer_of_weights(path)
+        config = hf_llama.hf_config((state.get("extra") or {}).get("model_config") or {},
+                                    load_tokenizer(tokenizer) if tokenizer else None)
         hf_gpt2.write_hf_dir(hf_dir, config, state["model"])
     elif "transformer.wte.weight" in state["model"]:
         cfg = model_config(state["model"], state.get("extra"), path, n_head)
@@ -163,7 +167,8 @@ def main(argv=None) -> int:
                                         "with the run's tokenizer.json when the run directory holds one")
     exp.add_argument("src")
     exp.add_argument("hf_dir")
-    exp.add_argument("--n-head", type=int, default=None, help="heads, when the checkpoint does not record them")
+    exp.add_argument("--n-head", type=int, default=None, help="a GPT-2's heads, when the checkpoint does not record "
+                                                              "them")
     args = ap.parse_args(argv)
     if args.cmd == "import":
         path = import_hf(args.hf_dir, args.ckpt_dir, args.vocab_multiple)

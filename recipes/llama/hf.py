@@ -104,14 +104,23 @@ def holds_llama(model_state: dict) -> bool:
     return "model.embed_tokens.weight" in model_state
 
 
-def hf_config(ours: dict) -> dict:
+BOS_CANDIDATES = ("<s>", "<|begin_of_text|>", "<bos>")
+
+
+def hf_config(ours: dict, tokenizer=None) -> dict:
     """A Hugging Face Llama ``config.json`` dict for our model config (``recipes.llama.model.LlamaConfig``'s
-    fields, as a checkpoint's ``extra.model_config`` records them)."""
+    fields, as a checkpoint's ``extra.model_config`` records them). ``tokenizer``: the run's ``TextTokenizer``,
+    whose end-of-text (and beginning-of-text) ids the config names, so that ``generate`` stops where the
+    corpus's documents end; without one they are ``None`` (transformers' own defaults, 1 and 2, are ordinary
+    tokens of a tokenizer trained on the corpus)."""
     missing = [k for k in DIMS if k not in ours]
     if missing:
         raise ValueError(f"the checkpoint's extra.model_config lacks {missing}: not a LLaMA run's checkpoint")
+    bos = None if tokenizer is None else next(
+        (i for i in map(tokenizer.tokenizer.token_to_id, BOS_CANDIDATES) if i is not None), None)
     return {**{k: ours[k] for k in DIMS}, "initializer_range": ours.get("initializer_range", 0.02),
             "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_act": "silu",
             "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
             "head_dim": ours["hidden_size"] // ours["num_attention_heads"], "rope_scaling": None,
-            "torch_dtype": "float32"}
+            "dtype": "float32", "bos_token_id": bos, "pad_token_id": None,
+            "eos_token_id": None if tokenizer is None else tokenizer.eos_id}

@@ -102,6 +102,10 @@ def test_a_run_exports_as_a_directory_transformers_loads(single_llama, tmp_path)
     assert convert(["export", str(run), str(tmp_path / "hf")]) == 0
     assert (tmp_path / "hf" / "tokenizer.json").is_file()
     theirs = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    from recipes.gpt2.data.tokenizer import load_tokenizer
+
+    eos = load_tokenizer(run / "tokenizer.json").eos_id
+    assert eos is not None and theirs.config.eos_token_id == eos  # generate() stops where documents end
     cfg = load_config(str(run))
     ours = get("llama").build_model(cfg.model).eval()
     ckpt.load(ckpt.latest(str(run / "checkpoints")), {"model": ours.state_dict()})
