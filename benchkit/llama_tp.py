@@ -21,23 +21,36 @@ from benchkit.paired import balanced_orders
 ADAMW = dict(lr=1e-3, weight_decay=0.1)
 
 
-def _torchtitan_tp(model, mesh):
+def _torchtitan_tp(model, mesh, sequence_parallel: bool):
+    """torchtitan's ``apply_tp`` on ``model``; without ``sequence_parallel`` its layouts between the blocks are
+    ``Replicate`` (the residual stream whole, Megatron's plan without sequence parallelism)."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
 
+    between = Shard(1) if sequence_parallel else Replicate()
     plan = {
-        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-        "lm_head": ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1), use_local_output=False),
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=between),
+        "lm_head": ColwiseParallel(input_layouts=between, output_layouts=Shard(-1), use_local_output=False),
     }
+    if sequence_parallel:
+        plan["model.norm"] = SequenceParallel()
     for i in range(len(model.model.layers)):
+        layer = f"model.layers.{i}"
         for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
-            plan[f"model.layers.{i}.{name}"] = ColwiseParallel()
+            plan[f"{layer}.{name}"] = ColwiseParallel()
         for name in ("self_attn.o_proj", "mlp.down_proj"):
-            plan[f"model.layers.{i}.{name}"] = RowwiseParallel()
+            plan[f"{layer}.{name}"] = RowwiseParallel(output_layouts=between)
+        if sequence_parallel:
+            plan[f"{layer}.input_layernorm"] = SequenceParallel()
+            plan[f"{layer}.post_attention_layernorm"] = SequenceParallel()
+            plan[f"{layer}.self_attn"] = PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                                            desired_input_layouts=(Replicate(), None, None))
+            plan[f"{layer}.mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
     return parallelize_module(model, mesh, plan)
 
 
-def tp_worker(dims: dict, batch: int, seq: int, steps: int, warmup: int) -> dict:
+def tp_worker(dims: dict, batch: int, seq: int, steps: int, warmup: int, sequence_parallel: bool = False) -> dict:
     """On every rank: each way's step times (s) and first losses, and the collectives of one step each.
 
     Both ways are built from one seed (the same initial weights), train on the same batch with AdamW, and
@@ -59,10 +72,11 @@ def tp_worker(dims: dict, batch: int, seq: int, steps: int, warmup: int) -> dict
     peer = LlamaForCausalLM(cfg)
     ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
     p = sc.placement("cpu", list(range(n)))
-    sc.distribute_module(ours, p, {**llama_plan.TENSOR_PARALLEL, **llama_plan.RESIDUAL_WHOLE})
+    pins = llama_plan.SEQUENCE_PARALLEL if sequence_parallel else llama_plan.RESIDUAL_WHOLE
+    sc.distribute_module(ours, p, {**llama_plan.TENSOR_PARALLEL, **pins})
     ours_opt = torch.optim.AdamW(ours.parameters(), **ADAMW)
     gids = sc.distribute(ids, p, sbp.broadcast)
-    _torchtitan_tp(peer, init_device_mesh("cpu", (n,)))
+    _torchtitan_tp(peer, init_device_mesh("cpu", (n,)), sequence_parallel)
     peer_opt = torch.optim.AdamW(peer.parameters(), **ADAMW)
 
     def ours_step():

@@ -1,14 +1,18 @@
 """Our tensor-parallel LLaMA against DTensor's ``parallelize_module`` with torchtitan's Llama plan.
 
     python scripts/bench_llama_tp.py [--tp 2] [--layers 4] [--hidden 256] [--heads 8] [--kv-heads 4]
-                                     [--seq 128] [--batch 8] [--steps 12] [--warmup 3]
+                                     [--seq 128] [--batch 8] [--steps 12] [--warmup 3] [--sequence-parallel]
 
 One process tree: a ``--tp``-rank gloo pool (``toolkit.rank_pool``, CPU, one
 intra-op thread per rank) builds the same ``recipes.llama`` model twice from
 one seed, lays one out by our plan (``recipes.llama.plan``: column-split
 q/k/v/gate/up, row-split o/down, vocabulary-split embedding and head, the
 residual stream whole) and parallelises the other by DTensor with
-torchtitan's (``benchkit.llama_tp``), and trains both on the same batch with
+torchtitan's ``apply_tp`` plan without its sequence parallelism
+(``benchkit.llama_tp``); with ``--sequence-parallel`` both split the
+sequence between the blocks (ours ``SEQUENCE_PARALLEL``, torchtitan's plan
+as it is: ``SequenceParallel`` norms, ``PrepareModuleInput`` gathering the
+attention's and MLP's input). It trains both on the same batch with
 AdamW: ``--warmup`` untimed steps (whose losses must agree: the pair
 computes the same thing), then ``--steps`` timed steps, the two ways in a
 balanced order (``benchkit.paired.balanced_orders``), each step after a
@@ -35,10 +39,13 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--sequence-parallel", action="store_true", help="split the sequence between the blocks")
     o = ap.parse_args(argv)
     if o.kv_heads % o.tp or o.heads % o.kv_heads or o.vocab % o.tp or o.hidden % o.heads:
         ap.error(f"--kv-heads {o.kv_heads} must divide --heads {o.heads} and divide by --tp {o.tp}; --vocab by "
                  f"--tp; --hidden by --heads")
+    if o.sequence_parallel and o.seq % o.tp:
+        ap.error(f"--sequence-parallel splits --seq {o.seq} over --tp {o.tp}: it must divide")
     if o.steps < 2 or o.warmup < 1:
         ap.error("--steps >= 2 and --warmup >= 1 (the warm-up steps' losses are compared)")
 
@@ -51,7 +58,7 @@ def main(argv=None) -> int:
                 max_position_embeddings=o.seq)
     if dims["intermediate_size"] % o.tp:
         ap.error(f"the MLP width {dims['intermediate_size']} does not divide by --tp {o.tp}")
-    res = get_pool(o.tp).run(tp_worker, dims, o.batch, o.seq, o.steps, o.warmup)
+    res = get_pool(o.tp).run(tp_worker, dims, o.batch, o.seq, o.steps, o.warmup, o.sequence_parallel)
     step = {k: [max(r["times"][k][i] for r in res) for i in range(o.steps)] for k in ("ours", "dtensor")}
     med = {k: statistics.median(v) for k, v in step.items()}
     tokens = o.batch * o.seq
@@ -59,7 +66,8 @@ def main(argv=None) -> int:
     diff = max(abs(a - b) / abs(b) for a, b in zip(losses["ours"], losses["dtensor"]))
     coll = res[0]["collectives"]
     print(f"LLaMA {o.layers}x{o.hidden}, {o.heads} heads ({o.kv_heads} key/value), MLP {dims['intermediate_size']}, "
-          f"vocab {o.vocab}, {res[0]['params'] / 1e6:.1f}M parameters; tp{o.tp}, batch {o.batch} x {o.seq} tokens, "
+          f"vocab {o.vocab}, {res[0]['params'] / 1e6:.1f}M parameters; tp{o.tp}"
+          f"{' sequence-parallel' if o.sequence_parallel else ''}, batch {o.batch} x {o.seq} tokens, "
           f"fp32, AdamW; {o.warmup} warm-up + {o.steps} timed steps each")
     print(f"{'way':10s} {'step ms':>9s} {'tokens/s':>10s} {'collectives/step':>17s} {'warm-up losses'}")
     for k in ("ours", "dtensor"):

@@ -8,7 +8,8 @@ heads stay on the same rank), the output and down projections row-split
 ``S(1)``, the token embedding and the LM head vocabulary-split ``S(0)``,
 norms ``B``. Activations: ``S(0)`` batch on dp, and ``B`` on tp at RMSNorm
 inputs (the residual stream whole), or ``S(1)`` there with
-``sequence_parallel``. Nothing is tied.
+``sequence_parallel``, which then gathers the attention's and the MLP's
+input once each (``B`` pins). Nothing is tied.
 """
 from __future__ import annotations
 
@@ -23,7 +24,11 @@ TENSOR_PARALLEL = {
     "model.embed_tokens.weight": S0, "lm_head.weight": S0,
 }
 RESIDUAL_WHOLE = {"*.input_layernorm:input": B, "*.post_attention_layernorm:input": B, "model.norm:input": B}
-SEQUENCE_PARALLEL = {"*.input_layernorm:input": S1, "*.post_attention_layernorm:input": S1, "model.norm:input": S1}
+# With the sequence split, the attention's and the MLP's input is gathered once, at the module: each of their
+# separate projections (q, k, v; gate, up) would otherwise gather the same normalized rows for itself, and
+# reduce-scatter its own input gradient back (torchtitan's PrepareModuleInput does the same).
+SEQUENCE_PARALLEL = {"*.input_layernorm:input": S1, "*.post_attention_layernorm:input": S1, "model.norm:input": S1,
+                     "*.self_attn:input": B, "*.mlp:input": B}
 
 PIPELINE = {"layers": "model.layers", "first": ["model.embed_tokens"], "last": ["model.norm", "lm_head"]}
 
