@@ -1,12 +1,15 @@
 """LLaMA under tensor parallelism both ways, on one model class: ours (``recipes.llama.plan``) and DTensor's
-``parallelize_module`` with torchtitan's Llama plan, as ``scripts/bench_llama_tp.py`` runs them.
+``parallelize_module`` with torchtitan's Llama plan (``apply_tp``), as ``scripts/bench_llama_tp.py`` runs them.
 
 The peer parallelises the very module ours lays out (``recipes.llama.model.LlamaForCausalLM``: its
 attention views ``-1`` heads, so a rank's column shard of the projections runs as a smaller model, as
 torchtitan's does): ``ColwiseParallel`` on the query, key, value, gate and up projections,
 ``RowwiseParallel`` on the output and down projections, the embedding ``RowwiseParallel`` (vocabulary
-rows) and the LM head ``ColwiseParallel`` with ``Shard(-1)`` logits under ``loss_parallel``. Norms, the
-residual stream and the rotary tables stay replicated, as in ours with ``RESIDUAL_WHOLE``.
+rows) and the LM head ``ColwiseParallel`` with ``Shard(-1)`` logits under ``loss_parallel``. Between the
+blocks the activations are ``Replicate`` (torchtitan's plan without its sequence parallelism; ours:
+``RESIDUAL_WHOLE``), or with ``sequence_parallel`` ``Shard(1)``: ``SequenceParallel`` norms and
+``PrepareModuleInput`` gathering the attention's and the MLP's input, torchtitan's plan as it is (ours:
+``SEQUENCE_PARALLEL``). Norms and the rotary tables are replicated.
 """
 from __future__ import annotations
 

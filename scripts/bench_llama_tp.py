@@ -1,4 +1,4 @@
-"""Our tensor-parallel LLaMA against DTensor's ``parallelize_module`` with torchtitan's Llama plan.
+"""Our tensor-parallel LLaMA against DTensor's ``parallelize_module`` with torchtitan's Llama plan (``apply_tp``).
 
     python scripts/bench_llama_tp.py [--tp 2] [--layers 4] [--hidden 256] [--heads 8] [--kv-heads 4]
                                      [--seq 128] [--batch 8] [--steps 12] [--warmup 3] [--sequence-parallel]
