@@ -121,7 +121,8 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """``forward(input_ids, labels=None) -> (logits, loss)``; ``loss`` is next-token cross-entropy when ``labels`` is given.
+    """``forward(input_ids, labels=None) -> (logits, loss)``; ``loss`` is next-token cross-entropy when ``labels``
+    is given.
 
     As a pipeline stage: without ``model.embed_tokens`` the first argument
     is the previous stage's hidden states ``[b, t, hidden_size]``; without
@@ -155,7 +156,8 @@ class LlamaForCausalLM(nn.Module):
         if self.rope_cos.is_meta:
             return
         cfg = self.config
-        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim))
+        exponents = torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim
+        inv_freq = 1.0 / (cfg.rope_theta ** exponents)
         angles = torch.outer(torch.arange(cfg.max_position_embeddings).float(), inv_freq)
         angles = torch.cat((angles, angles), dim=-1)
         self.rope_cos.copy_(angles.cos())

@@ -45,7 +45,8 @@ def test_layout_losses_equal_single(layout, single, sbp_cache, tmp_path):
 @pytest.mark.parametrize("overrides, message", [
     (["model.num_key_value_heads=3"], "model.num_key_value_heads=3: must divide model.num_attention_heads=4"),
     (["parallel=tp4"], "model.num_key_value_heads=2: must divide by parallel.tp=4 (whole key/value heads per rank)"),
-    (["model.hidden_size=60"], "model.hidden_size=60: must divide by model.num_attention_heads=4 into an even head dim"),
+    (["model.hidden_size=60"],
+     "model.hidden_size=60: must divide by model.num_attention_heads=4 into an even head dim"),
     (["data.seq_len=128"], "data.seq_len=128: exceeds model.max_position_embeddings=64"),
 ])
 def test_bad_dimensions_are_refused_before_any_process_starts(overrides, message, tmp_path):

@@ -106,4 +106,5 @@ def test_keys_a_config_leaves_out_take_transformers_defaults():
     # transformers 5 writes rope_parameters; its theta wins over a stale top-level one
     assert _hf_value({"rope_theta": 1e4, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}},
                      "rope_theta") == 5e5
-    assert transformers.LlamaConfig().rms_norm_eps == 1e-6 and transformers.LlamaConfig().max_position_embeddings == 2048
+    defaults = transformers.LlamaConfig()
+    assert defaults.rms_norm_eps == 1e-6 and defaults.max_position_embeddings == 2048
