@@ -22,8 +22,12 @@ class ModelConfig:
     """LLaMA dimensions (Hugging Face's ``LlamaConfig`` names).
 
     ``num_key_value_heads`` below ``num_attention_heads`` is grouped-query
-    attention (it must divide them). ``name`` labels the preset (run names,
-    W&B); the dimensions are what count.
+    attention (it must divide them). ``rope_factor`` other than 1 scales the
+    rotary frequencies as Llama 3.1 does (Hugging Face's ``rope_scaling``
+    of type ``llama3``, whose ``low_freq_factor``, ``high_freq_factor`` and
+    ``original_max_position_embeddings`` are the other ``rope_*`` keys).
+    ``name`` labels the preset (run names, W&B); the dimensions are what
+    count.
     """
 
     name: str = "llama-tiny"
@@ -36,6 +40,10 @@ class ModelConfig:
     max_position_embeddings: int = 256
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position_embeddings: int = 8192
     initializer_range: float = 0.02
 
 
@@ -68,6 +76,12 @@ def problems(cfg, layout, trains_tokenizer: bool = True) -> list:
                  "key/value head)")
     if not m.rms_norm_eps > 0 or not m.rope_theta > 0:
         p.append(f"model.rms_norm_eps={m.rms_norm_eps}, model.rope_theta={m.rope_theta}: both must be > 0")
+    if m.rope_factor != 1.0 and not (m.rope_factor > 0 and 0 < m.rope_low_freq_factor < m.rope_high_freq_factor
+                                     and m.rope_original_max_position_embeddings > 0):
+        p.append(f"model.rope_factor={m.rope_factor}, model.rope_low_freq_factor={m.rope_low_freq_factor}, "
+                 f"model.rope_high_freq_factor={m.rope_high_freq_factor}, model.rope_original_max_position_"
+                 f"embeddings={m.rope_original_max_position_embeddings}: Llama 3.1's scaling needs a factor > 0, "
+                 "0 < low < high, and a context > 0")
     for key, what in (("num_key_value_heads", "whole key/value heads per rank"),
                       ("intermediate_size", "MLP columns per rank"),
                       ("vocab_size", "vocab-parallel embedding and loss")):

@@ -4,9 +4,11 @@ Our model (``model.py``) has Hugging Face's parameter names, shapes and
 rotary convention (rotate-half), so its weights load by name, unchanged,
 and a checkpoint's ``model`` state is a Hugging Face state dict
 (``scripts/convert_hf.py export`` writes it with ``hf_config``).
-What our model does not implement is refused by name, before any process
-starts: rotary scaling (``rope_scaling``, as Llama 3.1/3.2 use), an LM head
-tied to the embedding, biases, another activation or head size.
+Rotary scaling of Llama 3.1's kind (``rope_scaling`` of type ``llama3``)
+maps to the model's ``rope_*`` keys. What our model does not implement is
+refused by name, before any process starts: other rotary scaling, an LM
+head tied to the embedding (as Llama 3.2 1B/3B have), biases, attention
+dropout, another activation or head size.
 """
 from __future__ import annotations
 
@@ -17,9 +19,14 @@ import torch
 
 from recipes.gpt2.hf import read_hf_dir, weight_files
 
-# (our model config key, Hugging Face config key); every one must be equal.
+# Our model config keys that must equal a config.json's (the rope_* scaling ones read from its rope_scaling).
 DIMS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-        "num_key_value_heads", "max_position_embeddings", "rms_norm_eps", "rope_theta")
+        "num_key_value_heads", "max_position_embeddings", "rms_norm_eps", "rope_theta", "rope_factor",
+        "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_position_embeddings")
+# Ours -> Hugging Face's key inside rope_scaling (rope_type "llama3"); a config without one has a factor of 1.
+ROPE_SCALING = {"rope_factor": "factor", "rope_low_freq_factor": "low_freq_factor",
+                "rope_high_freq_factor": "high_freq_factor",
+                "rope_original_max_position_embeddings": "original_max_position_embeddings"}
 
 
 # transformers' LlamaConfig defaults, for keys a config.json leaves out.
@@ -28,7 +35,20 @@ HF_DEFAULTS = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11
                "rope_theta": 10000.0}
 
 
+def _scaling(hf: dict) -> dict:
+    """A config.json's rotary scaling (``rope_scaling``, or transformers 5's ``rope_parameters`` less the theta);
+    empty for none."""
+    scaling = hf.get("rope_scaling") or {
+        k: v for k, v in (hf.get("rope_parameters") or {}).items() if k != "rope_theta"}
+    return {} if scaling.get("rope_type", scaling.get("type", "default")) == "default" else scaling
+
+
 def _hf_value(hf: dict, key: str):
+    if key in ROPE_SCALING:  # without Llama 3.1's scaling: a factor of 1, the rest as ours are by default
+        scaling = _scaling(hf)
+        if not scaling:
+            return 1.0 if key == "rope_factor" else None
+        return scaling.get(ROPE_SCALING[key])
     if key == "num_key_value_heads":
         return hf.get(key) or _hf_value(hf, "num_attention_heads")
     if key == "rope_theta":  # transformers 5 keeps it under rope_parameters, which wins over a top-level copy
@@ -41,10 +61,9 @@ def unsupported(hf: dict) -> list:
     bad = []
     if hf.get("model_type") != "llama":
         bad.append(f"model_type={hf.get('model_type')!r} (only 'llama' loads)")
-    scaling = hf.get("rope_scaling") or {
-        k: v for k, v in (hf.get("rope_parameters") or {}).items() if k != "rope_theta"}
-    if scaling and scaling.get("rope_type", scaling.get("type", "default")) != "default":
-        bad.append(f"rope_scaling={scaling} (ours: plain rotary embeddings)")
+    scaling = _scaling(hf)
+    if scaling and scaling.get("rope_type", scaling.get("type")) != "llama3":
+        bad.append(f"rope_scaling={scaling} (ours: plain rotary embeddings, or Llama 3.1's 'llama3' scaling)")
     if hf.get("tie_word_embeddings"):
         bad.append("tie_word_embeddings=true (ours: an LM head of its own)")
     for key in ("attention_bias", "mlp_bias"):
@@ -70,7 +89,9 @@ def hf_dir_problems(path: str, model_cfg) -> list:
     except ValueError as err:  # json.JSONDecodeError
         return [f"{cpath}: not valid JSON ({err})"]
     problems = [f"its config.json has {b}" for b in unsupported(hf)]
-    wrong = [k for k in DIMS if _hf_value(hf, k) != type(model_cfg[k])(model_cfg[k])]
+    scaled = bool(_scaling(hf)) or model_cfg.rope_factor != 1.0  # without scaling its other keys do not count
+    wrong = [k for k in DIMS if (scaled or k not in ROPE_SCALING or k == "rope_factor")
+             and _hf_value(hf, k) != type(model_cfg[k])(model_cfg[k])]
     if wrong:
         problems.append(f"its config.json has {', '.join(f'{k}={_hf_value(hf, k)}' for k in wrong)}, the model "
                         f"{', '.join(f'{k}={model_cfg[k]}' for k in wrong)}; valid: the model settings that match "
@@ -113,14 +134,17 @@ def hf_config(ours: dict, tokenizer=None) -> dict:
     whose end-of-text (and beginning-of-text) ids the config names, so that ``generate`` stops where the
     corpus's documents end; without one they are ``None`` (transformers' own defaults, 1 and 2, are ordinary
     tokens of a tokenizer trained on the corpus)."""
-    missing = [k for k in DIMS if k not in ours]
+    missing = [k for k in DIMS if k not in ours and k not in ROPE_SCALING]
     if missing:
         raise ValueError(f"the checkpoint's extra.model_config lacks {missing}: not a LLaMA run's checkpoint")
     bos = None if tokenizer is None else next(
         (i for i in map(tokenizer.tokenizer.token_to_id, BOS_CANDIDATES) if i is not None), None)
-    return {**{k: ours[k] for k in DIMS}, "initializer_range": ours.get("initializer_range", 0.02),
+    scaling = None if ours.get("rope_factor", 1.0) == 1.0 else {
+        "rope_type": "llama3", **{theirs: ours[k] for k, theirs in ROPE_SCALING.items()}}
+    return {**{k: ours[k] for k in DIMS if k not in ROPE_SCALING}, "rope_scaling": scaling,
+            "initializer_range": ours.get("initializer_range", 0.02),
             "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_act": "silu",
             "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
-            "head_dim": ours["hidden_size"] // ours["num_attention_heads"], "rope_scaling": None,
+            "head_dim": ours["hidden_size"] // ours["num_attention_heads"],
             "dtype": "float32", "bos_token_id": bos, "pad_token_id": None,
             "eos_token_id": None if tokenizer is None else tokenizer.eos_id}

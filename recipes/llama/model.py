@@ -16,6 +16,7 @@ absent, so a stage's parameter names stay the whole model's.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -36,11 +37,30 @@ class LlamaConfig:
     max_position_embeddings: int = 2048
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
+    # Llama 3.1's rotary scaling (Hugging Face's rope_type "llama3"); a factor of 1 is none.
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position_embeddings: int = 8192
     initializer_range: float = 0.02
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+
+def llama3_scaled(inv_freq: torch.Tensor, cfg: LlamaConfig) -> torch.Tensor:
+    """Llama 3.1's rotary frequencies: wavelengths longer than the original context over
+    ``rope_low_freq_factor`` are stretched by ``rope_factor``, those shorter than it over
+    ``rope_high_freq_factor`` kept, and those between interpolated (Hugging Face's arithmetic, term by term)."""
+    old_context = cfg.rope_original_max_position_embeddings
+    low, high, factor = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_context / low, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old_context / high) * ~(wavelen > old_context / low)
+    return torch.where(medium, smoothed, scaled)
 
 
 class RMSNorm(nn.Module):
@@ -152,12 +172,15 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def reset_buffers(self):
-        """The rotary tables, as Hugging Face's default rotary embedding computes them (float32)."""
+        """The rotary tables, as Hugging Face's rotary embedding computes them (float32): its default one, or
+        with ``rope_factor != 1`` Llama 3.1's (``rope_type`` "llama3")."""
         if self.rope_cos.is_meta:
             return
         cfg = self.config
         exponents = torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim
         inv_freq = 1.0 / (cfg.rope_theta ** exponents)
+        if cfg.rope_factor != 1.0:
+            inv_freq = llama3_scaled(inv_freq, cfg)
         angles = torch.outer(torch.arange(cfg.max_position_embeddings).float(), inv_freq)
         angles = torch.cat((angles, angles), dim=-1)
         self.rope_cos.copy_(angles.cos())

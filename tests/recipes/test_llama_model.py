@@ -23,12 +23,27 @@ def _rel(a, b) -> float:
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
-@pytest.mark.parametrize("kv_heads", [4, 2, 1])  # multi-head, grouped-query, multi-query attention
-def test_logits_loss_and_gradients_match_transformers(kv_heads):
+# Llama 3.1's rotary scaling over an original context of 16 positions: with head_dim 16 and this theta, some
+# frequencies are kept, some interpolated and the rest divided by the factor.
+LLAMA3_ROPE = dict(rope_factor=8.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
+                   rope_original_max_position_embeddings=16)
+
+
+def _their_scaling(ours: dict) -> dict:
+    return {"rope_scaling": {"rope_type": "llama3", "factor": ours["rope_factor"],
+                             "low_freq_factor": ours["rope_low_freq_factor"],
+                             "high_freq_factor": ours["rope_high_freq_factor"],
+                             "original_max_position_embeddings": ours["rope_original_max_position_embeddings"]}}
+
+
+@pytest.mark.parametrize("kv_heads, rope", [(4, {}), (2, {}), (1, {}), (2, LLAMA3_ROPE)],
+                         ids=["multi-head", "grouped-query", "multi-query", "llama3-rope"])
+def test_logits_loss_and_gradients_match_transformers(kv_heads, rope):
     torch.manual_seed(0)
-    ours = LlamaForCausalLM(LlamaConfig(**DIMS, num_key_value_heads=kv_heads))
+    ours = LlamaForCausalLM(LlamaConfig(**DIMS, num_key_value_heads=kv_heads, **rope))
     theirs = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        **DIMS, num_key_value_heads=kv_heads, tie_word_embeddings=False, attn_implementation="eager"))
+        **DIMS, num_key_value_heads=kv_heads, tie_word_embeddings=False, attn_implementation="eager",
+        **(_their_scaling(rope) if rope else {})))
     theirs.load_state_dict(ours.state_dict(), strict=True)
     ids = torch.randint(0, DIMS["vocab_size"], (3, 20))
     logits, loss = ours(ids, ids)
@@ -81,8 +96,9 @@ def test_a_hugging_face_directory_loads_into_a_pipeline_stage(tmp_path):
 
 
 @pytest.mark.parametrize("changes, message", [
-    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                       "original_max_position_embeddings": 16}}, "rope_scaling="),
+    ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling="),
+    (_their_scaling(LLAMA3_ROPE), "rope_factor=8.0, rope_original_max_position_embeddings=16, the model "
+                                  "rope_factor=1.0, rope_original_max_position_embeddings=8192"),
     ({"tie_word_embeddings": True}, "tie_word_embeddings=true"),
     ({"attention_bias": True}, "attention_bias=true"),
     ({"num_hidden_layers": 3}, "num_hidden_layers=3, the model num_hidden_layers=2"),
@@ -108,3 +124,18 @@ def test_keys_a_config_leaves_out_take_transformers_defaults():
                      "rope_theta") == 5e5
     defaults = transformers.LlamaConfig()
     assert defaults.rms_norm_eps == 1e-6 and defaults.max_position_embeddings == 2048
+
+
+def test_llama3_rotary_scaling_loads_when_the_model_has_it_and_exports_back(tmp_path):
+    """A Llama 3.1-style directory passes the check with the model's ``rope_*`` keys set, and ``hf_config`` of
+    such a model is a config transformers reads with the same scaling."""
+    from recipes.llama.hf import hf_config, hf_dir_problems
+    from recipes.llama.model import LlamaConfig as Ours
+
+    _hf_dir(tmp_path, **_their_scaling(LLAMA3_ROPE))
+    assert hf_dir_problems(str(tmp_path), _model_cfg(**LLAMA3_ROPE)) == []
+    ours = {**Ours(**DIMS, num_key_value_heads=2, **LLAMA3_ROPE).__dict__}
+    config = transformers.LlamaConfig(**hf_config(ours))
+    theirs = config.rope_parameters
+    assert theirs["rope_type"] == "llama3" and theirs["factor"] == 8.0
+    assert theirs["original_max_position_embeddings"] == 16 and theirs["rope_theta"] == DIMS["rope_theta"]
