@@ -3,10 +3,10 @@
 Reads the run's ``config.yaml``, its newest checkpoint (any layout it was
 trained in: the checkpoint reshards into one process) and its
 ``tokenizer.json``, and prints the prompt's continuation. Samples from the
-language-model recipes' runs (``recipe=gpt2``, ``recipe=llama``). A ``run`` that is not a directory, has no
-``config.yaml`` or ``tokenizer.json``, is another recipe's run or has no
-checkpoint ends with a one-line error (exit status 1) before any model is
-built.
+language-model recipes' runs (``recipe=gpt2``, ``recipe=llama``). A ``run``
+that is not a directory, has no ``config.yaml`` or ``tokenizer.json``, is
+another recipe's run or has no checkpoint ends with a one-line error (exit
+status 1) before any model is built.
 """
 from __future__ import annotations
 

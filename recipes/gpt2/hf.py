@@ -190,7 +190,8 @@ def hf_dir_problems(path: str, model_cfg) -> list:
 
 
 def read_hf_dir(path: str) -> tuple:
-    """``(config dict, state dict)`` of a ``transformers`` model directory (safetensors or ``.bin``, sharded or not)."""
+    """``(config dict, state dict)`` of a ``transformers`` model directory (safetensors or ``.bin``, sharded or
+    not)."""
     cpath = os.path.join(path, "config.json")
     if not os.path.isfile(cpath):
         raise FileNotFoundError(f"{cpath}: missing; a Hugging Face model directory holds config.json")
