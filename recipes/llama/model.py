@@ -52,7 +52,9 @@ class LlamaConfig:
 def llama3_scaled(inv_freq: torch.Tensor, cfg: LlamaConfig) -> torch.Tensor:
     """Llama 3.1's rotary frequencies: wavelengths longer than the original context over
     ``rope_low_freq_factor`` are stretched by ``rope_factor``, those shorter than it over
-    ``rope_high_freq_factor`` kept, and those between interpolated (Hugging Face's arithmetic, term by term)."""
+    ``rope_high_freq_factor`` kept, and those between interpolated (Hugging Face's arithmetic, term by term;
+    written here rather than imported from ``transformers.modeling_rope_utils``, whose function reads a
+    ``PretrainedConfig``: the model file needs torch alone)."""
     old_context = cfg.rope_original_max_position_embeddings
     low, high, factor = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_factor
     wavelen = 2 * math.pi / inv_freq
@@ -65,7 +67,8 @@ def llama3_scaled(inv_freq: torch.Tensor, cfg: LlamaConfig) -> torch.Tensor:
 
 class RMSNorm(nn.Module):
     """``x / sqrt(mean(x^2) + eps) * weight`` over the last dim, computed in at least float32 (as Hugging Face's
-    for half precision; float64 stays float64)."""
+    for half precision; float64 stays float64). Not ``torch.nn.RMSNorm``: it computes in the input's dtype, so
+    bf16 weights loaded from Hugging Face would not reproduce its outputs."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
