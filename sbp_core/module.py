@@ -4,7 +4,9 @@ A plan maps name patterns (``fnmatch``, matched against dotted names) to an
 N-d SBP:
 
 - parameter and buffer names, e.g. ``"*.c_attn.weight": (B, S(1))``; the
-  first matching pattern wins; unmatched ones are ``B`` on every axis;
+  first matching pattern wins; unmatched ones are ``B`` on every axis; a
+  parameter under several names (a tied LM head) takes the layout of the
+  first of its names, in module order, that a pattern matches;
 - ``"<module pattern>:input"`` / ``":output"``: the module's first tensor
   input / its tensor output is boxed to that layout (a forward hook calling
   ``to_global``, differentiable); ``":inputs"``: every positional global
@@ -37,6 +39,7 @@ when every backward was deferred) in one collective.
 from __future__ import annotations
 
 import fnmatch
+from functools import partial
 
 import torch
 from torch import nn
@@ -106,7 +109,12 @@ def distribute_module(module: nn.Module, placement, plan: dict | None = None,
 
     ``bucket_bytes``: gradient bytes boxed by one collective during backward (module docstring)."""
     plan = dict(plan or {})
-    names = {n for n, _ in module.named_parameters()} | {n for n, _ in module.named_buffers()}
+    # A tied parameter may be named by any of its names (an LM head's, or the embedding's it shares): its
+    # layout is the entry of the first of its names, in module order, that the plan matches.
+    aliases: dict = {}
+    for n, param in module.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(param), []).append(n)
+    names = {n for ns in aliases.values() for n in ns} | {n for n, _ in module.named_buffers()}
     module_names = {n for n, _ in module.named_modules()}
     for pattern in plan:
         target, _, where = pattern.partition(":")
@@ -126,7 +134,8 @@ def distribute_module(module: nn.Module, placement, plan: dict | None = None,
             if id(param) in done:
                 setattr(mod, pname, done[id(param)])
                 continue
-            sbp = _on_mesh(nd_sbp(_match(plan, prefix + pname) or broadcast, placement.ndim), placement)
+            entry = next((m for m in map(partial(_match, plan), aliases[id(param)]) if m is not None), None)
+            sbp = _on_mesh(nd_sbp(entry or broadcast, placement.ndim), placement)
             if param.is_meta:
                 g = _materialize(module, mod, prefix + pname, param, placement, sbp)
             else:

@@ -6,7 +6,8 @@
   shapes; a rank outside the placement passes an empty tensor.
 - ``"<module>:inputs"`` boxes every positional global tensor input of the
   module (``":input"`` only the first).
-- A plan's first matching pattern wins; frozen parameters stay frozen.
+- A plan's first matching pattern wins; frozen parameters stay frozen; a
+  tied parameter named by its second name alone takes that entry's layout.
 """
 from __future__ import annotations
 
@@ -101,3 +102,29 @@ def test_the_first_matching_pattern_wins_and_frozen_parameters_stay_frozen():
         assert got == {"0.weight": ((S0,), True, True), "0.bias": ((B,), True, True),
                        "1.weight": ((Split(1),), False, True), "1.bias": ((B,), True, True)}, got
         assert trained == ["0.bias", "0.weight", "1.bias"]
+
+
+class _TiedHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(6, 4), nn.Linear(4, 6, bias=False)
+        self.head.weight = self.embed.weight
+
+
+def _tied_by_second_name():
+    p = sc.placement("cpu", [0, 1])
+    torch.manual_seed(0)
+    model = _TiedHead()
+    full = model.embed.weight.detach().clone()
+    sc.distribute_module(model, p, {"head.weight": (S0,)})
+    if torch.distributed.get_rank() not in p:
+        return None
+    return model.head.weight is model.embed.weight, model.embed.weight.sbp, torch.equal(model.head.weight.full_tensor(),
+                                                                                         full)
+
+
+def test_a_tied_parameter_named_by_its_second_name_takes_that_layout():
+    """``head.weight`` is ``embed.weight`` under a second name: a plan naming it alone splits the one parameter,
+    which stays one parameter with its values."""
+    for same, sbp, values in get_pool(WORLD).run(_tied_by_second_name)[:2]:
+        assert same and sbp == (S0,) and values
