@@ -83,7 +83,7 @@ def main(argv=None) -> str:
         raise SystemExit(f"generate.py: {run} has no checkpoint yet (train.py saves one at the end)")
     recipe = get(cfg.recipe.name)
     model = recipe.build_model(cfg.model).eval()
-    ckpt.load(path, {"model": model.state_dict()}, tied=recipe.tied)
+    ckpt.load(path, {"model": model.state_dict()}, tied=recipe.tied_pairs(cfg.model))
     tok = load_tokenizer(os.path.join(run, "tokenizer.json"))
     torch.manual_seed(int(opts["seed"]))
     ids = tok.encode(opts["prompt"]) or [tok.eos_id]

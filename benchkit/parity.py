@@ -78,6 +78,7 @@ def layouts():
     out["llama dp2 x tp2"] = ("llama", [[0, 1], [2, 3]], llama_plan.mesh_plan(), (S0, B))
     out["llama dp2 x tp2 cost-chosen"] = ("llama", [[0, 1], [2, 3]], _on_axis(llama_plan.TENSOR_PARALLEL, B, 1, 2),
                                           (S0, B))
+    out["llama dp2 x tp2 tied"] = ("llama-tied", [[0, 1], [2, 3]], llama_plan.mesh_plan(), (S0, B))
     out["gpt2 tp2 sequence-parallel"] = ("gpt2", [0, 1], {**GPT_TP, **GPT_SP_PINS}, (B,))
     out["gpt2 dp2 x tp2 sequence-parallel"] = ("gpt2", [[0, 1], [2, 3]], _on_axis({**GPT_TP, **GPT_SP_PINS}, B, 1, 2), (S0, B))
     out["gpt2 dp2 x tp2 cost-chosen"] = ("gpt2", [[0, 1], [2, 3]], _on_axis(GPT_TP, B, 1, 2), (S0, B))
@@ -92,8 +93,8 @@ def _model_and_batches(kind, dtype=torch.float64):
     if kind == "mlp":
         model = MLP()
         batches = [(torch.randn(16, 32).to(dtype), torch.randint(0, 8, (16,))) for _ in range(STEPS)]
-    elif kind == "llama":
-        model = LlamaForCausalLM(LLAMA_CFG)
+    elif kind in ("llama", "llama-tied"):
+        model = LlamaForCausalLM(dataclasses.replace(LLAMA_CFG, tie_word_embeddings=kind == "llama-tied"))
         batches = [(ids, ids) for ids in (torch.randint(0, LLAMA_CFG.vocab_size, (4, 16)) for _ in range(STEPS))]
     else:
         p = 0.1 if kind == "gpt2-dropout" else 0.0

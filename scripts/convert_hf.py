@@ -136,7 +136,10 @@ def export_hf(src: str, hf_dir: str, n_head: int | None = None) -> str:
         tokenizer = tokenizer_of_weights(path)
         config = hf_llama.hf_config((state.get("extra") or {}).get("model_config") or {},
                                     load_tokenizer(tokenizer) if tokenizer else None)
-        hf_gpt2.write_hf_dir(hf_dir, config, state["model"])
+        model = dict(state["model"])
+        if config["tie_word_embeddings"]:  # one tensor, saved under the embedding's name (as Hugging Face does)
+            model.pop("lm_head.weight", None)
+        hf_gpt2.write_hf_dir(hf_dir, config, model)
     elif "transformer.wte.weight" in state["model"]:
         cfg = model_config(state["model"], state.get("extra"), path, n_head)
         hf_sd, tied = hf_gpt2.to_hf(state["model"], cfg)

@@ -62,8 +62,9 @@ class Recipe(ABC):
     Attributes: ``name``; ``model_schema``/``data_schema`` (dataclasses);
     ``data_sbp`` (the batch on the ``(dp, tp)`` mesh); ``inputs``/``labels``
     (field names); ``pipeline`` (dict or ``None``); ``act_sbp`` (stage
-    boundary activations); ``tied`` (parameter-name pairs shared by the first
-    and last stage); ``throughput_unit`` ("tokens", "images", "samples": the
+    boundary activations); ``tied`` (parameter-name pairs of one parameter,
+    which a pipeline may hold on its first and last stage; ``tied_pairs``
+    when the model config decides); ``throughput_unit`` ("tokens", "images", "samples": the
     metrics key is ``<unit>_per_s``); ``rows_weigh_equally``: the loss is a
     mean over the batch's rows (samples, or tokens of equal count per row)
     in which every row weighs the same, whatever the data — no ignored
@@ -106,6 +107,10 @@ class Recipe(ABC):
     def pipeline_plan(self, model_cfg) -> dict | None:
         """The pipeline split of the model ``model_cfg`` builds (``toolkit.stages``), or ``None``: ``pipeline``."""
         return self.pipeline
+
+    def tied_pairs(self, model_cfg) -> tuple:
+        """The ``(name, name)`` pairs of one parameter in the model ``model_cfg`` builds: ``tied``."""
+        return tuple(self.tied)
 
     def n_layers(self, model_cfg) -> int:
         """How many repeated layers (``pipeline_plan``'s ``layers``, the unit of the stage split), counted on a meta model."""

@@ -52,7 +52,7 @@ def save(job, step: int) -> str:
     large state on a slow file system can keep past ``SBP_TIMEOUT``."""
     with sc.initialising():
         return ckpt.save(checkpoint_root(job.cfg.run_dir), step, _state(job, step),
-                         keep_last=int(job.cfg.trainer.keep_last), tied=job.recipe.tied)
+                         keep_last=int(job.cfg.trainer.keep_last), tied=job.recipe.tied_pairs(job.cfg.model))
 
 
 def resume(job) -> int:
@@ -71,7 +71,7 @@ def resume(job) -> int:
         raise ckpt.CheckpointError("; ".join(wrong))
     template = {**_state(job, 0), "scheduler": None, "sampler": None, "step": None, "rng": None, "extra": None,
                 "facts": None, "loss_scale": None}
-    out = ckpt.load(path, template, tied=job.recipe.tied)
+    out = ckpt.load(path, template, tied=job.recipe.tied_pairs(job.cfg.model))
     built = settings(job.optimizer)
     ckpt.load_optimizer_state_dict(job.optimizer, job.module, out["optim"])
     job.scheduler.load_state_dict(out["scheduler"])
@@ -144,5 +144,5 @@ def _refresh(job) -> None:
 
 def load_weights(job, path: str) -> None:
     """Every rank: this rank's stage parameters from our checkpoint at ``path`` (any saved layout)."""
-    ckpt.load(path, {"model": job.module.state_dict()}, tied=job.recipe.tied)
+    ckpt.load(path, {"model": job.module.state_dict()}, tied=job.recipe.tied_pairs(job.cfg.model))
     _refresh(job)

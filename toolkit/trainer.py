@@ -157,7 +157,7 @@ class Job:
         self.pipe_cfg = PipelineConfig(
             self.placements, lay.accumulation, batch, acts,
             recipe.data_sbp, recipe.act_sbp, recipe.inputs, recipe.labels, schedule=str(cfg.parallel.pp_schedule),
-            max_grad_norm=float(tr.grad_clip) if tr.grad_clip else None, tied=list(recipe.tied),
+            max_grad_norm=float(tr.grad_clip) if tr.grad_clip else None, tied=list(recipe.tied_pairs(cfg.model)),
             rows_weigh_equally=recipe.rows_weigh_equally, split_last_backward=not tr.compile, virtual=lay.pp_virtual)
         forward = recipe.stage_forward
         if tr.compile:

@@ -26,7 +26,8 @@ class ModelConfig:
     rotary frequencies as Llama 3.1 does (Hugging Face's ``rope_scaling``
     of type ``llama3``, whose ``low_freq_factor``, ``high_freq_factor`` and
     ``original_max_position_embeddings`` are the other ``rope_*`` keys).
-    ``name`` labels the preset (run names, W&B); the dimensions are what
+    ``tie_word_embeddings``: the LM head is the token embedding (one
+    parameter). ``name`` labels the preset (run names, W&B); the dimensions are what
     count.
     """
 
@@ -45,6 +46,7 @@ class ModelConfig:
     rope_high_freq_factor: float = 4.0
     rope_original_max_position_embeddings: int = 8192
     initializer_range: float = 0.02
+    tie_word_embeddings: bool = False
 
 
 @dataclass

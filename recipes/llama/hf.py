@@ -5,9 +5,10 @@ rotary convention (rotate-half), so its weights load by name, unchanged,
 and a checkpoint's ``model`` state is a Hugging Face state dict
 (``scripts/convert_hf.py export`` writes it with ``hf_config``).
 Rotary scaling of Llama 3.1's kind (``rope_scaling`` of type ``llama3``)
-maps to the model's ``rope_*`` keys. What our model does not implement is
-refused by name, before any process starts: other rotary scaling, an LM
-head tied to the embedding (as Llama 3.2 1B/3B have), biases, attention
+maps to the model's ``rope_*`` keys; an LM head tied to the embedding (as
+Llama 3.2 1B/3B have it, with no ``lm_head.weight`` in their files) to
+``tie_word_embeddings``. What our model does not implement is refused by
+name, before any process starts: other rotary scaling, biases, attention
 dropout, another activation or head size.
 """
 from __future__ import annotations
@@ -22,7 +23,8 @@ from recipes.gpt2.hf import read_hf_dir, weight_files
 # Our model config keys that must equal a config.json's (the rope_* scaling ones read from its rope_scaling).
 DIMS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
         "num_key_value_heads", "max_position_embeddings", "rms_norm_eps", "rope_theta", "rope_factor",
-        "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_position_embeddings")
+        "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_position_embeddings",
+        "tie_word_embeddings")
 # Ours -> Hugging Face's key inside rope_scaling (rope_type "llama3"); a config without one has a factor of 1.
 ROPE_SCALING = {"rope_factor": "factor", "rope_low_freq_factor": "low_freq_factor",
                 "rope_high_freq_factor": "high_freq_factor",
@@ -32,7 +34,7 @@ ROPE_SCALING = {"rope_factor": "factor", "rope_low_freq_factor": "low_freq_facto
 # transformers' LlamaConfig defaults, for keys a config.json leaves out.
 HF_DEFAULTS = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
                "num_attention_heads": 32, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
-               "rope_theta": 10000.0}
+               "rope_theta": 10000.0, "tie_word_embeddings": False}
 
 
 def _scaling(hf: dict) -> dict:
@@ -64,8 +66,6 @@ def unsupported(hf: dict) -> list:
     scaling = _scaling(hf)
     if scaling and scaling.get("rope_type", scaling.get("type")) != "llama3":
         bad.append(f"rope_scaling={scaling} (ours: plain rotary embeddings, or Llama 3.1's 'llama3' scaling)")
-    if hf.get("tie_word_embeddings"):
-        bad.append("tie_word_embeddings=true (ours: an LM head of its own)")
     for key in ("attention_bias", "mlp_bias"):
         if hf.get(key):
             bad.append(f"{key}=true (ours has no biases)")
@@ -114,6 +114,8 @@ def load_hf_into(model, path: str, model_cfg) -> None:
         raise ValueError(f"trainer.init_from={path}: " + "; ".join(problems))
     _, hf_sd = read_hf_dir(path)
     hf_sd = {k: v for k, v in hf_sd.items() if not k.endswith("rotary_emb.inv_freq")}  # older files keep it
+    if model_cfg.get("tie_word_embeddings", False):  # its files hold the embedding alone: a last stage's head is it
+        hf_sd.setdefault("lm_head.weight", hf_sd.get("model.embed_tokens.weight"))
     with torch.no_grad():
         result = model.load_state_dict(hf_sd, strict=False)
     if result.missing_keys:
@@ -134,17 +136,18 @@ def hf_config(ours: dict, tokenizer=None) -> dict:
     whose end-of-text (and beginning-of-text) ids the config names, so that ``generate`` stops where the
     corpus's documents end; without one they are ``None`` (transformers' own defaults, 1 and 2, are ordinary
     tokens of a tokenizer trained on the corpus)."""
-    missing = [k for k in DIMS if k not in ours and k not in ROPE_SCALING]
+    missing = [k for k in DIMS if k not in ours and k not in ROPE_SCALING and k != "tie_word_embeddings"]
     if missing:
         raise ValueError(f"the checkpoint's extra.model_config lacks {missing}: not a LLaMA run's checkpoint")
     bos = None if tokenizer is None else next(
         (i for i in map(tokenizer.tokenizer.token_to_id, BOS_CANDIDATES) if i is not None), None)
     scaling = None if ours.get("rope_factor", 1.0) == 1.0 else {
         "rope_type": "llama3", **{theirs: ours[k] for k, theirs in ROPE_SCALING.items()}}
-    return {**{k: ours[k] for k in DIMS if k not in ROPE_SCALING}, "rope_scaling": scaling,
+    return {**{k: ours[k] for k in DIMS if k not in ROPE_SCALING and k != "tie_word_embeddings"},
+            "rope_scaling": scaling,
             "initializer_range": ours.get("initializer_range", 0.02),
             "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_act": "silu",
-            "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
+            "tie_word_embeddings": bool(ours.get("tie_word_embeddings", False)), "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
             "head_dim": ours["hidden_size"] // ours["num_attention_heads"],
             "dtype": "float32", "bos_token_id": bos, "pad_token_id": None,
             "eos_token_id": None if tokenizer is None else tokenizer.eos_id}

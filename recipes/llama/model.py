@@ -3,7 +3,8 @@
 ``LlamaForCausalLM(LlamaConfig(...))`` has ``model.embed_tokens``,
 ``model.layers.{i}.input_layernorm``, ``.self_attn.{q,k,v,o}_proj``,
 ``.post_attention_layernorm``, ``.mlp.{gate,up,down}_proj``, ``model.norm``
-and ``lm_head`` (not tied), each of the same shape as Hugging Face's
+and ``lm_head`` (tied to ``model.embed_tokens`` with ``tie_word_embeddings``,
+as Llama 3.2 1B/3B have it), each of the same shape as Hugging Face's
 (``nn.Linear`` weights are ``[out, in]``): RMSNorm, rotary position
 embeddings in the rotate-half form Hugging Face's weights use, grouped-query
 attention (``num_key_value_heads`` key/value heads, each shared by
@@ -43,6 +44,7 @@ class LlamaConfig:
     rope_high_freq_factor: float = 4.0
     rope_original_max_position_embeddings: int = 8192
     initializer_range: float = 0.02
+    tie_word_embeddings: bool = False
 
     @property
     def head_dim(self) -> int:
@@ -159,10 +161,17 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.model = LlamaModel(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
         shape = (cfg.max_position_embeddings, cfg.head_dim)
         self.register_buffer("rope_cos", torch.empty(shape), persistent=False)
         self.register_buffer("rope_sin", torch.empty(shape), persistent=False)
         self.reset_parameters()
+
+    def tie_weights(self) -> None:
+        """With ``tie_word_embeddings``, ``lm_head`` shares ``model.embed_tokens``' weight (where this model, or
+        stage, holds both)."""
+        if self.config.tie_word_embeddings and self.lm_head is not None and self.model.embed_tokens is not None:
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     @torch.no_grad()
     def reset_parameters(self):
@@ -194,13 +203,16 @@ class LlamaForCausalLM(nn.Module):
         contract for a parameter left on the meta device: each rank builds only its shard).
 
         Norm weights are 1; every other weight is drawn whole from N(0, ``initializer_range``) by a generator
-        seeded from the global seed and the parameter's name alone (Hugging Face's initialisation), then the
-        box is cut from it: any stage, or shard of one, holds the values the whole model has on one device.
+        seeded from the global seed and the parameter's name alone (a tied LM head's is the embedding's;
+        Hugging Face's initialisation), then the box is cut from it: any stage, or shard of one, holds the
+        values the whole model has on one device.
         """
         param = self.get_parameter(name)
         size = tuple(n for _, n in box)
         if name.endswith("norm.weight"):
             return torch.ones(size, dtype=param.dtype, device="cpu")
+        if name == "lm_head.weight" and self.config.tie_word_embeddings:
+            name = "model.embed_tokens.weight"
         whole = torch.empty(param.shape, dtype=param.dtype, device="cpu").normal_(
             0.0, self.config.initializer_range, generator=_generator(name))
         shard = whole[tuple(slice(start, start + n) for start, n in box)]

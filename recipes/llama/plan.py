@@ -9,7 +9,8 @@ heads stay on the same rank), the output and down projections row-split
 norms ``B``. Activations: ``S(0)`` batch on dp, and ``B`` on tp at RMSNorm
 inputs (the residual stream whole), or ``S(1)`` there with
 ``sequence_parallel``, which then gathers the attention's and the MLP's
-input once each (``B`` pins). Nothing is tied.
+input once each (``B`` pins). With ``tie_word_embeddings`` the LM head is
+the embedding (``TIED``): both names have the same SBP.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ RESIDUAL_WHOLE = {"*.input_layernorm:input": B, "*.post_attention_layernorm:inpu
 SEQUENCE_PARALLEL = {"*.input_layernorm:input": S1, "*.post_attention_layernorm:input": S1, "model.norm:input": S1,
                      "*.self_attn:input": B, "*.mlp:input": B}
 
+TIED = (("model.embed_tokens.weight", "lm_head.weight"),)
 PIPELINE = {"layers": "model.layers", "first": ["model.embed_tokens"], "last": ["model.norm", "lm_head"]}
 
 DATA_SBP = (S0, B)

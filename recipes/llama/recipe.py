@@ -16,7 +16,7 @@ from toolkit.recipe import Recipe
 
 from . import config, hf
 from .model import LlamaConfig, LlamaForCausalLM
-from .plan import ACT_SBP, DATA_SBP, PIPELINE, mesh_plan
+from .plan import ACT_SBP, DATA_SBP, PIPELINE, TIED, mesh_plan
 
 
 class LlamaRecipe(GPT2Recipe):
@@ -33,6 +33,10 @@ class LlamaRecipe(GPT2Recipe):
     act_sbp = ACT_SBP
     pipeline = PIPELINE
     tied = ()
+
+    def tied_pairs(self, model_cfg) -> tuple:
+        """The LM head and the embedding, one parameter, with ``model.tie_word_embeddings``."""
+        return TIED if model_cfg.get("tie_word_embeddings", False) else ()
 
     def check(self, cfg, layout) -> list:
         tokenizer = self.tokenizer_path(cfg)
@@ -60,7 +64,8 @@ class LlamaRecipe(GPT2Recipe):
         attention's scores and weighted sum, 6 * 2 * layers * seq * hidden (half of it under the causal
         mask is still computed)."""
         m = cfg.model
-        matmuls = n_params - m.vocab_size * m.hidden_size
+        # A tied embedding is counted once in n_params, as the LM head's matmul.
+        matmuls = n_params - (0 if m.get("tie_word_embeddings", False) else m.vocab_size * m.hidden_size)
         return 6.0 * matmuls + 12.0 * m.num_hidden_layers * int(cfg.data.seq_len) * m.hidden_size
 
     def weights_path(self, init_from: str) -> str | None:
@@ -84,9 +89,15 @@ class LlamaRecipe(GPT2Recipe):
         if not self.reads_weights(path):
             return False
         model.to_empty(device="cpu")  # build_stage left the parameters on the meta device: all are read below
+        model.tie_weights()  # to_empty gave each name a tensor of its own
         model.reset_buffers()
         hf.load_hf_into(model, path, cfg.model)
         return True
+
+    def resume_facts(self, cfg) -> dict:
+        """Whether the LM head is the embedding: a tied run's checkpoint holds one tensor (and one optimizer
+        state) under both names, which an untied model would read as two equal ones."""
+        return {"model.tie_word_embeddings": bool(cfg.model.tie_word_embeddings)}
 
     def extra_state(self, cfg) -> dict:
         return {"model_config": config.llama_config_kwargs(cfg.model)}

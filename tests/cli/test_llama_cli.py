@@ -42,6 +42,61 @@ def test_layout_losses_equal_single(layout, single, sbp_cache, tmp_path):
         assert abs(a - b) <= 1e-5 * abs(b), (layout, losses, single)
 
 
+@pytest.fixture(scope="module")
+def single_tied(tmp_path_factory, sbp_cache):
+    """``(run directory, per-step losses)`` of one process with the LM head tied to the embedding."""
+    run = tmp_path_factory.mktemp("llama-tied")
+    return run, train_pooled([*TINY, "model.tie_word_embeddings=true", "parallel=single"], run, sbp_cache)
+
+
+@pytest.mark.parametrize("layout", ["dp2_tp2_pp2", "pp2 parallel.pp_schedule=zbv parallel.pp_virtual=2"])
+def test_tied_embeddings_train_like_one_device(layout, single_tied, single, sbp_cache, tmp_path):
+    """The one weight of a tied LM head and embedding: on the first and last stage of dp2_tp2_pp2 (its two
+    gradients summed across stages), both on rank 0 under ZB-V; the losses equal one process's, and differ
+    from the untied model's."""
+    layout, *options = layout.split()
+    losses = train_pooled([*TINY, "model.tie_word_embeddings=true", f"parallel={layout}", *options], tmp_path,
+                          sbp_cache)
+    alone = single_tied[1]
+    assert len(losses) == len(alone) == 3 and abs(alone[-1] - single[-1]) > 1e-3, (alone, single)
+    for a, b in zip(losses, alone):
+        assert abs(a - b) <= 1e-5 * abs(b), (layout, losses, alone)
+
+
+def test_a_tied_run_exports_with_the_embedding_alone(single_tied, tmp_path):
+    """``convert_hf.py export`` of a tied run: ``tie_word_embeddings`` in config.json, no ``lm_head.weight`` in
+    the weights, and transformers computes our logits."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+    from safetensors.torch import load_file
+
+    from scripts.convert_hf import main as convert
+    from toolkit import checkpoint as ckpt
+    from toolkit.config import load_config
+
+    run = single_tied[0]
+    assert convert(["export", str(run), str(tmp_path / "hf")]) == 0
+    assert "lm_head.weight" not in load_file(tmp_path / "hf" / "model.safetensors")
+    theirs = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert theirs.config.tie_word_embeddings
+    cfg = load_config(str(run))
+    recipe = get("llama")
+    ours = recipe.build_model(cfg.model).eval()
+    ckpt.load(ckpt.latest(str(run / "checkpoints")), {"model": ours.state_dict()}, tied=recipe.tied_pairs(cfg.model))
+    ids = torch.randint(0, 512, (2, 16))
+    with torch.no_grad():
+        a, b = ours(ids)[0], theirs(input_ids=ids).logits
+    assert ((a - b).abs().max() / b.abs().max()).item() < 1e-5
+
+
+def test_resuming_a_tied_run_untied_is_refused_before_any_process_starts(single_tied):
+    run = str(single_tied[0])
+    resumed = [*TINY, "trainer.resume=auto", "trainer.max_steps=4"]
+    assert validate(compose([*resumed, "model.tie_word_embeddings=true"], run_dir=run), get("llama")).world_size == 1
+    with pytest.raises(ConfigError, match="model.tie_word_embeddings=False here, the run's newest checkpoint"):
+        validate(compose(resumed, run_dir=run), get("llama"))
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["model.num_key_value_heads=3"], "model.num_key_value_heads=3: must divide model.num_attention_heads=4"),
     (["parallel=tp4"], "model.num_key_value_heads=2: must divide by parallel.tp=4 (whole key/value heads per rank)"),

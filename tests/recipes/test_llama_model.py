@@ -36,14 +36,20 @@ def _their_scaling(ours: dict) -> dict:
                              "original_max_position_embeddings": ours["rope_original_max_position_embeddings"]}}
 
 
-@pytest.mark.parametrize("kv_heads, rope", [(4, {}), (2, {}), (1, {}), (2, LLAMA3_ROPE)],
-                         ids=["multi-head", "grouped-query", "multi-query", "llama3-rope"])
+TIED = dict(tie_word_embeddings=True)
+
+
+@pytest.mark.parametrize("kv_heads, rope", [(4, {}), (2, {}), (1, {}), (2, LLAMA3_ROPE), (2, TIED)],
+                         ids=["multi-head", "grouped-query", "multi-query", "llama3-rope", "tied-embeddings"])
 def test_logits_loss_and_gradients_match_transformers(kv_heads, rope):
+    """With tied embeddings the one weight's gradient sums the embedding's and the LM head's."""
     torch.manual_seed(0)
     ours = LlamaForCausalLM(LlamaConfig(**DIMS, num_key_value_heads=kv_heads, **rope))
+    tied = rope.get("tie_word_embeddings", False)
     theirs = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        **DIMS, num_key_value_heads=kv_heads, tie_word_embeddings=False, attn_implementation="eager",
-        **(_their_scaling(rope) if rope else {})))
+        **DIMS, num_key_value_heads=kv_heads, tie_word_embeddings=tied, attn_implementation="eager",
+        **(_their_scaling(rope) if rope and not tied else {})))
+    assert (ours.lm_head.weight is ours.model.embed_tokens.weight) == tied
     theirs.load_state_dict(ours.state_dict(), strict=True)
     ids = torch.randint(0, DIMS["vocab_size"], (3, 20))
     logits, loss = ours(ids, ids)
@@ -99,7 +105,7 @@ def test_a_hugging_face_directory_loads_into_a_pipeline_stage(tmp_path):
     ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling="),
     (_their_scaling(LLAMA3_ROPE), "rope_factor=8.0, rope_original_max_position_embeddings=16, the model "
                                   "rope_factor=1.0, rope_original_max_position_embeddings=8192"),
-    ({"tie_word_embeddings": True}, "tie_word_embeddings=true"),
+    ({"tie_word_embeddings": True}, "tie_word_embeddings=True, the model tie_word_embeddings=False"),
     ({"attention_bias": True}, "attention_bias=true"),
     ({"num_hidden_layers": 3}, "num_hidden_layers=3, the model num_hidden_layers=2"),
     ({"attention_dropout": 0.1}, "attention_dropout=0.1"),
@@ -111,6 +117,35 @@ def test_what_our_model_lacks_is_refused_from_the_config_alone(changes, message,
     (tmp_path / "model.safetensors").write_bytes(b"not read")  # the check reads config.json and file names only
     assert any(message in p for p in hf_dir_problems(str(tmp_path), _model_cfg())), \
         hf_dir_problems(str(tmp_path), _model_cfg())
+
+
+def test_a_tied_hugging_face_directory_loads_into_every_stage_and_exports_back(tmp_path):
+    """Llama 3.2's kind: the files hold the embedding alone; the last stage's LM head gets it, the whole model
+    ties the two names to one tensor again, and ``hf_config`` says the head is tied."""
+    from safetensors.torch import load_file
+
+    from recipes.llama.hf import hf_config
+    from recipes.llama.recipe import RECIPE
+    from toolkit.stages import keep_stage, stage_ranges
+
+    from omegaconf import OmegaConf
+
+    theirs = _hf_dir(tmp_path, **TIED).eval()
+    assert "lm_head.weight" not in load_file(tmp_path / "model.safetensors")
+    cfg = OmegaConf.create({"model": _model_cfg(**TIED)})
+    assert RECIPE.weights_problems(str(tmp_path), cfg) == []
+    assert RECIPE.tied_pairs(cfg.model) == (("model.embed_tokens.weight", "lm_head.weight"),)
+    whole = RECIPE.build_stage(cfg.model, lambda m: m)
+    assert RECIPE.init_weights(whole, str(tmp_path), cfg)
+    assert whole.lm_head.weight is whole.model.embed_tokens.weight
+    ids = torch.randint(0, DIMS["vocab_size"], (2, 12))
+    with torch.no_grad():
+        assert _rel(whole(ids)[0], theirs(input_ids=ids).logits) < 1e-5
+    last = RECIPE.build_stage(cfg.model, lambda m: keep_stage(m, RECIPE.pipeline, stage_ranges(2, 2), 1))
+    assert RECIPE.init_weights(last, str(tmp_path), cfg) and last.model.embed_tokens is None
+    assert torch.equal(last.lm_head.weight, theirs.model.embed_tokens.weight)
+    ours = {**LlamaConfig(**DIMS, num_key_value_heads=2, **TIED).__dict__}
+    assert transformers.LlamaConfig(**hf_config(ours)).tie_word_embeddings
 
 
 def test_keys_a_config_leaves_out_take_transformers_defaults():

@@ -162,10 +162,10 @@ def _model_problems(field: str, what: str, path: str, cfg, recipe, valid: str) -
         return []
     here = model.state_dict()
     try:
-        saved = ckpt.tensor_shapes(path, "model", here, tied=recipe.tied)
+        saved = ckpt.tensor_shapes(path, "model", here, tied=recipe.tied_pairs(cfg.model))
     except ckpt.CheckpointError as err:
         return [f"{field}: {err}"]
-    partners = {b for a, b in recipe.tied if a in here}  # one parameter under two names: named once
+    partners = {b for a, b in recipe.tied_pairs(cfg.model) if a in here}  # one parameter under two names: named once
     wrong = [f"{n} is not there" if saved[n] is None else f"{n} is {list(saved[n])} there, {list(t.shape)} here"
              for n, t in here.items() if saved[n] != tuple(t.shape) and n not in partners]
     if not wrong:

@@ -73,7 +73,7 @@ class RecipeSearchModel:
         # A deep stage is priced from rehearsals of 2 and 3 of its layers only when every layer is alike
         # (the same parameter and buffer shapes: GPT-2's blocks, not a ResNet's, whose widths change).
         self.layers_alike = len({_signature(model.get_submodule(p)) for p in self.layer_paths}) <= 1
-        self.tied = [tuple(t) for t in recipe.tied]
+        self.tied = [tuple(t) for t in recipe.tied_pairs(cfg.model)]
         self._traces: dict = {}
         self.rehearsals = 0
         self.choices = self._choices(model)
