@@ -3,8 +3,10 @@
     python scripts/gpu_check.py             # one CUDA device; exits 2 where there is none
 
 For GPT-2 124M (bf16, micro-batch 8 x 1024), iresnet50 at 112x112 (bf16,
-1000 classes, batch 128, SGD) and Wide&Deep at its default size (fp32,
-batch 512), in this process:
+1000 classes, batch 128, SGD), Wide&Deep at its default size (fp32,
+batch 512) and a LLaMA of GPT-2 small's depth and width (12 layers, 768
+wide, 12 query and 4 key/value heads, 32000 tokens; bf16, micro-batch
+8 x 1024), in this process:
 
 1. ours: ``toolkit.trainer.train`` as ``python train.py ... device=cuda``
    runs it (a one-rank process group, the runtime's data pipeline and
@@ -19,7 +21,7 @@ batch 512), in this process:
 
 It prints a table (losses, the largest relative difference, ours' and the
 plain loop's throughput after the first step, ours' MFU) and a last line
-``gpu check: gpt2 ok, insightface ok, wide_deep ok; mfu X%`` (GPT-2's MFU).
+``gpu check: gpt2 ok, insightface ok, wide_deep ok, llama ok; mfu X%`` (GPT-2's MFU).
 Exit status 0 when every recipe agreed, 1 otherwise, 2 without a GPU; a
 recipe whose check raises prints its traceback, fails, and the next one runs.
 ``--device cpu --tiny`` runs the same check with tiny models on the CPU
@@ -53,6 +55,10 @@ FULL = {
                     "trainer.micro_batch_size=128", "trainer.global_batch_size=128",
                     "data.synthetic.images_per_identity=4"],
     "wide_deep": ["recipe=wide_deep", "model.dropout=0.0"],
+    "llama": ["recipe=llama", "model.num_hidden_layers=12", "model.hidden_size=768", "model.intermediate_size=2048",
+              "model.num_attention_heads=12", "model.num_key_value_heads=4", "model.vocab_size=32000",
+              "model.max_position_embeddings=1024", "trainer.precision=bf16", "trainer.micro_batch_size=8",
+              "trainer.global_batch_size=8", "data.max_bytes=2000000"],
 }
 TINY = {
     "gpt2": ["recipe=gpt2", "model.n_layer=2", "model.n_embd=64", "model.n_head=4", "model.vocab_size=512",
@@ -62,6 +68,10 @@ TINY = {
                     "data.synthetic.images_per_identity=4"],
     "wide_deep": ["recipe=wide_deep", "model=wide-deep-tiny", "trainer.micro_batch_size=64",
                   "trainer.global_batch_size=128", "data.train_rows=20000", "data.val_rows=1000"],
+    "llama": ["recipe=llama", "model.num_hidden_layers=2", "model.hidden_size=64", "model.intermediate_size=96",
+              "model.num_attention_heads=4", "model.num_key_value_heads=2", "model.vocab_size=512",
+              "model.max_position_embeddings=64", "data.max_bytes=200000", "trainer.micro_batch_size=4",
+              "trainer.global_batch_size=8"],
 }
 TOLERANCE = {"bf16": 2e-2, "fp16": 2e-2, "fp32": 1e-4}
 
@@ -136,7 +146,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true", help="tiny models (a CPU check of the check itself)")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--compare", type=int, default=3, help="leading losses that must agree")
-    ap.add_argument("--recipes", default="gpt2,insightface,wide_deep")
+    ap.add_argument("--recipes", default="gpt2,insightface,wide_deep,llama")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu check: no CUDA device here (torch.cuda.is_available() is False); nothing was run")

@@ -28,6 +28,10 @@ CASES = {
                      "data.synthetic.val_pairs=40", "trainer.global_batch_size=16"], "verify_acc"),
     "wide_deep": (["recipe=wide_deep", "model=wide-deep-tiny", "data.train_rows=4096", "data.val_rows=1000",
                    "trainer.global_batch_size=64", "trainer.micro_batch_size=32"], "auc"),
+    "llama": (["recipe=llama", "model.num_hidden_layers=2", "model.hidden_size=64", "model.intermediate_size=96",
+               "model.num_attention_heads=4", "model.num_key_value_heads=2", "model.vocab_size=512",
+               "model.max_position_embeddings=64", "model.tie_word_embeddings=true", "data.max_bytes=300000",
+               "trainer.global_batch_size=8", "trainer.micro_batch_size=4", "trainer.precision=bf16"], "val_loss"),
 }
 
 

@@ -21,7 +21,7 @@ def test_every_recipe_matches_a_plain_loop_on_cpu(tmp_path):
     out = _run(["--device", "cpu", "--tiny", "--steps", "4"], tmp_path)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     last = out.stdout.strip().splitlines()[-1]
-    assert last.startswith("gpu check: gpt2 ok, insightface ok, wide_deep ok; mfu "), last
+    assert last.startswith("gpu check: gpt2 ok, insightface ok, wide_deep ok, llama ok; mfu "), last
 
 
 def test_a_recipe_whose_check_raises_fails_and_the_next_ones_still_run(monkeypatch, capsys):
@@ -38,4 +38,4 @@ def test_a_recipe_whose_check_raises_fails_and_the_next_ones_still_run(monkeypat
     out = capsys.readouterr()
     assert "RuntimeError: CUDA error: an illegal memory access" in out.err
     assert "insightface  FAIL: RuntimeError: CUDA error" in out.out
-    assert out.out.strip().splitlines()[-1] == "gpu check: gpt2 ok, insightface FAIL, wide_deep ok; mfu -"
+    assert out.out.strip().splitlines()[-1] == "gpu check: gpt2 ok, insightface FAIL, wide_deep ok, llama ok; mfu -"
