@@ -1,6 +1,6 @@
-"""The pipelined tiny GPT-2 of scripts/verify_pipeline.py and its one-device reference: build a rank's
-pipeline step, run a layout, compare with one device training on its own, and read a step's trace back
-(micro-batches held per stage, bubble)."""
+"""The pipelined tiny GPT-2 (or LLaMA, tied or not) of scripts/verify_pipeline.py and its one-device reference:
+build a rank's pipeline step, run a layout, compare with one device training on its own, and read a step's
+trace back (micro-batches held per stage, bubble)."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -8,9 +8,13 @@ from dataclasses import replace
 import torch
 
 import sbp_core as sc
+from benchkit import parity
 from benchkit.parity import TOLERANCE  # noqa: F401  (the pipelines are held to the same bars)
 from recipes.gpt2.model import GPT2Config, GPT2LMHeadModel
-from recipes.gpt2.plan import ACT_SBP, DATA_SBP, PIPELINE, TIED, mesh_plan, stage_forward
+from recipes.gpt2 import plan as gpt2_plan
+from recipes.gpt2.plan import ACT_SBP, DATA_SBP, stage_forward
+from recipes.llama import plan as llama_plan
+from recipes.llama.model import LlamaForCausalLM
 from runtime.pipeline import PipelineConfig, PipelineStep
 from runtime.pipeline.schedule import chunk_ranks
 from runtime.pipeline.timeline import bubble, peak_held
@@ -25,7 +29,28 @@ BATCH, SEQ = 16, 16
 ADAMW = dict(lr=1e-3, weight_decay=0.1)
 CFG = GPT2Config(vocab_size=256, n_positions=32, n_embd=64, n_layer=4, n_head=4,
                  embd_pdrop=0.0, resid_pdrop=0.0, attn_pdrop=0.0)
+# scripts/verify_parity.py's LLaMA (grouped-query attention) with 4 layers; "llama-tied" ties its LM head.
+LLAMA_CFG = replace(parity.LLAMA_CFG, num_hidden_layers=4)
+MODELS = {"gpt2": CFG, "llama": LLAMA_CFG, "llama-tied": replace(LLAMA_CFG, tie_word_embeddings=True)}
 LAYOUTS = {"pp2": (1, 1, 2), "pp4": (1, 1, 4), "dp2_pp2": (2, 1, 2), "tp2_pp2": (1, 2, 2), "dp2_tp2_pp2": (2, 2, 2)}
+
+
+def model_config(model: str = "gpt2", n_layer: int | None = None):
+    """``MODELS[model]`` with ``n_layer`` layers (its own count by default)."""
+    cfg = MODELS[model]
+    if n_layer is None:
+        return cfg
+    return replace(cfg, n_layer=n_layer) if isinstance(cfg, GPT2Config) else replace(cfg, num_hidden_layers=n_layer)
+
+
+def _recipe_parts(cfg) -> tuple:
+    """``(model class, pipeline split, tied pairs, mesh plan, layers, hidden size)`` of a GPT-2 or LLaMA config,
+    as the recipes have them."""
+    if isinstance(cfg, GPT2Config):
+        return GPT2LMHeadModel, gpt2_plan.PIPELINE, gpt2_plan.TIED, gpt2_plan.mesh_plan(), cfg.n_layer, cfg.n_embd
+    tied = llama_plan.TIED if cfg.tie_word_embeddings else ()
+    return (LlamaForCausalLM, llama_plan.PIPELINE, tied, llama_plan.mesh_plan(), cfg.num_hidden_layers,
+            cfg.hidden_size)
 
 
 def global_batch(step: int) -> torch.Tensor:
@@ -34,15 +59,16 @@ def global_batch(step: int) -> torch.Tensor:
 
 
 def build(dp: int, tp: int, pp: int, micro: int = MICRO, schedule: str = "1f1b", traced: bool = False,
-          cfg: GPT2Config = CFG, batch_of=global_batch, seq: int = SEQ, batch: int = BATCH, max_grad_norm=None,
+          cfg=CFG, batch_of=global_batch, seq: int = SEQ, batch: int = BATCH, max_grad_norm=None,
           rows_weigh_equally: bool = True, loss_scale=None, dtype=torch.float32, virtual: int = 1,
           fused: bool = False, data=None):
-    """This rank's pipelined GPT-2: ``(PipelineStep, its module or None)``; every rank calls it.
+    """This rank's pipelined GPT-2, or LLaMA for a ``LlamaConfig`` ``cfg``: ``(PipelineStep, its module or None)``;
+    every rank calls it.
 
     ``loss_scale``: an ``sc.LossScaler`` the step scales the loss by (fp16's; here in fp32). ``fused``: AdamW's
     fused kernel (it skips an overflowed step by the loss scale's flag, on the device).
     ``dtype``: the model's and the stage boundaries' precision. ``virtual``: stages per pipeline rank
-    (``cfg.n_layer`` layers split into ``virtual * pp`` stages, placed as ``schedule`` says). ``data(d)``:
+    (the model's layers split into ``virtual * pp`` stages, placed as ``schedule`` says). ``data(d)``:
     the step's batches for data shard ``d`` of ``dp`` (a ``toolkit.data.MicroBatches``) in place of
     ``batch_of``'s, sliced per micro-batch and shard.
 
@@ -51,16 +77,17 @@ def build(dp: int, tp: int, pp: int, micro: int = MICRO, schedule: str = "1f1b",
     me = torch.distributed.get_rank()
     placements = stage_placements(dp, tp, pp)
     rank = me // (dp * tp) if me < dp * tp * pp else None
+    model_class, split, tied, plan, n_layer, hidden = _recipe_parts(cfg)
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(cfg).to(dtype)
+    model = model_class(cfg).to(dtype)
     names = tuple({n for n, _ in model.named_parameters(remove_duplicate=False)} | {n for n, _ in model.named_modules()})
     module = opt = chunks = None
     if rank is not None:
         stages = [c for c, r in enumerate(chunk_ranks(schedule, pp, virtual)) if r == rank]
-        ranges = stage_ranges(cfg.n_layer, pp * virtual)
-        module = keep_stages(model, PIPELINE, ranges, stages)
-        chunks = chunk_views(module, PIPELINE, ranges, stages)
-        sc.distribute_module(module, placements[rank], plan_for_module(module, mesh_plan(), names))
+        ranges = stage_ranges(n_layer, pp * virtual)
+        module = keep_stages(model, split, ranges, stages)
+        chunks = chunk_views(module, split, ranges, stages)
+        sc.distribute_module(module, placements[rank], plan_for_module(module, plan, names))
         opt = torch.optim.AdamW(module.parameters(), **ADAMW, fused=fused or None)
     d = (me % (dp * tp)) // tp
 
@@ -71,8 +98,8 @@ def build(dp: int, tp: int, pp: int, micro: int = MICRO, schedule: str = "1f1b",
         batches = data(d)
 
     pcfg = PipelineConfig(placements, micro, {"input_ids": ((batch // micro, seq), torch.int64)},
-                          [(((batch // micro, seq, cfg.n_embd), dtype),)] * (pp * virtual - 1), DATA_SBP, ACT_SBP,
-                          ("input_ids",), ("input_ids",), schedule=schedule, tied=TIED, max_grad_norm=max_grad_norm,
+                          [(((batch // micro, seq, hidden), dtype),)] * (pp * virtual - 1), DATA_SBP, ACT_SBP,
+                          ("input_ids",), ("input_ids",), schedule=schedule, tied=tied, max_grad_norm=max_grad_norm,
                           timeout=20, rows_weigh_equally=rows_weigh_equally, virtual=virtual)
     trace = (lambda: Trace(rank=me)) if traced else None
     return PipelineStep(pcfg, module, opt, stage_forward, batches, trace_factory=trace, loss_scale=loss_scale,
@@ -80,16 +107,17 @@ def build(dp: int, tp: int, pp: int, micro: int = MICRO, schedule: str = "1f1b",
 
 
 def run_pipeline(name: str, steps: int = STEPS, schedule: str = "1f1b", micro: int = MICRO, max_grad_norm=None,
-                 loss_scale=None, dtype: str = "float32", virtual: int = 1, n_layer: int = CFG.n_layer):
+                 loss_scale=None, dtype: str = "float32", virtual: int = 1, n_layer: int | None = None,
+                 model: str = "gpt2"):
     """Worker: per step, the loss (where known), the stage leader's full gradients (as the optimizer sees them),
     the trace; after the last step, the leader's parameters (``params`` of the last entry).
 
     ``loss_scale``: a starting scale, or ``None`` for no loss scaling; ``virtual``: stages per pipeline rank
-    of a GPT-2 of ``n_layer`` layers."""
+    of ``MODELS[model]`` with ``n_layer`` layers (its own count by default)."""
     dp, tp, pp = LAYOUTS[name]
     scaler = sc.LossScaler(loss_scale) if loss_scale else None
     step, module = build(dp, tp, pp, micro, schedule, traced=True, max_grad_norm=max_grad_norm, loss_scale=scaler,
-                         dtype=getattr(torch, dtype), virtual=virtual, cfg=replace(CFG, n_layer=n_layer))
+                         dtype=getattr(torch, dtype), virtual=virtual, cfg=model_config(model, n_layer))
     grads = []
     if module is not None:
         opt_step = step.optimizer.step
@@ -120,15 +148,16 @@ def _rel(a, b) -> float:
 
 
 def compare(per_rank: list, steps: int = STEPS, max_grad_norm=None, dtype: str = "float32",
-            n_layer: int = CFG.n_layer) -> tuple:
+            n_layer: int | None = None, model: str = "gpt2") -> tuple:
     """``(worst loss, worst grad, worst final parameter)`` relative differences against one device that
     trains on its own (its own forward, backward, clipping and AdamW steps), in ``dtype``.
 
     Each step's loss and gradients (as the pipeline's optimizer saw them) against the reference's own at
     that step; the parameters after the last step against the reference's.
     """
+    cfg = model_config(model, n_layer)
     torch.manual_seed(0)
-    ref = GPT2LMHeadModel(replace(CFG, n_layer=n_layer)).to(getattr(torch, dtype))
+    ref = _recipe_parts(cfg)[0](cfg).to(getattr(torch, dtype))
     opt = torch.optim.AdamW(ref.parameters(), **ADAMW)
     worst_loss = worst_grad = 0.0
     for i in range(steps):

@@ -1,4 +1,4 @@
-"""Pipelined GPT-2 under pp2, pp4, dp2_pp2, tp2_pp2, dp2_tp2_pp2 and every schedule against one device.
+"""Pipelined GPT-2 and LLaMA under pp2, pp4, dp2_pp2, tp2_pp2, dp2_tp2_pp2 and every schedule against one device.
 
     python scripts/verify_pipeline.py
 
@@ -7,7 +7,10 @@ Each layout trains 3 AdamW steps of a tiny GPT-2 (4 layers, dropout 0) with
 float64, each layout under interleaved 1F1B (2 and 3 stages per rank),
 looped BFS (2 per rank), ZB-H1, interleaved zero bubble (2 and 3 per rank)
 and ZB-V (with a layer per stage where the stages are more than 4: pp4 v2
-8 layers, pp2 v3 6, pp4 v3 12); every run compares
+8 layers, pp2 v3 6, pp4 v3 12); then, in float64, a tiny LLaMA (4 layers,
+grouped-query attention) in every layout under 1F1B, untied and with its LM
+head tied to the embedding, and tied under ZB-V (both copies on one rank)
+and interleaved 1F1B (2 stages per rank); every run compares
 with one device training on its own on the whole batch (its own forward,
 backward and AdamW, never fed the pipeline's gradients): per step the loss
 and every parameter's gradient, and every parameter after the last step
@@ -56,6 +59,16 @@ def main():
             ok = all(e <= bar for e, bar in zip(errs, TOLERANCE["float64"]))
             good, total = good + ok, total + 1
             print(f"float64 {name:12s} {schedule:10s} v={v} loss {errs[0]:.2e}  grads {errs[1]:.2e}  "
+                  f"params {errs[2]:.2e}  {'ok' if ok else 'FAIL'}")
+    for model, schedule, v in (("llama", "1f1b", 1), ("llama-tied", "1f1b", 1), ("llama-tied", "zbv", 2),
+                               ("llama-tied", "1f1b", 2)):
+        for name in LAYOUTS:
+            n_layer = _layers(LAYOUTS[name][2], v)
+            res = pool.run(run_pipeline, name, 3, schedule, MICRO, None, None, "float64", v, n_layer, model)
+            errs = compare(res, dtype="float64", n_layer=n_layer, model=model)
+            ok = all(e <= bar for e, bar in zip(errs, TOLERANCE["float64"]))
+            good, total = good + ok, total + 1
+            print(f"float64 {model:10s} {name:12s} {schedule:10s} v={v} loss {errs[0]:.2e}  grads {errs[1]:.2e}  "
                   f"params {errs[2]:.2e}  {'ok' if ok else 'FAIL'}")
     for schedule, v in (("1f1b", 1), ("gpipe", 1), *SCHEDULES):
         name = "pp4"

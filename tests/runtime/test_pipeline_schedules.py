@@ -25,8 +25,8 @@ CASES = [  # (layout, schedule, virtual, n_layer)
 
 
 def _check(res, name: str, schedule: str, virtual: int, n_layer: int, dtype: str, max_grad_norm=None,
-           steps: int = 3) -> None:
-    errs = compare(res, steps, max_grad_norm=max_grad_norm, dtype=dtype, n_layer=n_layer)
+           steps: int = 3, model: str = "gpt2") -> None:
+    errs = compare(res, steps, max_grad_norm=max_grad_norm, dtype=dtype, n_layer=n_layer, model=model)
     assert all(e <= bar for e, bar in zip(errs, TOLERANCE[dtype])), (errs, TOLERANCE[dtype])
     dp, tp, pp = LAYOUTS[name]
     stats = {}
@@ -59,3 +59,13 @@ def test_schedule_in_float32(schedule, virtual):
 def test_zbv_clips_by_the_global_norm_with_both_tied_copies_on_one_rank():
     res = get_pool(8).run(run_pipeline, "tp2_pp2", 2, "zbv", MICRO, 0.05, None, "float64", 2, 4)
     _check(res, "tp2_pp2", "zbv", 2, 4, "float64", max_grad_norm=0.05, steps=2)
+
+
+@pytest.mark.parametrize("model,name,schedule,virtual", [("llama", "dp2_tp2_pp2", "1f1b", 1),
+                                                         ("llama-tied", "tp2_pp2", "zbv", 2),
+                                                         ("llama-tied", "dp2_tp2_pp2", "1f1b", 2)])
+def test_llama_pipelines_match_one_device(model, name, schedule, virtual):
+    """LLaMA (grouped-query attention, rotary tables in every stage), its LM head tied or not: under ZB-V both
+    tied copies sit on rank 0; under interleaved 1F1B on the first and last pipeline rank."""
+    res = get_pool(8).run(run_pipeline, name, 3, schedule, MICRO, None, None, "float64", virtual, 4, model)
+    _check(res, name, schedule, virtual, 4, "float64", model=model)
