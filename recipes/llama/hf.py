@@ -2,7 +2,8 @@
 
 Our model (``model.py``) has Hugging Face's parameter names, shapes and
 rotary convention (rotate-half), so its weights load by name, unchanged,
-and a checkpoint's ``model`` state is a Hugging Face state dict
+each rank reading only the boxes of them it keeps (``ShardReader``), and
+a checkpoint's ``model`` state is a Hugging Face state dict
 (``scripts/convert_hf.py export`` writes it with ``hf_config``).
 Rotary scaling of Llama 3.1's kind (``rope_scaling`` of type ``llama3``)
 maps to the model's ``rope_*`` keys; an LM head tied to the embedding (as
@@ -18,7 +19,7 @@ import os
 
 import torch
 
-from recipes.gpt2.hf import read_hf_dir, weight_files
+from recipes.gpt2.hf import weight_files
 
 # Our model config keys that must equal a config.json's (the rope_* scaling ones read from its rope_scaling).
 DIMS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -106,20 +107,71 @@ def hf_dir_problems(path: str, model_cfg) -> list:
     return problems
 
 
-def load_hf_into(model, path: str, model_cfg) -> None:
-    """Copy a Hugging Face Llama directory's weights into ``model``, the whole model or a pipeline stage of it
-    (the full model's names: the weights of other stages are not used)."""
-    problems = hf_dir_problems(path, model_cfg)
-    if problems:
-        raise ValueError(f"trainer.init_from={path}: " + "; ".join(problems))
-    _, hf_sd = read_hf_dir(path)
-    hf_sd = {k: v for k, v in hf_sd.items() if not k.endswith("rotary_emb.inv_freq")}  # older files keep it
-    if model_cfg.get("tie_word_embeddings", False):  # its files hold the embedding alone: a last stage's head is it
-        hf_sd.setdefault("lm_head.weight", hf_sd.get("model.embed_tokens.weight"))
-    with torch.no_grad():
-        result = model.load_state_dict(hf_sd, strict=False)
-    if result.missing_keys:
-        raise ValueError(f"trainer.init_from={path}: no weights for {result.missing_keys[:5]}")
+class ShardReader:
+    """The boxes of a Hugging Face Llama directory's tensors, read by name: each rank reads only what it keeps.
+
+    ``read(name, box)`` is the ``init_shard(name, box)`` of ``sbp_core``'s contract for parameters left on the
+    meta device: ``distribute_module`` asks each rank for the box ``((start, length), ...)`` of each parameter
+    it holds, and gets it from the files, converted to the parameter's dtype. safetensors files are opened
+    once and sliced (``get_slice``: only the box's bytes are read); a ``.bin`` is memory-mapped
+    (``torch.load(mmap=True)``), so the pages of the box are the ones read. An LM head tied to the embedding
+    (the files hold the embedding alone) reads the embedding's rows.
+    """
+
+    def __init__(self, path: str, model, model_cfg):
+        problems = hf_dir_problems(path, model_cfg)
+        if problems:
+            raise ValueError(f"trainer.init_from={path}: " + "; ".join(problems))
+        self.path, self.model, self._open = path, model, {}
+        files, index = weight_files(path)
+        if index is not None:
+            with open(index) as f:
+                self.where = dict(json.load(f)["weight_map"])
+        else:
+            self.where = {name: files[0] for name in self._names(files[0])}
+        self.tied = bool(model_cfg.get("tie_word_embeddings", False))
+        missing = [n for n, _ in model.named_parameters() if self._stored(n) not in self.where]
+        if missing:
+            raise ValueError(f"trainer.init_from={path}: no weights for {missing[:5]}")
+
+    def _stored(self, name: str) -> str:
+        if name == "lm_head.weight" and self.tied and name not in self.where:
+            return "model.embed_tokens.weight"
+        return name
+
+    def _names(self, file: str) -> list:
+        return list(self._file(file).keys())
+
+    def _file(self, file: str):
+        """An open safetensors file, or a ``.bin``'s memory-mapped state dict (both have ``keys()``)."""
+        if file not in self._open:
+            fpath = os.path.join(self.path, file)
+            if file.endswith(".safetensors"):
+                from safetensors import safe_open
+
+                self._open[file] = safe_open(fpath, framework="pt")
+            else:  # weights only: a .bin cannot run code while it loads
+                self._open[file] = torch.load(fpath, map_location="cpu", weights_only=True, mmap=True)
+        return self._open[file]
+
+    def read(self, name: str, box) -> torch.Tensor:
+        stored = self._stored(name)
+        opened = self._file(self.where[stored])
+        region = tuple(slice(start, start + n) for start, n in box)
+        if hasattr(opened, "get_slice"):
+            part = opened.get_slice(stored)[region]
+        else:
+            part = opened[stored][region]
+        dtype = self.model.get_parameter(name).dtype
+        return part.to(dtype=dtype, copy=True).contiguous()
+
+
+def read_weights_from(model, path: str, model_cfg) -> None:
+    """Make ``model`` (the whole model or a pipeline stage of it, its parameters on the meta device, the full
+    model's names) build each parameter's shard from the Hugging Face directory ``path``: its ``init_shard`` is
+    a ``ShardReader``'s ``read``, which ``distribute_module`` calls with each box this rank keeps. Every name is
+    checked against the files here, before any is read."""
+    model.init_shard = ShardReader(path, model, model_cfg).read
 
 
 def holds_llama(model_state: dict) -> bool:

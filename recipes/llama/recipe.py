@@ -88,10 +88,9 @@ class LlamaRecipe(GPT2Recipe):
     def init_weights(self, model, path: str, cfg) -> bool:
         if not self.reads_weights(path):
             return False
-        model.to_empty(device="cpu")  # build_stage left the parameters on the meta device: all are read below
-        model.tie_weights()  # to_empty gave each name a tensor of its own
-        model.reset_buffers()
-        hf.load_hf_into(model, path, cfg.model)
+        # build_stage left the parameters on the meta device: distribute_module builds each rank's shards, read
+        # from the files box by box, so no rank holds the whole checkpoint or its whole stage.
+        hf.read_weights_from(model, path, cfg.model)
         return True
 
     def resume_facts(self, cfg) -> dict:

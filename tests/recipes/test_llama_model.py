@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from recipes.llama.model import LlamaConfig, LlamaForCausalLM
+from toolkit.plain_loop import materialized
 
 transformers = pytest.importorskip("transformers")
 
@@ -92,13 +93,15 @@ def test_a_hugging_face_directory_loads_into_a_pipeline_stage(tmp_path):
     assert RECIPE.reads_weights(str(tmp_path)) and RECIPE.weights_problems(str(tmp_path), cfg) == []
     whole = RECIPE.build_stage(cfg.model, lambda m: m)
     assert RECIPE.init_weights(whole, str(tmp_path), cfg)
+    assert all(p.is_meta for p in whole.parameters())  # nothing is read until distribute_module asks
+    materialized(whole)
     ids = torch.randint(0, DIMS["vocab_size"], (2, 12))
     with torch.no_grad():
         assert _rel(whole(ids)[0], theirs(input_ids=ids).logits) < 1e-5
     last = RECIPE.build_stage(cfg.model, lambda m: keep_stage(m, RECIPE.pipeline, stage_ranges(2, 2), 1))
     assert RECIPE.init_weights(last, str(tmp_path), cfg)
     assert last.model.embed_tokens is None
-    assert torch.equal(last.lm_head.weight, theirs.lm_head.weight)
+    assert torch.equal(materialized(last).lm_head.weight, theirs.lm_head.weight)
 
 
 @pytest.mark.parametrize("changes, message", [
@@ -137,15 +140,45 @@ def test_a_tied_hugging_face_directory_loads_into_every_stage_and_exports_back(t
     assert RECIPE.tied_pairs(cfg.model) == (("model.embed_tokens.weight", "lm_head.weight"),)
     whole = RECIPE.build_stage(cfg.model, lambda m: m)
     assert RECIPE.init_weights(whole, str(tmp_path), cfg)
-    assert whole.lm_head.weight is whole.model.embed_tokens.weight
+    assert materialized(whole).lm_head.weight is whole.model.embed_tokens.weight
     ids = torch.randint(0, DIMS["vocab_size"], (2, 12))
     with torch.no_grad():
         assert _rel(whole(ids)[0], theirs(input_ids=ids).logits) < 1e-5
     last = RECIPE.build_stage(cfg.model, lambda m: keep_stage(m, RECIPE.pipeline, stage_ranges(2, 2), 1))
     assert RECIPE.init_weights(last, str(tmp_path), cfg) and last.model.embed_tokens is None
-    assert torch.equal(last.lm_head.weight, theirs.model.embed_tokens.weight)
+    assert torch.equal(materialized(last).lm_head.weight, theirs.model.embed_tokens.weight)
     ours = {**LlamaConfig(**DIMS, num_key_value_heads=2, **TIED).__dict__}
     assert transformers.LlamaConfig(**hf_config(ours)).tie_word_embeddings
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "bin", "sharded"])
+def test_a_rank_reads_only_the_boxes_it_keeps(fmt, tmp_path):
+    """``ShardReader.read``: a box of each parameter (a tp rank's rows of ``q_proj``, a column block of
+    ``o_proj``), equal to that box of Hugging Face's tensor, from one safetensors file, a ``.bin`` or an
+    index of shards; a name the files lack is refused before any is read."""
+    from recipes.llama.hf import ShardReader
+    from recipes.llama.recipe import RECIPE
+
+    torch.manual_seed(1)
+    theirs = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        **DIMS, num_key_value_heads=2, tie_word_embeddings=False)).to(torch.bfloat16)
+    theirs.save_pretrained(tmp_path, max_shard_size="100KB" if fmt == "sharded" else "5GB")
+    assert (tmp_path / "model.safetensors.index.json").is_file() == (fmt == "sharded")
+    if fmt == "bin":  # transformers 5 writes safetensors only: an older directory's pytorch_model.bin
+        torch.save({k: v.clone() for k, v in theirs.state_dict().items()}, tmp_path / "pytorch_model.bin")
+        (tmp_path / "model.safetensors").unlink()
+    with torch.device("meta"):
+        ours = RECIPE.build_model(_model_cfg())
+    reader = ShardReader(str(tmp_path), ours, _model_cfg())
+    sd = theirs.state_dict()
+    q = reader.read("model.layers.1.self_attn.q_proj.weight", ((32, 32), (0, 64)))
+    assert q.dtype == torch.float32 and torch.equal(q, sd["model.layers.1.self_attn.q_proj.weight"][32:].float())
+    o = reader.read("model.layers.0.self_attn.o_proj.weight", ((0, 64), (16, 16)))
+    assert torch.equal(o, sd["model.layers.0.self_attn.o_proj.weight"][:, 16:32].float())
+    with torch.device("meta"):
+        deeper = RECIPE.build_model(_model_cfg(num_hidden_layers=3))
+    with pytest.raises(ValueError, match=r"no weights for \['model.layers.2."):
+        ShardReader(str(tmp_path), deeper, _model_cfg())
 
 
 def test_keys_a_config_leaves_out_take_transformers_defaults():

@@ -1,0 +1,18 @@
+"""scripts/bench_init_memory.py end to end over 2 ranks: every side loads the file's values, the table prints."""
+import re
+
+import pytest
+
+pytest.importorskip("transformers")
+
+
+def test_every_side_loads_the_files_values_and_the_summary_prints(capsys):
+    from scripts.bench_init_memory import SIDES, main
+
+    text = main(["--tp", "2", "--rounds", "1", "--layers", "2", "--hidden", "512"])  # exits if a side's values differ
+    assert capsys.readouterr().out.strip() == text.strip()
+    for side in SIDES:
+        assert re.search(rf"^{re.escape(side)}\s+held\s+\d+\s+peak\s+\d+", text, re.M), f"no row for {side}"
+    last = text.strip().splitlines()[-1]
+    assert re.fullmatch(r"init memory \(peak per rank\): ours \d+ MiB, from_pretrained \d+ MiB \(\d+\.\d\dx\), "
+                        r"DCP \d+ MiB \(\d+\.\d\dx\)", last), last
