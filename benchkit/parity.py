@@ -79,6 +79,7 @@ def layouts():
     out["llama dp2 x tp2 cost-chosen"] = ("llama", [[0, 1], [2, 3]], _on_axis(llama_plan.TENSOR_PARALLEL, B, 1, 2),
                                           (S0, B))
     out["llama dp2 x tp2 tied"] = ("llama-tied", [[0, 1], [2, 3]], llama_plan.mesh_plan(), (S0, B))
+    out["qwen2 dp2 x tp2"] = ("qwen2", [[0, 1], [2, 3]], llama_plan.mesh_plan(qkv_bias=True), (S0, B))
     out["gpt2 tp2 sequence-parallel"] = ("gpt2", [0, 1], {**GPT_TP, **GPT_SP_PINS}, (B,))
     out["gpt2 dp2 x tp2 sequence-parallel"] = ("gpt2", [[0, 1], [2, 3]], _on_axis({**GPT_TP, **GPT_SP_PINS}, B, 1, 2), (S0, B))
     out["gpt2 dp2 x tp2 cost-chosen"] = ("gpt2", [[0, 1], [2, 3]], _on_axis(GPT_TP, B, 1, 2), (S0, B))
@@ -93,8 +94,9 @@ def _model_and_batches(kind, dtype=torch.float64):
     if kind == "mlp":
         model = MLP()
         batches = [(torch.randn(16, 32).to(dtype), torch.randint(0, 8, (16,))) for _ in range(STEPS)]
-    elif kind in ("llama", "llama-tied"):
-        model = LlamaForCausalLM(dataclasses.replace(LLAMA_CFG, tie_word_embeddings=kind == "llama-tied"))
+    elif kind in ("llama", "llama-tied", "qwen2"):  # Qwen2: query, key and value biases, the LM head tied
+        model = LlamaForCausalLM(dataclasses.replace(LLAMA_CFG, tie_word_embeddings=kind != "llama",
+                                                     qkv_bias=kind == "qwen2"))
         batches = [(ids, ids) for ids in (torch.randint(0, LLAMA_CFG.vocab_size, (4, 16)) for _ in range(STEPS))]
     else:
         p = 0.1 if kind == "gpt2-dropout" else 0.0

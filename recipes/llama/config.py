@@ -27,7 +27,8 @@ class ModelConfig:
     of type ``llama3``, whose ``low_freq_factor``, ``high_freq_factor`` and
     ``original_max_position_embeddings`` are the other ``rope_*`` keys).
     ``tie_word_embeddings``: the LM head is the token embedding (one
-    parameter). ``name`` labels the preset (run names, W&B); the dimensions are what
+    parameter). ``qkv_bias``: biases on the query, key and value
+    projections (Qwen2's). ``name`` labels the preset (run names, W&B); the dimensions are what
     count.
     """
 
@@ -47,6 +48,7 @@ class ModelConfig:
     rope_original_max_position_embeddings: int = 8192
     initializer_range: float = 0.02
     tie_word_embeddings: bool = False
+    qkv_bias: bool = False
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Hugging Face ``LlamaForCausalLM`` directories as ``trainer.init_from`` of the LLaMA recipe, and back.
+"""Hugging Face Llama, Mistral and Qwen2 directories as ``trainer.init_from`` of the LLaMA recipe, and back.
 
 Our model (``model.py``) has Hugging Face's parameter names, shapes and
 rotary convention (rotate-half), so its weights load by name, unchanged,
@@ -8,9 +8,11 @@ a checkpoint's ``model`` state is a Hugging Face state dict
 Rotary scaling of Llama 3.1's kind (``rope_scaling`` of type ``llama3``)
 maps to the model's ``rope_*`` keys; an LM head tied to the embedding (as
 Llama 3.2 1B/3B have it, with no ``lm_head.weight`` in their files) to
-``tie_word_embeddings``. What our model does not implement is refused by
-name, before any process starts: other rotary scaling, biases, attention
-dropout, another activation or head size.
+``tie_word_embeddings``; Qwen2's query, key and value biases to
+``qkv_bias``. What our model does not implement is refused by name, before
+any process starts: other rotary scaling, other biases, a sliding window
+shorter than the context, attention dropout, another activation or head
+size. A run exports as a Llama directory, or a Qwen2 one with ``qkv_bias``.
 """
 from __future__ import annotations
 
@@ -25,17 +27,25 @@ from recipes.gpt2.hf import weight_files
 DIMS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
         "num_key_value_heads", "max_position_embeddings", "rms_norm_eps", "rope_theta", "rope_factor",
         "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_position_embeddings",
-        "tie_word_embeddings")
+        "tie_word_embeddings", "qkv_bias")
+# Options of ours that a config.json states by default (``hf_config`` writes them; a missing one is False).
+FLAGS = ("tie_word_embeddings", "qkv_bias")
 # Ours -> Hugging Face's key inside rope_scaling (rope_type "llama3"); a config without one has a factor of 1.
 ROPE_SCALING = {"rope_factor": "factor", "rope_low_freq_factor": "low_freq_factor",
                 "rope_high_freq_factor": "high_freq_factor",
                 "rope_original_max_position_embeddings": "original_max_position_embeddings"}
 
 
-# transformers' LlamaConfig defaults, for keys a config.json leaves out.
-HF_DEFAULTS = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
-               "num_attention_heads": 32, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
-               "rope_theta": 10000.0, "tie_word_embeddings": False}
+# transformers' defaults of each model type that loads, for keys a config.json leaves out.
+LLAMA_DEFAULTS = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+                  "num_attention_heads": 32, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
+                  "rope_theta": 10000.0, "tie_word_embeddings": False}
+HF_DEFAULTS = {
+    "llama": LLAMA_DEFAULTS,
+    "mistral": {**LLAMA_DEFAULTS, "intermediate_size": 14336, "num_key_value_heads": 8,
+                "max_position_embeddings": 4096 * 32, "sliding_window": 4096},
+    "qwen2": {**LLAMA_DEFAULTS, "vocab_size": 151936, "intermediate_size": 22016, "max_position_embeddings": 32768},
+}
 
 
 def _scaling(hf: dict) -> dict:
@@ -54,22 +64,32 @@ def _hf_value(hf: dict, key: str):
         return scaling.get(ROPE_SCALING[key])
     if key == "num_key_value_heads":
         return hf.get(key) or _hf_value(hf, "num_attention_heads")
+    if key == "qkv_bias":  # Qwen2's attention always has them; Llama's and Mistral's none (else refused)
+        return hf.get("model_type") == "qwen2"
+    defaults = HF_DEFAULTS.get(hf.get("model_type"), LLAMA_DEFAULTS)
     if key == "rope_theta":  # transformers 5 keeps it under rope_parameters, which wins over a top-level copy
-        return (hf.get("rope_parameters") or {}).get("rope_theta", hf.get(key, HF_DEFAULTS[key]))
-    return hf.get(key, HF_DEFAULTS[key])
+        return (hf.get("rope_parameters") or {}).get("rope_theta", hf.get(key, defaults[key]))
+    return hf.get(key, defaults.get(key))
 
 
 def unsupported(hf: dict) -> list:
-    """The options of a Hugging Face Llama ``config.json`` that our model does not implement."""
+    """The options of a Hugging Face Llama, Mistral or Qwen2 ``config.json`` that our model does not implement."""
     bad = []
-    if hf.get("model_type") != "llama":
-        bad.append(f"model_type={hf.get('model_type')!r} (only 'llama' loads)")
+    kind = hf.get("model_type")
+    if kind not in HF_DEFAULTS:
+        bad.append(f"model_type={kind!r} (these load: {', '.join(HF_DEFAULTS)})")
     scaling = _scaling(hf)
     if scaling and scaling.get("rope_type", scaling.get("type")) != "llama3":
         bad.append(f"rope_scaling={scaling} (ours: plain rotary embeddings, or Llama 3.1's 'llama3' scaling)")
     for key in ("attention_bias", "mlp_bias"):
-        if hf.get(key):
-            bad.append(f"{key}=true (ours has no biases)")
+        if kind == "llama" and hf.get(key):
+            bad.append(f"{key}=true (ours has no biases beyond Qwen2's on the query, key and value)")
+    window = _hf_value(hf, "sliding_window")
+    if kind == "qwen2" and hf.get("use_sliding_window"):
+        bad.append("use_sliding_window=true (ours attends to every earlier position)")
+    if kind == "mistral" and window is not None and window < _hf_value(hf, "max_position_embeddings"):
+        bad.append(f"sliding_window={window} (ours attends to every earlier position: a window shorter than "
+                   "max_position_embeddings would differ)")
     if hf.get("hidden_act", "silu") not in ("silu", "swish"):  # transformers' two names of one function
         bad.append(f"hidden_act={hf.get('hidden_act')!r} (ours: SwiGLU with SiLU)")
     if hf.get("attention_dropout"):
@@ -188,18 +208,20 @@ def hf_config(ours: dict, tokenizer=None) -> dict:
     whose end-of-text (and beginning-of-text) ids the config names, so that ``generate`` stops where the
     corpus's documents end; without one they are ``None`` (transformers' own defaults, 1 and 2, are ordinary
     tokens of a tokenizer trained on the corpus)."""
-    missing = [k for k in DIMS if k not in ours and k not in ROPE_SCALING and k != "tie_word_embeddings"]
+    missing = [k for k in DIMS if k not in ours and k not in ROPE_SCALING and k not in FLAGS]
     if missing:
         raise ValueError(f"the checkpoint's extra.model_config lacks {missing}: not a LLaMA run's checkpoint")
     bos = None if tokenizer is None else next(
         (i for i in map(tokenizer.tokenizer.token_to_id, BOS_CANDIDATES) if i is not None), None)
     scaling = None if ours.get("rope_factor", 1.0) == 1.0 else {
         "rope_type": "llama3", **{theirs: ours[k] for k, theirs in ROPE_SCALING.items()}}
-    return {**{k: ours[k] for k in DIMS if k not in ROPE_SCALING and k != "tie_word_embeddings"},
-            "rope_scaling": scaling,
-            "initializer_range": ours.get("initializer_range", 0.02),
-            "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_act": "silu",
-            "tie_word_embeddings": bool(ours.get("tie_word_embeddings", False)), "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
+    qwen2 = bool(ours.get("qkv_bias", False))  # Qwen2's decoder; else Llama's (a Mistral without a window is one)
+    kind = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "use_sliding_window": False,
+            "sliding_window": None} if qwen2 else {"model_type": "llama", "architectures": ["LlamaForCausalLM"],
+                                                   "attention_bias": False, "mlp_bias": False}
+    return {**{k: ours[k] for k in DIMS if k not in ROPE_SCALING and k not in FLAGS}, **kind,
+            "rope_scaling": scaling, "initializer_range": ours.get("initializer_range", 0.02), "hidden_act": "silu",
+            "tie_word_embeddings": bool(ours.get("tie_word_embeddings", False)), "attention_dropout": 0.0,
             "head_dim": ours["hidden_size"] // ours["num_attention_heads"],
             "dtype": "float32", "bos_token_id": bos, "pad_token_id": None,
             "eos_token_id": None if tokenizer is None else tokenizer.eos_id}

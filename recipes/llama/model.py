@@ -9,6 +9,8 @@ as Llama 3.2 1B/3B have it), each of the same shape as Hugging Face's
 embeddings in the rotate-half form Hugging Face's weights use, grouped-query
 attention (``num_key_value_heads`` key/value heads, each shared by
 ``num_attention_heads / num_key_value_heads`` query heads) and a SwiGLU MLP.
+Mistral's decoder (without a sliding window) is this one, and Qwen2's is
+this one with ``qkv_bias``: biases on the query, key and value projections.
 
 No communication here: parallel layouts come from a plan (``plan.py``). A
 pipeline stage is this model with the modules of other stages set to
@@ -45,6 +47,8 @@ class LlamaConfig:
     rope_original_max_position_embeddings: int = 8192
     initializer_range: float = 0.02
     tie_word_embeddings: bool = False
+    # Biases on the query, key and value projections (Qwen2's; its output projection has none).
+    qkv_bias: bool = False
 
     @property
     def head_dim(self) -> int:
@@ -93,9 +97,9 @@ class Attention(nn.Module):
         super().__init__()
         hd, nh, nkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim, self.groups = hd, nh // nkv
-        self.q_proj = nn.Linear(cfg.hidden_size, nh * hd, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, nkv * hd, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, nkv * hd, bias=False)
+        self.q_proj = nn.Linear(cfg.hidden_size, nh * hd, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, nkv * hd, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, nkv * hd, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(nh * hd, cfg.hidden_size, bias=False)
 
     def forward(self, x, cos, sin):
@@ -202,7 +206,7 @@ class LlamaForCausalLM(nn.Module):
         """The box ``((start, length), ...)`` of parameter ``name``'s initial value, on the CPU (``sbp_core``'s
         contract for a parameter left on the meta device: each rank builds only its shard).
 
-        Norm weights are 1; every other weight is drawn whole from N(0, ``initializer_range``) by a generator
+        Norm weights are 1, biases 0; every other weight is drawn whole from N(0, ``initializer_range``) by a generator
         seeded from the global seed and the parameter's name alone (a tied LM head's is the embedding's;
         Hugging Face's initialisation), then the box is cut from it: any stage, or shard of one, holds the
         values the whole model has on one device.
@@ -211,6 +215,8 @@ class LlamaForCausalLM(nn.Module):
         size = tuple(n for _, n in box)
         if name.endswith("norm.weight"):
             return torch.ones(size, dtype=param.dtype, device="cpu")
+        if name.endswith(".bias"):
+            return torch.zeros(size, dtype=param.dtype, device="cpu")
         if name == "lm_head.weight" and self.config.tie_word_embeddings:
             name = "model.embed_tokens.weight"
         whole = torch.empty(param.shape, dtype=param.dtype, device="cpu").normal_(

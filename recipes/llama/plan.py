@@ -4,7 +4,8 @@ On a stage's ``(dp, tp)`` mesh parameters are ``B`` on the dp axis and, on
 the tp axis: the query, key, value, gate and up projections column-split
 (``nn.Linear`` weights are ``[out, in]``: ``S(0)``, whole heads per rank,
 and with grouped-query attention whole key/value heads, so their query
-heads stay on the same rank), the output and down projections row-split
+heads stay on the same rank; Qwen2's query, key and value biases ``S(0)``
+with them), the output and down projections row-split
 ``S(1)``, the token embedding and the LM head vocabulary-split ``S(0)``,
 norms ``B``. Activations: ``S(0)`` batch on dp, and ``B`` on tp at RMSNorm
 inputs (the residual stream whole), or ``S(1)`` there with
@@ -38,7 +39,12 @@ DATA_SBP = (S0, B)
 ACT_SBP = (S0, B)
 
 
-def mesh_plan(sequence_parallel: bool = False) -> dict:
+# Qwen2's query, key and value biases: split with their projections' output features.
+QKV_BIAS = {"*.self_attn.q_proj.bias": S0, "*.self_attn.k_proj.bias": S0, "*.self_attn.v_proj.bias": S0}
+
+
+def mesh_plan(sequence_parallel: bool = False, qkv_bias: bool = False) -> dict:
     """The plan on a ``(dp, tp)`` mesh: parameters ``(B, tp SBP)``; activation pins ``(S(0), tp SBP)``."""
     pins = SEQUENCE_PARALLEL if sequence_parallel else RESIDUAL_WHOLE
-    return {**{k: (B, v) for k, v in TENSOR_PARALLEL.items()}, **{k: (S0, v) for k, v in pins.items()}}
+    params = {**TENSOR_PARALLEL, **(QKV_BIAS if qkv_bias else {})}
+    return {**{k: (B, v) for k, v in params.items()}, **{k: (S0, v) for k, v in pins.items()}}

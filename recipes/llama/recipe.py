@@ -57,7 +57,7 @@ class LlamaRecipe(GPT2Recipe):
         return LlamaForCausalLM(LlamaConfig(**config.llama_config_kwargs(model_cfg)))
 
     def mesh_plan(self, cfg) -> dict:
-        return mesh_plan(bool(cfg.parallel.sequence_parallel))
+        return mesh_plan(bool(cfg.parallel.sequence_parallel), bool(cfg.model.get("qkv_bias", False)))
 
     def flops_per_item(self, cfg, n_params: int) -> float:
         """Training FLOPs per token: 6 per parameter of the matmuls (the embedding is a lookup), plus
@@ -96,7 +96,7 @@ class LlamaRecipe(GPT2Recipe):
     def resume_facts(self, cfg) -> dict:
         """Whether the LM head is the embedding: a tied run's checkpoint holds one tensor (and one optimizer
         state) under both names, which an untied model would read as two equal ones."""
-        return {"model.tie_word_embeddings": bool(cfg.model.tie_word_embeddings)}
+        return {"model.tie_word_embeddings": bool(cfg.model.get("tie_word_embeddings", False))}
 
     def extra_state(self, cfg) -> dict:
         return {"model_config": config.llama_config_kwargs(cfg.model)}

@@ -38,18 +38,31 @@ def _their_scaling(ours: dict) -> dict:
 
 
 TIED = dict(tie_word_embeddings=True)
+QWEN2 = dict(qkv_bias=True, tie_word_embeddings=True)  # Qwen2.5 0.5B's kind
 
 
-@pytest.mark.parametrize("kv_heads, rope", [(4, {}), (2, {}), (1, {}), (2, LLAMA3_ROPE), (2, TIED)],
-                         ids=["multi-head", "grouped-query", "multi-query", "llama3-rope", "tied-embeddings"])
-def test_logits_loss_and_gradients_match_transformers(kv_heads, rope):
-    """With tied embeddings the one weight's gradient sums the embedding's and the LM head's."""
+@pytest.mark.parametrize("kind, kv_heads, rope", [
+    ("llama", 4, {}), ("llama", 2, {}), ("llama", 1, {}), ("llama", 2, LLAMA3_ROPE), ("llama", 2, TIED),
+    ("mistral", 2, {}), ("qwen2", 2, QWEN2)],
+    ids=["multi-head", "grouped-query", "multi-query", "llama3-rope", "tied-embeddings", "mistral", "qwen2"])
+def test_logits_loss_and_gradients_match_transformers(kind, kv_heads, rope):
+    """Against transformers' Llama, Mistral (no sliding window) and Qwen2 (query, key and value biases, here
+    drawn from N(0, 0.1) so that each bias counts). With tied embeddings the one weight's gradient sums the
+    embedding's and the LM head's."""
     torch.manual_seed(0)
     ours = LlamaForCausalLM(LlamaConfig(**DIMS, num_key_value_heads=kv_heads, **rope))
     tied = rope.get("tie_word_embeddings", False)
-    theirs = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        **DIMS, num_key_value_heads=kv_heads, tie_word_embeddings=tied, attn_implementation="eager",
-        **(_their_scaling(rope) if rope and not tied else {})))
+    with torch.no_grad():
+        for name, p in ours.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0.0, 0.1)
+    config_class, model_class = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+                                 "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+                                 "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[kind]
+    window = {"sliding_window": None} if kind == "mistral" else {}
+    theirs = model_class(config_class(
+        **DIMS, num_key_value_heads=kv_heads, tie_word_embeddings=tied, attn_implementation="eager", **window,
+        **(_their_scaling(rope) if "rope_factor" in rope else {})))
     assert (ours.lm_head.weight is ours.model.embed_tokens.weight) == tied
     theirs.load_state_dict(ours.state_dict(), strict=True)
     ids = torch.randint(0, DIMS["vocab_size"], (3, 20))
@@ -179,6 +192,61 @@ def test_a_rank_reads_only_the_boxes_it_keeps(fmt, tmp_path):
         deeper = RECIPE.build_model(_model_cfg(num_hidden_layers=3))
     with pytest.raises(ValueError, match=r"no weights for \['model.layers.2."):
         ShardReader(str(tmp_path), deeper, _model_cfg())
+
+
+def test_qwen2_and_mistral_directories_load_and_a_qwen2_model_exports_as_one(tmp_path):
+    """A Qwen2 directory loads into a model with ``qkv_bias`` (and is refused, naming the key, into one without),
+    unless it uses a sliding window; a Mistral one without a window shorter than its context loads as Llama's
+    decoder. ``hf_config`` of a ``qkv_bias`` model writes a Qwen2 directory transformers computes our logits
+    from."""
+    from omegaconf import OmegaConf
+
+    from recipes.gpt2.hf import write_hf_dir
+    from recipes.llama.hf import hf_config, hf_dir_problems
+    from recipes.llama.recipe import RECIPE
+
+    def saved(path, config_class, model_class, **changes):
+        torch.manual_seed(1)
+        model = model_class(config_class(**{**DIMS, "num_key_value_heads": 2, **changes}))
+        model.save_pretrained(path)
+        return model.eval()
+
+    qwen2 = saved(tmp_path / "qwen2", transformers.Qwen2Config, transformers.Qwen2ForCausalLM, **TIED)
+    cfg = OmegaConf.create({"model": _model_cfg(**QWEN2)})
+    assert hf_dir_problems(str(tmp_path / "qwen2"), cfg.model) == []
+    assert any("qkv_bias=True, the model qkv_bias=False" in p
+               for p in hf_dir_problems(str(tmp_path / "qwen2"), _model_cfg(**TIED)))
+    whole = RECIPE.build_stage(cfg.model, lambda m: m)
+    assert RECIPE.init_weights(whole, str(tmp_path / "qwen2"), cfg)
+    ids = torch.randint(0, DIMS["vocab_size"], (2, 12))
+    with torch.no_grad():
+        assert _rel(materialized(whole)(ids)[0], qwen2(input_ids=ids).logits) < 1e-5
+    saved(tmp_path / "windowed", transformers.Qwen2Config, transformers.Qwen2ForCausalLM, use_sliding_window=True,
+          sliding_window=8)
+    assert any("use_sliding_window=true" in p for p in hf_dir_problems(str(tmp_path / "windowed"), cfg.model))
+    mistral = saved(tmp_path / "mistral", transformers.MistralConfig, transformers.MistralForCausalLM,
+                    sliding_window=None, head_dim=16)
+    assert hf_dir_problems(str(tmp_path / "mistral"), _model_cfg()) == []
+    saved(tmp_path / "mistral-window", transformers.MistralConfig, transformers.MistralForCausalLM, sliding_window=16,
+          head_dim=16)
+    assert any("sliding_window=16" in p for p in hf_dir_problems(str(tmp_path / "mistral-window"), _model_cfg()))
+    cfg = OmegaConf.create({"model": _model_cfg()})
+    plain = RECIPE.build_stage(cfg.model, lambda m: m)
+    assert RECIPE.init_weights(plain, str(tmp_path / "mistral"), cfg)
+    with torch.no_grad():
+        assert _rel(materialized(plain)(ids)[0], mistral(input_ids=ids).logits) < 1e-5
+
+    ours = LlamaForCausalLM(LlamaConfig(**DIMS, num_key_value_heads=2, **QWEN2)).eval()
+    with torch.no_grad():
+        for name, p in ours.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0.0, 0.1)
+    state = {k: v for k, v in ours.state_dict().items() if k != "lm_head.weight"}  # tied: the embedding alone
+    write_hf_dir(str(tmp_path / "out"), hf_config(dict(ours.config.__dict__)), state)
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert isinstance(back, transformers.Qwen2ForCausalLM)
+    with torch.no_grad():
+        assert _rel(ours(ids)[0], back(input_ids=ids).logits) < 1e-5
 
 
 def test_keys_a_config_leaves_out_take_transformers_defaults():
