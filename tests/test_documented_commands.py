@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import json
 import pathlib
 import re
 import shlex
@@ -95,21 +96,36 @@ def _check_script(module_name: str, argv: list) -> None:
 _STAND_INS = {"data.path": "corpus.txt", "data.tokenizer": "tokenizer.json", "trainer.init_from": "hf_dir/"}
 
 
-def _stand_in(override: str, tmp) -> str:
-    """``key=/a/users/path`` -> ``key=<a stand-in under tmp>`` where the path does not exist here."""
+def _stand_in(override: str, tmp, overrides: list) -> str:
+    """``key=/a/users/path`` -> ``key=<a stand-in under tmp>`` where the path does not exist here: for
+    ``trainer.init_from``, a Hugging Face directory of the command's model, as far as validation looks."""
     key, _, value = override.partition("=")
     if key not in _STAND_INS or not value.startswith("/") or pathlib.Path(value).exists():
         return override
     kind = _STAND_INS[key]
     path = tmp / kind.rstrip("/")
-    if kind.endswith("/"):  # a Hugging Face GPT-2 small directory, as far as validation looks
+    if kind.endswith("/"):
         path.mkdir(exist_ok=True)
-        (path / "config.json").write_text('{"n_layer": 12, "n_embd": 768, "n_head": 12, "vocab_size": 50257, '
-                                          '"n_positions": 1024}')
+        (path / "config.json").write_text(json.dumps(_hf_config_of([o for o in overrides if o != override])))
         (path / "model.safetensors").write_text("")
+        (path / "tokenizer.json").write_text("{}")
     else:
         path.write_text("text")
     return f"{key}={path}"
+
+
+def _hf_config_of(overrides: list) -> dict:
+    """The ``config.json`` of the Hugging Face model the command's model settings describe: a LLaMA's, else
+    GPT-2 small's."""
+    from toolkit.config import compose
+
+    cfg = compose([o for o in overrides if not o.startswith("hydra.")], run_dir="/tmp/doc-command")
+    if cfg.recipe.name == "llama":
+        from recipes.llama.config import llama_config_kwargs
+        from recipes.llama.hf import hf_config
+
+        return hf_config(llama_config_kwargs(cfg.model))
+    return {"n_layer": 12, "n_embd": 768, "n_head": 12, "vocab_size": 50257, "n_positions": 1024}
 
 
 def _check_train(overrides: list, tmp) -> None:
@@ -126,8 +142,8 @@ def _check_train(overrides: list, tmp) -> None:
     for v in variants:
         if any(o.startswith("hydra.searchpath") for o in v):
             pytest.skip("needs the tutorial's files: tests/test_writing_a_recipe.py runs it")
-        cfg = compose([_stand_in(o.replace("device=cuda", "device=cpu"), tmp) for o in v if not o.startswith("hydra.")],
-                      run_dir="/tmp/doc-command")
+        v = [o.replace("device=cuda", "device=cpu") for o in v if not o.startswith("hydra.")]
+        cfg = compose([_stand_in(o, tmp, v) for o in v], run_dir="/tmp/doc-command")
         if cfg.parallel.auto:
             continue  # the search picks the layout at run time; composing is what can be checked here
         validate(cfg, get(cfg.recipe.name))
