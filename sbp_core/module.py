@@ -5,8 +5,8 @@ N-d SBP:
 
 - parameter and buffer names, e.g. ``"*.c_attn.weight": (B, S(1))``; the
   first matching pattern wins; unmatched ones are ``B`` on every axis; a
-  parameter under several names (a tied LM head) takes the layout of the
-  first of its names, in module order, that a pattern matches;
+  parameter under several names (a tied LM head) takes the first pattern
+  that matches any of its names;
 - ``"<module pattern>:input"`` / ``":output"``: the module's first tensor
   input / its tensor output is boxed to that layout (a forward hook calling
   ``to_global``, differentiable); ``":inputs"``: every positional global
@@ -39,7 +39,6 @@ when every backward was deferred) in one collective.
 from __future__ import annotations
 
 import fnmatch
-from functools import partial
 
 import torch
 from torch import nn
@@ -54,9 +53,10 @@ from .sbp import Broadcast, format_sbp, nd_sbp
 from .sparse import SparseGlobalTensor, sparse_sbp_for
 
 
-def _match(plan: dict, name: str):
+def _match(plan: dict, *names: str):
+    """The SBP of the first pattern of ``plan`` matching any of ``names`` (a parameter's names), or ``None``."""
     for pattern, sbp in plan.items():
-        if ":" not in pattern and fnmatch.fnmatchcase(name, pattern):
+        if ":" not in pattern and any(fnmatch.fnmatchcase(name, pattern) for name in names):
             return sbp
     return None
 
@@ -110,7 +110,7 @@ def distribute_module(module: nn.Module, placement, plan: dict | None = None,
     ``bucket_bytes``: gradient bytes boxed by one collective during backward (module docstring)."""
     plan = dict(plan or {})
     # A tied parameter may be named by any of its names (an LM head's, or the embedding's it shares): its
-    # layout is the entry of the first of its names, in module order, that the plan matches.
+    # layout is the first entry that matches one of them.
     aliases: dict = {}
     for n, param in module.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(param), []).append(n)
@@ -134,8 +134,7 @@ def distribute_module(module: nn.Module, placement, plan: dict | None = None,
             if id(param) in done:
                 setattr(mod, pname, done[id(param)])
                 continue
-            entry = next((m for m in map(partial(_match, plan), aliases[id(param)]) if m is not None), None)
-            sbp = _on_mesh(nd_sbp(entry or broadcast, placement.ndim), placement)
+            sbp = _on_mesh(nd_sbp(_match(plan, *aliases[id(param)]) or broadcast, placement.ndim), placement)
             if param.is_meta:
                 g = _materialize(module, mod, prefix + pname, param, placement, sbp)
             else:

@@ -36,7 +36,7 @@ def plan_for_module(module, plan: dict, full_names: tuple) -> dict:
     ``full_names`` (parameter, buffer and module names of the whole model)
     catch misspelt keys, which would otherwise match nothing on any stage.
     """
-    here = {n for n, _ in module.named_parameters()} | {n for n, _ in module.named_buffers()} | {
+    here = {n for n, _ in module.named_parameters(remove_duplicate=False)} | {n for n, _ in module.named_buffers()} | {
         n for n, _ in module.named_modules()}
     out = {}
     for key, sbp in plan.items():

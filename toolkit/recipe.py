@@ -242,8 +242,9 @@ class Recipe(ABC):
     def init_weights(self, model, path: str, cfg) -> bool:
         """Load ``trainer.init_from`` weights of a foreign format into ``model``, this rank's stage of the model
         (``build_stage``: the full model's names; ``path``: what ``weights_path`` resolved), or leave its meta
-        parameters to an ``init_shard`` that reads them, so that ``distribute_module`` reads only this rank's
-        boxes; ``False`` if not one."""
+        parameters to an ``init_shard`` set on the instance that reads them, so that ``distribute_module`` reads
+        only this rank's boxes (the trainer deletes that attribute once the parameters are laid out); ``False``
+        if not one."""
         return False
 
     def extra_state(self, cfg) -> dict:

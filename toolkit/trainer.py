@@ -138,6 +138,7 @@ class Job:
                                                 bucket_bytes=bucket_bytes)
         else:
             sc.distribute_module(self.module, mesh, plan, bucket_bytes)
+        self.module.__dict__.pop("init_shard", None)  # init_weights' reader of the files, done (Recipe.init_weights)
         # With ZeRO the step syncs the masters' gradients and refreshes the compute copies itself
         # (PipelineStep): no optimizer hooks, which would make the step dispatch per op on global tensors.
         self.optimizer = recipe.build_optimizer(self.module, cfg)

@@ -63,7 +63,7 @@ def _hf_value(hf: dict, key: str):
             return 1.0 if key == "rope_factor" else None
         return scaling.get(ROPE_SCALING[key])
     if key == "num_key_value_heads":
-        return hf.get(key) or _hf_value(hf, "num_attention_heads")
+        return hf.get(key) or HF_DEFAULTS.get(hf.get("model_type"), {}).get(key) or _hf_value(hf, "num_attention_heads")
     if key == "qkv_bias":  # Qwen2's attention always has them; Llama's and Mistral's none (else refused)
         return hf.get("model_type") == "qwen2"
     defaults = HF_DEFAULTS.get(hf.get("model_type"), LLAMA_DEFAULTS)
@@ -85,8 +85,8 @@ def unsupported(hf: dict) -> list:
         if kind == "llama" and hf.get(key):
             bad.append(f"{key}=true (ours has no biases beyond Qwen2's on the query, key and value)")
     window = _hf_value(hf, "sliding_window")
-    if kind == "qwen2" and hf.get("use_sliding_window"):
-        bad.append("use_sliding_window=true (ours attends to every earlier position)")
+    if kind == "qwen2" and (hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or ())):
+        bad.append("use_sliding_window=true, or sliding_attention layers (ours attends to every earlier position)")
     if kind == "mistral" and window is not None and window < _hf_value(hf, "max_position_embeddings"):
         bad.append(f"sliding_window={window} (ours attends to every earlier position: a window shorter than "
                    "max_position_embeddings would differ)")
@@ -101,7 +101,7 @@ def unsupported(hf: dict) -> list:
 
 
 def hf_dir_problems(path: str, model_cfg) -> list:
-    """What ``load_hf_into`` would refuse in the Hugging Face directory ``path`` for ``model_cfg``, from its
+    """What ``trainer.init_from`` would refuse in the Hugging Face directory ``path`` for ``model_cfg``, from its
     ``config.json`` and file names alone (no weights read)."""
     cpath = os.path.join(path, "config.json")
     try:
@@ -134,8 +134,9 @@ class ShardReader:
     meta device: ``distribute_module`` asks each rank for the box ``((start, length), ...)`` of each parameter
     it holds, and gets it from the files, converted to the parameter's dtype. safetensors files are opened
     once and sliced (``get_slice``: only the box's bytes are read); a ``.bin`` is memory-mapped
-    (``torch.load(mmap=True)``), so the pages of the box are the ones read. An LM head tied to the embedding
-    (the files hold the embedding alone) reads the embedding's rows.
+    (``torch.load(mmap=True)``), so only the pages that hold the box are read (for a split of columns, most of
+    the tensor's). An LM head tied to the embedding reads the embedding's rows. The files close when the reader
+    goes.
     """
 
     def __init__(self, path: str, model, model_cfg):
@@ -155,9 +156,9 @@ class ShardReader:
             raise ValueError(f"trainer.init_from={path}: no weights for {missing[:5]}")
 
     def _stored(self, name: str) -> str:
-        if name == "lm_head.weight" and self.tied and name not in self.where:
-            return "model.embed_tokens.weight"
-        return name
+        # Tied: the embedding, as transformers ties them, even where the files keep a copy under the head's name
+        # (a last stage reading that copy could start from other values than the first stage's embedding).
+        return "model.embed_tokens.weight" if name == "lm_head.weight" and self.tied else name
 
     def _names(self, file: str) -> list:
         return list(self._file(file).keys())
@@ -189,8 +190,9 @@ class ShardReader:
 def read_weights_from(model, path: str, model_cfg) -> None:
     """Make ``model`` (the whole model or a pipeline stage of it, its parameters on the meta device, the full
     model's names) build each parameter's shard from the Hugging Face directory ``path``: its ``init_shard`` is
-    a ``ShardReader``'s ``read``, which ``distribute_module`` calls with each box this rank keeps. Every name is
-    checked against the files here, before any is read."""
+    a ``ShardReader``'s ``read``, which ``distribute_module`` calls with each box this rank keeps (the trainer
+    removes it once the parameters are laid out, and the reader and its open files go with it). Every name is checked against the files
+    here, before any is read."""
     model.init_shard = ShardReader(path, model, model_cfg).read
 
 

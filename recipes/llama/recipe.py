@@ -89,7 +89,7 @@ class LlamaRecipe(GPT2Recipe):
         if not self.reads_weights(path):
             return False
         # build_stage left the parameters on the meta device: distribute_module builds each rank's shards, read
-        # from the files box by box, so no rank holds the whole checkpoint or its whole stage.
+        # from the files box by box, so no rank reads the whole checkpoint.
         hf.read_weights_from(model, path, cfg.model)
         return True
 

@@ -136,8 +136,9 @@ def test_what_our_model_lacks_is_refused_from_the_config_alone(changes, message,
 
 
 def test_a_tied_hugging_face_directory_loads_into_every_stage_and_exports_back(tmp_path):
-    """Llama 3.2's kind: the files hold the embedding alone; the last stage's LM head gets it, the whole model
-    ties the two names to one tensor again, and ``hf_config`` says the head is tied."""
+    """Llama 3.2's kind: the files hold the embedding (and maybe a stale copy under the head's name); the last
+    stage's LM head gets the embedding, the whole model ties the two names to one tensor again, and
+    ``hf_config`` says the head is tied."""
     from safetensors.torch import load_file
 
     from recipes.llama.hf import hf_config
@@ -146,8 +147,14 @@ def test_a_tied_hugging_face_directory_loads_into_every_stage_and_exports_back(t
 
     from omegaconf import OmegaConf
 
+    from safetensors.torch import save_file
+
     theirs = _hf_dir(tmp_path, **TIED).eval()
-    assert "lm_head.weight" not in load_file(tmp_path / "model.safetensors")
+    tensors = load_file(tmp_path / "model.safetensors")
+    assert "lm_head.weight" not in tensors
+    # A file that keeps another copy under the head's name: tied, the embedding is what every stage reads.
+    save_file({**tensors, "lm_head.weight": tensors["model.embed_tokens.weight"] + 1}, tmp_path / "model.safetensors",
+              metadata={"format": "pt"})
     cfg = OmegaConf.create({"model": _model_cfg(**TIED)})
     assert RECIPE.weights_problems(str(tmp_path), cfg) == []
     assert RECIPE.tied_pairs(cfg.model) == (("model.embed_tokens.weight", "lm_head.weight"),)
@@ -224,6 +231,9 @@ def test_qwen2_and_mistral_directories_load_and_a_qwen2_model_exports_as_one(tmp
     saved(tmp_path / "windowed", transformers.Qwen2Config, transformers.Qwen2ForCausalLM, use_sliding_window=True,
           sliding_window=8)
     assert any("use_sliding_window=true" in p for p in hf_dir_problems(str(tmp_path / "windowed"), cfg.model))
+    saved(tmp_path / "layers", transformers.Qwen2Config, transformers.Qwen2ForCausalLM, sliding_window=8,
+          layer_types=["full_attention", "sliding_attention"])
+    assert any("sliding_attention" in p for p in hf_dir_problems(str(tmp_path / "layers"), cfg.model))
     mistral = saved(tmp_path / "mistral", transformers.MistralConfig, transformers.MistralForCausalLM,
                     sliding_window=None, head_dim=16)
     assert hf_dir_problems(str(tmp_path / "mistral"), _model_cfg()) == []
@@ -260,6 +270,11 @@ def test_keys_a_config_leaves_out_take_transformers_defaults():
                      "rope_theta") == 5e5
     defaults = transformers.LlamaConfig()
     assert defaults.rms_norm_eps == 1e-6 and defaults.max_position_embeddings == 2048
+    for kind, config in (("mistral", transformers.MistralConfig()), ("qwen2", transformers.Qwen2Config())):
+        minimal = {"model_type": kind}
+        for key in ("vocab_size", "intermediate_size", "num_key_value_heads", "max_position_embeddings"):
+            assert _hf_value(minimal, key) == getattr(config, key), (kind, key)
+    assert _hf_value({"model_type": "mistral"}, "sliding_window") == transformers.MistralConfig().sliding_window
 
 
 def test_llama3_rotary_scaling_loads_when_the_model_has_it_and_exports_back(tmp_path):

@@ -113,18 +113,21 @@ class _TiedHead(nn.Module):
 
 def _tied_by_second_name():
     p = sc.placement("cpu", [0, 1])
-    torch.manual_seed(0)
-    model = _TiedHead()
-    full = model.embed.weight.detach().clone()
-    sc.distribute_module(model, p, {"head.weight": (S0,)})
-    if torch.distributed.get_rank() not in p:
-        return None
-    return model.head.weight is model.embed.weight, model.embed.weight.sbp, torch.equal(model.head.weight.full_tensor(),
-                                                                                         full)
+    out = []
+    for plan in ({"head.weight": (S0,)}, {"head.weight": (S0,), "embed.weight": (Split(1),)}):
+        torch.manual_seed(0)
+        model = _TiedHead()
+        full = model.embed.weight.detach().clone()
+        sc.distribute_module(model, p, plan)
+        if torch.distributed.get_rank() in p:
+            out.append((model.head.weight is model.embed.weight, model.embed.weight.sbp,
+                        torch.equal(model.head.weight.full_tensor(), full)))
+    return out or None
 
 
 def test_a_tied_parameter_named_by_its_second_name_takes_that_layout():
     """``head.weight`` is ``embed.weight`` under a second name: a plan naming it alone splits the one parameter,
-    which stays one parameter with its values."""
-    for same, sbp, values in get_pool(WORLD).run(_tied_by_second_name)[:2]:
-        assert same and sbp == (S0,) and values
+    which stays one parameter with its values; a plan naming both takes the first entry that matches either
+    (an override put first wins)."""
+    for got in get_pool(WORLD).run(_tied_by_second_name)[:2]:
+        assert got == [(True, (S0,), True), (True, (S0,), True)], got
