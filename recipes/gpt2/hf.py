@@ -23,6 +23,8 @@ from dataclasses import fields
 
 import torch
 
+from recipes.hf_files import HFFiles, weight_files
+
 from .model import GPT2Config, padded_vocab_size
 
 # Hugging Face's GPT-2 config uses the same names; it has no vocabulary padding (Megatron's option).
@@ -149,23 +151,9 @@ def _check_names(sd: dict, cfg: dict) -> None:
 
 # -- Hugging Face directories -------------------------------------------------
 
-def weight_files(path: str) -> tuple:
-    """``(files, index file or None)`` of a Hugging Face directory's weights (safetensors first, then
-    ``.bin``, each sharded by an index or whole); ``FileNotFoundError`` when there are none."""
-    for index_name, single in (("model.safetensors.index.json", "model.safetensors"),
-                               ("pytorch_model.bin.index.json", "pytorch_model.bin")):
-        ipath = os.path.join(path, index_name)
-        if os.path.isfile(ipath):
-            with open(ipath) as f:
-                return sorted(set(json.load(f)["weight_map"].values())), ipath
-        if os.path.isfile(os.path.join(path, single)):
-            return [single], None
-    raise FileNotFoundError(f"{path}: no model.safetensors, pytorch_model.bin or their .index.json")
-
-
 def hf_dir_problems(path: str, model_cfg) -> list:
-    """What ``load_hf_into`` would refuse in the Hugging Face directory ``path`` for ``model_cfg``, read from
-    its ``config.json`` and file names alone (no weights read)."""
+    """What ``trainer.init_from`` would refuse in the Hugging Face directory ``path`` for ``model_cfg``, read
+    from its ``config.json`` and file names alone (no weights read)."""
     cpath = os.path.join(path, "config.json")
     try:
         with open(cpath) as f:
@@ -238,18 +226,51 @@ def is_hf_dir(path: str) -> bool:
     return os.path.isfile(os.path.join(path, "config.json")) and not os.path.isfile(os.path.join(path, "manifest.json"))
 
 
-def load_hf_into(model, path: str, model_cfg) -> None:
-    """Copy a Hugging Face GPT-2 directory's weights into ``model``, the whole model or a pipeline stage of it
-    (the full model's names: the weights of other stages are not used)."""
-    config, hf_sd = read_hf_dir(path)
-    ours = {k: int(model_cfg[k]) for k in ("n_embd", "n_head", "n_layer", "vocab_size", "n_positions")}
-    ours["make_vocab_size_divisible_by"] = int(model_cfg.get("make_vocab_size_divisible_by", 1))
-    for key in ("n_layer", "n_embd", "n_head", "vocab_size", "n_positions"):
-        if int(config.get(key, -1)) != int(model_cfg[key]):
-            raise ValueError(f"trainer.init_from={path}: its {key}={config.get(key)} but model.{key}="
-                             f"{model_cfg[key]}; choose the model preset that matches it")
-    state = from_hf(hf_sd, ours)
-    with torch.no_grad():
-        missing = model.load_state_dict({k: v for k, v in state.items()}, strict=False)
-    if missing.missing_keys:
-        raise ValueError(f"trainer.init_from={path}: no weights for {missing.missing_keys[:5]}")
+class ShardReader:
+    """``read(name, box)``: the box ``((start, length), ...)`` of our parameter ``name`` from a Hugging Face
+    GPT-2 directory, in the parameter's dtype: the ``init_shard`` that ``read_weights_from`` gives a model
+    (``recipes.hf_files``). Our layout from HF's: ``c_attn``'s columns (and bias entries) in per-head order
+    (the box's columns read from the span of HF's that holds them, then picked), a padded vocabulary's rows
+    past HF's zero, the LM head the embedding (ours is tied), names with or without HF's ``transformer.``.
+    """
+
+    def __init__(self, path: str, model, model_cfg):
+        problems = hf_dir_problems(path, model_cfg)
+        if problems:
+            raise ValueError(f"trainer.init_from={path}: " + "; ".join(problems))
+        self.files, self.model = HFFiles(path), model
+        self.vocab = int(model_cfg.vocab_size)
+        self.perm = qkv_permutation(int(model_cfg.n_embd), int(model_cfg.n_head))
+        missing = [n for n, _ in model.named_parameters() if self._stored(n) is None]
+        if missing:
+            raise ValueError(f"trainer.init_from={path}: no weights for {missing[:5]}")
+
+    def _stored(self, name: str) -> str | None:
+        name = TIED[0] if name == TIED[1] else name
+        bare = name.removeprefix("transformer.")  # older files name the blocks without the prefix
+        return next((n for n in (name, bare) if n in self.files.names), None)
+
+    def read(self, name: str, box) -> torch.Tensor:
+        stored = self._stored(name)
+        region = [slice(start, start + n) for start, n in box]
+        if name.endswith((".attn.c_attn.weight", ".attn.c_attn.bias")):  # HF's columns of ours, in our order
+            cols = self.perm[region[-1]]
+            low = int(cols.min())
+            region[-1] = slice(low, int(cols.max()) + 1)
+            part = self.files.read(stored, tuple(region))[..., cols - low]
+        elif name in TIED:  # rows past HF's vocabulary: padding, zero
+            rows = region[0]
+            part = self.files.read(stored, (slice(rows.start, max(rows.start, min(rows.stop, self.vocab))),
+                                            *region[1:]))
+            part = torch.cat([part, part.new_zeros(rows.stop - rows.start - len(part), *part.shape[1:])])
+        else:
+            part = self.files.read(stored, tuple(region))
+        return part.to(self.model.get_parameter(name).dtype).contiguous()
+
+
+def read_weights_from(model, path: str, model_cfg) -> None:
+    """Make ``model`` (the whole model or a pipeline stage of it, its parameters on the meta device, the full
+    model's names) build each parameter's shard from the Hugging Face directory ``path`` as
+    ``distribute_module`` asks for it: its ``init_shard`` is a ``ShardReader``'s ``read``. Every name is checked
+    against the files here, before any is read."""
+    model.init_shard = ShardReader(path, model, model_cfg).read

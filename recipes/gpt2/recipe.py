@@ -141,14 +141,13 @@ class GPT2Recipe(Recipe):
         return hf_dir_problems(path, cfg.model)
 
     def init_weights(self, model, path: str, cfg) -> bool:
-        from recipes.gpt2.hf import load_hf_into
+        from recipes.gpt2.hf import read_weights_from
 
         if not self.reads_weights(path):
             return False
-        model.to_empty(device="cpu")  # build_stage left the parameters on the meta device: all are read below
-        model.tie_weights()
-        model.reset_buffers()
-        load_hf_into(model, path, cfg.model)
+        # build_stage left the parameters on the meta device: distribute_module builds each rank's shards, read
+        # from the files box by box, so no rank reads the whole checkpoint.
+        read_weights_from(model, path, cfg.model)
         return True
 
     def extra_state(self, cfg) -> dict:

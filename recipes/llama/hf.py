@@ -21,7 +21,7 @@ import os
 
 import torch
 
-from recipes.gpt2.hf import weight_files
+from recipes.hf_files import HFFiles, weight_files
 
 # Our model config keys that must equal a config.json's (the rope_* scaling ones read from its rope_scaling).
 DIMS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -128,63 +128,30 @@ def hf_dir_problems(path: str, model_cfg) -> list:
 
 
 class ShardReader:
-    """The boxes of a Hugging Face Llama directory's tensors, read by name: each rank reads only what it keeps.
-
-    ``read(name, box)`` is the ``init_shard(name, box)`` of ``sbp_core``'s contract for parameters left on the
-    meta device: ``distribute_module`` asks each rank for the box ``((start, length), ...)`` of each parameter
-    it holds, and gets it from the files, converted to the parameter's dtype. safetensors files are opened
-    once and sliced (``get_slice``: only the box's bytes are read); a ``.bin`` is memory-mapped
-    (``torch.load(mmap=True)``), so only the pages that hold the box are read (for a split of columns, most of
-    the tensor's). An LM head tied to the embedding reads the embedding's rows. The files close when the reader
-    goes.
+    """``read(name, box)``: the box ``((start, length), ...)`` of parameter ``name`` from a Hugging Face Llama,
+    Mistral or Qwen2 directory, in the parameter's dtype: the ``init_shard`` that ``read_weights_from`` gives a
+    model (``recipes.hf_files``). An LM head tied to the embedding reads the embedding's rows, as transformers
+    ties them, even where the files keep a copy under the head's name (a last stage reading that copy could
+    start from other values than the first stage's embedding).
     """
 
     def __init__(self, path: str, model, model_cfg):
         problems = hf_dir_problems(path, model_cfg)
         if problems:
             raise ValueError(f"trainer.init_from={path}: " + "; ".join(problems))
-        self.path, self.model, self._open = path, model, {}
-        files, index = weight_files(path)
-        if index is not None:
-            with open(index) as f:
-                self.where = dict(json.load(f)["weight_map"])
-        else:
-            self.where = {name: files[0] for name in self._names(files[0])}
+        self.files, self.model = HFFiles(path), model
         self.tied = bool(model_cfg.get("tie_word_embeddings", False))
-        missing = [n for n, _ in model.named_parameters() if self._stored(n) not in self.where]
+        missing = [n for n, _ in model.named_parameters() if self._stored(n) not in self.files.names]
         if missing:
             raise ValueError(f"trainer.init_from={path}: no weights for {missing[:5]}")
 
     def _stored(self, name: str) -> str:
-        # Tied: the embedding, as transformers ties them, even where the files keep a copy under the head's name
-        # (a last stage reading that copy could start from other values than the first stage's embedding).
         return "model.embed_tokens.weight" if name == "lm_head.weight" and self.tied else name
 
-    def _names(self, file: str) -> list:
-        return list(self._file(file).keys())
-
-    def _file(self, file: str):
-        """An open safetensors file, or a ``.bin``'s memory-mapped state dict (both have ``keys()``)."""
-        if file not in self._open:
-            fpath = os.path.join(self.path, file)
-            if file.endswith(".safetensors"):
-                from safetensors import safe_open
-
-                self._open[file] = safe_open(fpath, framework="pt")
-            else:  # weights only: a .bin cannot run code while it loads
-                self._open[file] = torch.load(fpath, map_location="cpu", weights_only=True, mmap=True)
-        return self._open[file]
-
     def read(self, name: str, box) -> torch.Tensor:
-        stored = self._stored(name)
-        opened = self._file(self.where[stored])
         region = tuple(slice(start, start + n) for start, n in box)
-        if hasattr(opened, "get_slice"):
-            part = opened.get_slice(stored)[region]
-        else:
-            part = opened[stored][region]
-        dtype = self.model.get_parameter(name).dtype
-        return part.to(dtype=dtype, copy=True).contiguous()
+        part = self.files.read(self._stored(name), region)
+        return part.to(self.model.get_parameter(name).dtype).contiguous()
 
 
 def read_weights_from(model, path: str, model_cfg) -> None:

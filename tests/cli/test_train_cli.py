@@ -49,6 +49,28 @@ def test_layout_losses_equal_single(layout, single, sbp_cache, tmp_path):
         assert abs(a - b) <= 1e-4 * abs(b), (layout, losses, single)
 
 
+def test_fine_tuning_a_hugging_face_gpt2_is_the_same_in_every_layout(single_run, sbp_cache, tmp_path):
+    """``trainer.init_from=<a GPT2LMHeadModel directory>``: single and dp2_tp2_pp2 (each rank reading its boxes:
+    ``c_attn``'s columns of its heads in our per-head order, its vocabulary rows, the last stage's LM head from
+    the embedding) start from its weights, not the seed's, and log the same losses."""
+    import shutil
+
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    torch.manual_seed(5)
+    hf = tmp_path / "hf"
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=512, n_positions=64, n_embd=64, n_layer=4, n_head=4, initializer_range=0.2)).save_pretrained(hf)
+    shutil.copyfile(single_run[0] / "tokenizer.json", hf / "tokenizer.json")  # the corpus's token ids
+    tuned = [*TINY, f"trainer.init_from={hf}", "model.dropout=0.0"]
+    alone = train_pooled([*tuned, "parallel=single"], tmp_path / "single", sbp_cache)
+    split = train_pooled([*tuned, "parallel=dp2_tp2_pp2"], tmp_path / "split", sbp_cache)
+    assert abs(alone[0] - single_run[1][0]) > 0.1, alone
+    for a, b in zip(split, alone):
+        assert abs(a - b) <= 1e-4 * abs(b), (split, alone)
+
+
 def test_steps_between_log_steps_keep_the_loss_on_the_last_stage(single, sbp_cache, tmp_path):
     """pp2, logging steps 1 and 3: step 2 does not send its loss to rank 0; the logged losses are single's."""
     losses = train_pooled([*TINY, "parallel=pp2", "trainer.log_every=3"], tmp_path, sbp_cache)

@@ -123,7 +123,40 @@ def test_init_from_a_hugging_face_directory_into_a_stage(tmp_path):
     cfg = OmegaConf.create(MODEL)
     last = _stage(cfg, 2, [1])
     assert RECIPE.init_weights(last, str(tmp_path), OmegaConf.create({"model": MODEL}))
+    materialized(last)
     wte = hf.transformer.wte.weight
     assert torch.equal(last.lm_head.weight[:1001], wte) and not last.lm_head.weight[1001:].any()
     assert torch.equal(last.transformer.h[5].mlp.c_fc.weight, hf.transformer.h[5].mlp.c_fc.weight)
     assert torch.equal(last.transformer.ln_f.weight, hf.transformer.ln_f.weight)
+
+
+def test_a_ranks_boxes_of_a_hugging_face_gpt2_are_those_of_the_converted_whole(tmp_path):
+    """``ShardReader.read``: each tensor-parallel rank's box (``c_attn``'s columns of whole heads, in our per-head
+    order; a padded vocabulary's rows, past HF's zero; the LM head's rows, the embedding's) equals that box of
+    the whole state ``from_hf`` converts."""
+    transformers = pytest.importorskip("transformers")
+    from recipes.gpt2.hf import ShardReader, from_hf, read_hf_dir
+
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=1001, n_positions=32, n_embd=32, n_layer=2,
+                                                         n_head=4)).save_pretrained(tmp_path)
+    cfg = OmegaConf.create({**MODEL, "n_layer": 2})
+    with torch.device("meta"):
+        model = RECIPE.build_model(cfg)
+    reader = ShardReader(str(tmp_path), model, cfg)
+    whole = from_hf(read_hf_dir(str(tmp_path))[1], {**{k: int(cfg[k]) for k in ("n_embd", "n_head", "n_layer",
+                                                                                 "vocab_size", "n_positions")},
+                                                     "make_vocab_size_divisible_by": int(cfg.make_vocab_size_divisible_by)})
+    rows = model.transformer.wte.weight.shape[0]
+    assert rows > 1001  # padded
+    for tp in (2, 4):
+        for r in range(tp):
+            cols = 96 // tp
+            box = ((0, 32), (r * cols, cols))
+            got = reader.read("transformer.h.1.attn.c_attn.weight", box)
+            assert torch.equal(got, whole["transformer.h.1.attn.c_attn.weight"][:, r * cols:(r + 1) * cols])
+            got = reader.read("transformer.h.0.attn.c_attn.bias", ((r * cols, cols),))
+            assert torch.equal(got, whole["transformer.h.0.attn.c_attn.bias"][r * cols:(r + 1) * cols])
+            n = rows // tp
+            for name in ("transformer.wte.weight", "lm_head.weight"):
+                got = reader.read(name, ((r * n, n), (0, 32)))
+                assert torch.equal(got, whole[name][r * n:(r + 1) * n]), (name, tp, r)

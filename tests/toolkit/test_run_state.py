@@ -7,7 +7,8 @@ import torch
 from omegaconf import OmegaConf
 
 from recipes.gpt2.recipe import RECIPE
-from recipes.gpt2.hf import is_hf_dir, load_hf_into
+from recipes.gpt2.hf import is_hf_dir
+from toolkit.plain_loop import materialized
 
 build_model = RECIPE.build_model
 
@@ -25,16 +26,17 @@ def test_init_from_a_hugging_face_directory_gives_its_logits(tmp_path, multiple)
     assert is_hf_dir(str(tmp_path))
     model_cfg = OmegaConf.create({**cfg, "dropout": 0.0, "layer_norm_epsilon": 1e-5, "initializer_range": 0.02,
                                   "make_vocab_size_divisible_by": multiple})
-    ours = build_model(model_cfg).eval()
-    load_hf_into(ours, str(tmp_path), model_cfg)
+    ours = RECIPE.build_stage(model_cfg, lambda m: m).eval()
+    assert RECIPE.init_weights(ours, str(tmp_path), OmegaConf.create({"model": model_cfg}))
+    materialized(ours)  # each parameter read from the files as distribute_module reads a rank's boxes
     assert ours.lm_head.weight is ours.transformer.wte.weight and len(ours.lm_head.weight) == (96, 128)[multiple > 1]
     ids = torch.randint(0, 96, (2, 16))
     logits = ours(ids)[0]
     assert torch.allclose(logits[..., :96], hf(ids).logits, atol=1e-5, rtol=1e-5)
     assert torch.isneginf(logits[..., 96:]).all()
-    with pytest.raises(ValueError, match="its n_layer=2 but model.n_layer=3"):
-        load_hf_into(build_model(OmegaConf.merge(model_cfg, {"n_layer": 3})), str(tmp_path),
-                     OmegaConf.merge(model_cfg, {"n_layer": 3}))
+    deeper = OmegaConf.merge(model_cfg, {"n_layer": 3})
+    with pytest.raises(ValueError, match="its config.json has n_layer=2, the model n_layer=3"):
+        RECIPE.init_weights(RECIPE.build_stage(deeper, lambda m: m), str(tmp_path), OmegaConf.create({"model": deeper}))
 
 
 def test_resume_without_a_checkpoint_says_where_it_looked(tmp_path, capsys):
@@ -120,7 +122,7 @@ def test_ranks_that_see_different_newest_checkpoints_all_refuse_to_resume(tmp_pa
 
 def test_a_hugging_face_directory_that_does_not_fit_the_model_is_refused_before_spawning(tmp_path):
     """``trainer.init_from=<Hugging Face dir>``: its config.json against model.*, and a weights file, checked
-    by validation (``Recipe.weights_problems``), as ``load_hf_into`` would check them on every rank."""
+    by validation (``Recipe.weights_problems``), as ``init_weights`` checks them on every rank."""
     from toolkit.config import ConfigError, compose, validate
 
     hf = tmp_path / "hf"

@@ -1,0 +1,77 @@
+"""The weight files of a Hugging Face model directory, read a region of a tensor at a time.
+
+``trainer.init_from=<a Hugging Face directory>`` leaves a stage's parameters
+on the meta device and gives the model an ``init_shard(name, box)`` that
+reads them (``sbp_core``'s contract: ``distribute_module`` asks each rank for
+the box of each parameter it keeps), so no rank reads the whole checkpoint.
+Each recipe maps its names and layout onto the file's
+(``recipes/gpt2/hf.py``, ``recipes/llama/hf.py``); this file reads.
+
+Not ``torch.distributed.checkpoint.HuggingFaceStorageReader``: it loads into
+a state dict of DTensors through DCP's planner, where ours are global
+tensors built box by box, sometimes from a permutation of the file's columns
+(GPT-2's ``c_attn``) or with padding rows (a padded vocabulary).
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+
+def weight_files(path: str) -> tuple:
+    """``(files, index file or None)`` of a Hugging Face directory's weights (safetensors first, then
+    ``.bin``, each sharded by an index or whole); ``FileNotFoundError`` when there are none."""
+    for index_name, single in (("model.safetensors.index.json", "model.safetensors"),
+                               ("pytorch_model.bin.index.json", "pytorch_model.bin")):
+        ipath = os.path.join(path, index_name)
+        if os.path.isfile(ipath):
+            with open(ipath) as f:
+                return sorted(set(json.load(f)["weight_map"].values())), ipath
+        if os.path.isfile(os.path.join(path, single)):
+            return [single], None
+    raise FileNotFoundError(f"{path}: no model.safetensors, pytorch_model.bin or their .index.json")
+
+
+class HFFiles:
+    """The tensors of the Hugging Face directory ``path`` by name: ``names``, ``shape(name)`` and
+    ``read(name, region)`` (a tuple of slices, one per leading dim).
+
+    safetensors files are opened once and sliced (``get_slice``: only the region's bytes are read); a ``.bin``
+    is memory-mapped (``torch.load(mmap=True)``), so only the pages that hold the region are read (for a split
+    of columns, most of the tensor's). Files close when this object goes.
+    """
+
+    def __init__(self, path: str):
+        self.path, self._open = path, {}
+        files, index = weight_files(path)
+        if index is not None:
+            with open(index) as f:
+                self.where = dict(json.load(f)["weight_map"])
+        else:
+            self.where = {name: files[0] for name in self._file(files[0]).keys()}
+        self.names = set(self.where)
+
+    def _file(self, file: str):
+        """An open safetensors file, or a ``.bin``'s memory-mapped state dict (both have ``keys()``)."""
+        if file not in self._open:
+            fpath = os.path.join(self.path, file)
+            if file.endswith(".safetensors"):
+                from safetensors import safe_open
+
+                self._open[file] = safe_open(fpath, framework="pt")
+            else:  # weights only: a .bin cannot run code while it loads
+                self._open[file] = torch.load(fpath, map_location="cpu", weights_only=True, mmap=True)
+        return self._open[file]
+
+    def shape(self, name: str) -> tuple:
+        opened = self._file(self.where[name])
+        return tuple(opened.get_slice(name).get_shape() if hasattr(opened, "get_slice") else opened[name].shape)
+
+    def read(self, name: str, region: tuple) -> torch.Tensor:
+        """The ``region`` of tensor ``name``, a tensor of its own (not a view of a mapped file)."""
+        opened = self._file(self.where[name])
+        if hasattr(opened, "get_slice"):
+            return opened.get_slice(name)[region]  # safetensors copies the region out
+        return opened[name][region].clone()
