@@ -25,7 +25,7 @@ from .global_tensor import GlobalTensor, NoSbpRule
 from .sparse import SparseGlobalTensor
 from .grad_clip import clip_grad_norm_, clip_local_
 from .loss_scale import LossScaler
-from .module import box_grads, defer_grad_boxing, describe_plan, distribute_module
+from .module import box_grads, defer_grad_boxing, describe_plan, distribute_module, planned_sbp
 from .one_device import LocalParameters, replicated, runs_local
 from .local_step import step_on_locals, steps_on_locals, takes_local_grads
 from .layout import Layout
@@ -38,6 +38,6 @@ __all__ = [
     "to_global", "distribute", "randn", "rand", "zeros", "ones",
     "comm_ledger", "CommLedger", "explain", "format_explain", "set_timeout", "get_timeout",
     "set_init_timeout", "initialising",
-    "boxing_plan", "clip_grad_norm_", "clip_local_", "LossScaler", "distribute_module", "describe_plan", "defer_grad_boxing", "box_grads", "same_placement_cost", "disjoint_cost",
+    "boxing_plan", "clip_grad_norm_", "clip_local_", "LossScaler", "distribute_module", "planned_sbp", "describe_plan", "defer_grad_boxing", "box_grads", "same_placement_cost", "disjoint_cost",
     "LocalParameters", "replicated", "runs_local", "step_on_locals", "steps_on_locals", "takes_local_grads",
 ]

@@ -100,6 +100,24 @@ def box_grads(module: nn.Module) -> None:
         p.grad = GlobalTensor(local, dst)
 
 
+def planned_sbp(module: nn.Module, placement, plan: dict | None = None) -> dict:
+    """``{parameter name: SBP}`` that ``distribute_module(module, placement, plan)`` gives each parameter (the
+    names of ``named_parameters()``), without building anything."""
+    aliases = _aliases(module)
+    broadcast = tuple(Broadcast() for _ in placement.shape)
+    return {n: _on_mesh(nd_sbp(_match(dict(plan or {}), *aliases[id(p)]) or broadcast, placement.ndim), placement)
+            for n, p in module.named_parameters()}
+
+
+def _aliases(module: nn.Module) -> dict:
+    """``{id(parameter): its names}`` in module order: a tied parameter (an LM head's weight, the embedding's it
+    shares) has several, and the plan's first entry that matches one of them gives its layout."""
+    aliases: dict = {}
+    for n, param in module.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(param), []).append(n)
+    return aliases
+
+
 def distribute_module(module: nn.Module, placement, plan: dict | None = None,
                       bucket_bytes: int = BUCKET_BYTES) -> nn.Module:
     """Replace ``module``'s parameters and buffers by global tensors, in place; returns it.
@@ -109,11 +127,7 @@ def distribute_module(module: nn.Module, placement, plan: dict | None = None,
 
     ``bucket_bytes``: gradient bytes boxed by one collective during backward (module docstring)."""
     plan = dict(plan or {})
-    # A tied parameter may be named by any of its names (an LM head's, or the embedding's it shares): its
-    # layout is the first entry that matches one of them.
-    aliases: dict = {}
-    for n, param in module.named_parameters(remove_duplicate=False):
-        aliases.setdefault(id(param), []).append(n)
+    aliases = _aliases(module)
     names = {n for ns in aliases.values() for n in ns} | {n for n, _ in module.named_buffers()}
     module_names = {n for n, _ in module.named_modules()}
     for pattern in plan:

@@ -60,6 +60,41 @@ def _generator(name: str) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
 
+BLOCK_VALUES = 1 << 22  # values drawn at a time by normal_box (16 MiB of fp32)
+
+
+def normal_box(shape, box, std: float, generator: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
+    """The box ``((start, length), ...)`` of a ``shape`` tensor ``torch.empty(shape).normal_(0, std, generator)``
+    would hold, holding only the box and one block of rows while it draws.
+
+    The rows are drawn in order, a block at a time, up to the box's last: ``normal_`` turns its generator's
+    stream into values 16 at a time (its last 16 drawn again when the count is not a multiple of 16, and fewer
+    than 16 values another way), so blocks of a multiple of 16 values, the last one at least 16, draw what the
+    whole tensor draws (``tests/recipes/test_gpt2_stage_init.py`` checks it on this torch).
+    """
+    rows, cols = shape[0], math.prod(shape[1:])
+    region = tuple(slice(start, start + n) for start, n in box)
+    if rows * cols <= 2 * BLOCK_VALUES:
+        whole = torch.empty(shape, dtype=dtype).normal_(0.0, std, generator=generator)
+        shard = whole[region]
+        return shard.clone() if shard.numel() < whole.numel() else whole  # a shard keeps none of the rest
+    step = 16 // math.gcd(cols, 16)  # rows per 16 values' worth
+    per = max(step, BLOCK_VALUES // cols // step * step)
+    (first, n_rows), rest = box[0], region[1:]
+    out = torch.empty(tuple(n for _, n in box), dtype=dtype)
+    r = 0
+    while r < first + n_rows:
+        n = min(per, rows - r)
+        if 0 < (rows - r - n) * cols < 16:  # a last block under 16 values: drawn with this one
+            n = rows - r
+        block = torch.empty((n, *shape[1:]), dtype=dtype).normal_(0.0, std, generator=generator)
+        lo, hi = max(r, first), min(r + n, first + n_rows)
+        if lo < hi:
+            out[lo - first:hi - first] = block[(slice(lo - r, hi - r), *rest)]
+        r += n
+    return out
+
+
 class Conv1D(nn.Module):
     """``y = x @ weight + bias`` with ``weight`` of shape ``[in, out]`` (GPT-2's layout)."""
 
@@ -193,15 +228,15 @@ class GPT2LMHeadModel(nn.Module):
 
         GPT-2's initialisation: N(0, 0.02), residual projections scaled by
         1/sqrt(2 n_layer), LayerNorms 1 and biases 0. Each random parameter is
-        drawn whole from its own generator, seeded from the global seed
+        drawn from its own generator, seeded from the global seed
         (``torch.initial_seed()``) and the parameter's name alone (the tied LM
-        head's is ``transformer.wte.weight``'s), then the box is cut from it.
-        So any stage, or shard of a stage, holds the values the same
-        parameters have in the whole model on one device, and a rank
-        allocates only what it keeps (plus one whole parameter while it draws).
+        head's is ``transformer.wte.weight``'s), as the whole tensor draws it,
+        keeping the box (``normal_box``). So any stage, or shard of a stage,
+        holds the values the same parameters have in the whole model on one
+        device, and a rank allocates only what it keeps (plus a block of rows
+        while it draws).
         """
         param = self.get_parameter(name)
-        region = tuple(slice(start, start + n) for start, n in box)
         size = tuple(n for _, n in box)
         if name.endswith(("ln_1.weight", "ln_2.weight", "ln_f.weight")):
             return torch.ones(size, dtype=param.dtype, device="cpu")
@@ -210,9 +245,7 @@ class GPT2LMHeadModel(nn.Module):
         scale = 1 / math.sqrt(2 * self.config.n_layer) if name.endswith("c_proj.weight") else 1.0
         key = "transformer.wte.weight" if name == "lm_head.weight" else name
         std = self.config.initializer_range * scale
-        whole = torch.empty(param.shape, dtype=param.dtype, device="cpu").normal_(0.0, std, generator=_generator(key))
-        shard = whole[region]
-        return shard.clone() if shard.numel() < whole.numel() else whole  # a shard keeps none of the rest
+        return normal_box(tuple(param.shape), box, std, _generator(key), param.dtype)
 
     def forward(self, input_ids, labels=None):
         t = input_ids.shape[1]

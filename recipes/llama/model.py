@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from recipes.gpt2.model import _generator
+from recipes.gpt2.model import _generator, normal_box
 
 
 @dataclass
@@ -206,10 +206,10 @@ class LlamaForCausalLM(nn.Module):
         """The box ``((start, length), ...)`` of parameter ``name``'s initial value, on the CPU (``sbp_core``'s
         contract for a parameter left on the meta device: each rank builds only its shard).
 
-        Norm weights are 1, biases 0; every other weight is drawn whole from N(0, ``initializer_range``) by a generator
+        Norm weights are 1, biases 0; every other weight is drawn from N(0, ``initializer_range``) by a generator
         seeded from the global seed and the parameter's name alone (a tied LM head's is the embedding's;
-        Hugging Face's initialisation), then the box is cut from it: any stage, or shard of one, holds the
-        values the whole model has on one device.
+        Hugging Face's initialisation), as the whole tensor draws it, keeping the box (``normal_box``): any
+        stage, or shard of one, holds the values the whole model has on one device.
         """
         param = self.get_parameter(name)
         size = tuple(n for _, n in box)
@@ -219,10 +219,7 @@ class LlamaForCausalLM(nn.Module):
             return torch.zeros(size, dtype=param.dtype, device="cpu")
         if name == "lm_head.weight" and self.config.tie_word_embeddings:
             name = "model.embed_tokens.weight"
-        whole = torch.empty(param.shape, dtype=param.dtype, device="cpu").normal_(
-            0.0, self.config.initializer_range, generator=_generator(name))
-        shard = whole[tuple(slice(start, start + n) for start, n in box)]
-        return shard.clone() if shard.numel() < whole.numel() else whole
+        return normal_box(tuple(param.shape), box, self.config.initializer_range, _generator(name), param.dtype)
 
     def forward(self, input_ids, labels=None):
         t = input_ids.shape[1]

@@ -160,3 +160,21 @@ def test_a_ranks_boxes_of_a_hugging_face_gpt2_are_those_of_the_converted_whole(t
             for name in ("transformer.wte.weight", "lm_head.weight"):
                 got = reader.read(name, ((r * n, n), (0, 32)))
                 assert torch.equal(got, whole[name][r * n:(r + 1) * n]), (name, tp, r)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_a_box_drawn_a_block_of_rows_at_a_time_is_the_whole_draws(dtype, monkeypatch):
+    """``normal_box`` with blocks of a few hundred values (so every shape below is drawn in many blocks, the last
+    one under 16 values merged into the one before): each box equals that box of the whole tensor drawn at once
+    from the same generator. It rests on how this torch's ``normal_`` consumes its stream, hence this test."""
+    import recipes.gpt2.model as gpt2_model
+
+    monkeypatch.setattr(gpt2_model, "BLOCK_VALUES", 300)
+    for shape in [(1001, 32), (1000, 1), (333, 7), (97, 3, 5)]:
+        full = tuple((0, n) for n in shape)
+        rows = shape[0]
+        for box in [full, ((rows // 3, rows // 3), *full[1:]), ((rows - 5, 5), *full[1:]),
+                    ((0, rows), (1, shape[1] - 1), *full[2:])]:
+            want = torch.empty(shape, dtype=dtype).normal_(0.0, 0.02, generator=torch.Generator().manual_seed(3))
+            got = gpt2_model.normal_box(shape, box, 0.02, torch.Generator().manual_seed(3), dtype)
+            assert torch.equal(got, want[tuple(slice(s, s + n) for s, n in box)]), (shape, box)

@@ -308,6 +308,36 @@ def test_plan_rewrite_shards_a_dim_no_other_axis_splits():
     assert rewrite_plan({"w": ((8, 4), (B, S0)), "b": ((4,), (B, B))}, 0, 2) == {"w": (S1, S0), "b": (S0, B)}
 
 
+def _stage3_builds_meta_parameters_as_masters():
+    from recipes.gpt2.model import GPT2Config
+    from recipes.gpt2.plan import mesh_plan
+
+    p = sc.placement("cpu", [[0], [1], [2], [3]])  # (dp 4, tp 1)
+    torch.manual_seed(0)
+    whole = GPT2LMHeadModel(dataclasses.replace(GPT_CFG, n_layer=2))
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(dataclasses.replace(GPT_CFG, n_layer=2))
+    boxes = []
+    draw = model.init_shard
+    model.init_shard = lambda name, box: boxes.append((name, box)) or draw(name, box)
+    apply_zero(model, p, mesh_plan(), stage=3)
+    if torch.distributed.get_rank() not in p:
+        return None
+    sizes = {n: q.numel() for n, q in whole.named_parameters()}
+    too_big = [(n, box) for n, box in boxes if torch.Size(k for _, k in box).numel() > -(-sizes[n] // 4)]
+    values = all(torch.equal(q.full_tensor(), dict(whole.named_parameters())[n]) for n, q in model.named_parameters())
+    return too_big, values, len(boxes) == len(sizes)
+
+
+def test_stage3_builds_each_meta_parameter_straight_into_its_rank_s_master_slice():
+    """ZeRO-3 of a model on the meta device (the trainer builds stages so): each rank asks ``init_shard`` for its
+    quarter of each parameter (the master's slice on dp 4), never the compute layout's whole tensor, and the
+    masters hold the whole model's values."""
+    for got in get_pool(WORLD).run(_stage3_builds_meta_parameters_as_masters)[:4]:
+        assert got == ([], True, True), got
+
+
 def _trainer_steps_masters_locals():
     import tempfile
 

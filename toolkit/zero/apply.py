@@ -245,7 +245,7 @@ class Zero:
     """
 
     def __init__(self, module: nn.Module, placement, stage: int, dp_axis: int, compute_dtype, units=None,
-                 bucket_bytes: int = BUCKET_BYTES):
+                 bucket_bytes: int = BUCKET_BYTES, planned: dict | None = None):
         self.module, self.placement, self.stage, self.dp_axis = module, placement, stage, dp_axis
         self.compute_dtype = compute_dtype
         self._depth = 0
@@ -268,12 +268,15 @@ class Zero:
         self.buckets = None  # stages 0-2: the grad leaves' GradBuckets
         self._by_leaf: dict = {}
         named = {n: p for n, p in module.named_parameters() if p.requires_grad}
-        self.layouts = {n: (p.shape, p.sbp) for n, p in named.items()}
+        # The compute layouts: the plan's (``planned``, as ``sc.planned_sbp`` gives them), which a parameter
+        # built straight into its master layout no longer shows.
+        self.layouts = {n: (p.shape, (planned or {}).get(n, p.sbp)) for n, p in named.items()}
         # the plan rewrite: B on the dp axis -> S(d) (stage 0 keeps the plan's layouts)
         self.master_plan = {n: sbp for n, (_, sbp) in self.layouts.items()} if stage == 0 else \
             rewrite_plan(self.layouts, dp_axis, placement.shape[dp_axis])
         params = {id(p): p for p in named.values()}
         msbp_of = {id(p): self.master_plan[n] for n, p in named.items()}
+        csbp_of = {id(p): self.layouts[n][1] for n, p in named.items()}
         if stage == 0 and all(compute_dtype in (None, p.dtype) for p in params.values()):
             return  # plain data parallel: distribute_module's parameters as they are
         if units is None:  # FSDP's usual wrapping: every block of every ModuleList
@@ -287,7 +290,7 @@ class Zero:
         slots: dict = {}  # module -> {name: slot}
         by_unit: dict = {}
         for i, held in owners.items():
-            slot = self._slot(params[i], msbp_of[i])
+            slot = self._slot(params[i], msbp_of[i], csbp_of[i])
             names = {_unit_of(mod_name, units) for mod_name, _, _ in held}
             unit = names.pop() if len(names) == 1 else ""  # tied across units: the root's
             slot.unit = by_unit.setdefault(unit, _Unit(self, unit))
@@ -316,21 +319,24 @@ class Zero:
         """One line per parameter: name, shape, compute SBP -> master SBP."""
         return describe(self.layouts, self.master_plan)
 
-    def _slot(self, p, msbp: tuple) -> _Slot:
+    def _slot(self, p, msbp: tuple, csbp: tuple) -> _Slot:
+        """``p`` in its compute layout ``csbp``, or (stage 3, built from the meta device) already in its master
+        layout ``msbp``."""
         lay = p.layout
         dtype = self.compute_dtype or p.dtype
-        own = _own_rows(p._local, lay, msbp, self.dp_axis)
+        built_as_master = tuple(p.sbp) != tuple(csbp)
+        own = p._local if built_as_master else _own_rows(p._local, lay, msbp, self.dp_axis)
         if self.stage < 3:
             aliased = dtype == p.dtype and own.untyped_storage().data_ptr() == p._local.untyped_storage().data_ptr()
             master = nn.Parameter(sc.GlobalTensor(own if aliased else own.clone(), lay.with_sbp(msbp)))
             copy = p._local if dtype == p.dtype else p._local.to(dtype)
             leaf = sc.GlobalTensor(copy, Layout(lay.placement, lay.sbp, lay.shape, dtype), requires_grad=True)
         else:
-            master = nn.Parameter(sc.GlobalTensor(own.clone(), lay.with_sbp(msbp)))
+            master = nn.Parameter(sc.GlobalTensor(own if built_as_master else own.clone(), lay.with_sbp(msbp)))
             leaf = master if dtype == p.dtype else sc.GlobalTensor(
                 master._local.to(dtype), Layout(lay.placement, msbp, lay.shape, dtype), requires_grad=True)
             leaf.register_post_accumulate_grad_hook(self._compact_grad)
-        slot = _Slot(self, master, leaf, lay.sbp)
+        slot = _Slot(self, master, leaf, tuple(csbp))
         self.slots.append(slot)
         self._by_leaf[id(leaf)] = slot
         return slot
@@ -583,7 +589,15 @@ def apply_zero(module: nn.Module, placement, plan: dict | None = None, stage: in
     if module in _APPLIED:
         raise ValueError(f"{type(module).__name__} already has ZeRO applied")
     stage = check_stage(stage, placement.shape[dp_axis])
+    planned = sc.planned_sbp(module, placement, plan)
+    if stage == 3:
+        # A parameter on the meta device is built straight into its master layout: each rank builds (reads,
+        # draws) only its slice on the dp axis, never the whole compute layout of every parameter at once.
+        shapes = {n: p.shape for n, p in module.named_parameters() if p.is_meta and p.requires_grad}
+        masters = rewrite_plan({n: (shapes[n], planned[n]) for n in shapes}, dp_axis, placement.shape[dp_axis])
+        # exact names first, so that they win (a key of both keeps the first place, so the plan's go after)
+        plan = {**masters, **{k: v for k, v in (plan or {}).items() if k not in masters}}
     sc.distribute_module(module, placement, plan, bucket_bytes)
-    zero = Zero(module, placement, stage, dp_axis, compute_dtype, units, bucket_bytes)
+    zero = Zero(module, placement, stage, dp_axis, compute_dtype, units, bucket_bytes, planned)
     _APPLIED.add(module)
     return module, zero
