@@ -135,16 +135,16 @@ def test_fine_tuning_from_a_hugging_face_directory_is_the_same_in_every_layout(s
         assert abs(a - b) <= 1e-5 * abs(b), (split, alone)
 
 
-def test_fine_tuning_a_tied_qwen2_is_the_same_in_every_layout(single_llama, sbp_cache, tmp_path):
-    """A Qwen2 directory (query, key and value biases, drawn at random here; the LM head tied, so its file holds
-    the embedding alone): single and dp2_tp2_pp2 start from its weights, each rank reading its boxes, and log
-    the same losses."""
+@pytest.fixture(scope="module")
+def qwen2_tuned(single_llama, sbp_cache, tmp_path_factory):
+    """``(overrides, one process's losses)`` of fine-tuning a tiny Qwen2 directory: query, key and value biases,
+    drawn at random here; the LM head tied, so its file holds the embedding alone."""
     import shutil
 
     transformers = pytest.importorskip("transformers")
     torch = pytest.importorskip("torch")
     torch.manual_seed(4)
-    hf = tmp_path / "hf"
+    hf = tmp_path_factory.mktemp("qwen2")
     qwen2 = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
         vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=10000.0,
@@ -157,11 +157,19 @@ def test_fine_tuning_a_tied_qwen2_is_the_same_in_every_layout(single_llama, sbp_
     shutil.copyfile(single_llama[0] / "tokenizer.json", hf / "tokenizer.json")
     tuned = [*TINY, f"trainer.init_from={hf}", "model.qkv_bias=true", "model.tie_word_embeddings=true",
              "model.rms_norm_eps=1e-5"]
-    alone = train_pooled([*tuned, "parallel=single"], tmp_path / "single", sbp_cache)
-    split = train_pooled([*tuned, "parallel=dp2_tp2_pp2"], tmp_path / "split", sbp_cache)
-    assert abs(alone[0] - single_llama[1][0]) > 0.1, alone
+    alone = train_pooled([*tuned, "parallel=single"], tmp_path_factory.mktemp("qwen2-single"), sbp_cache)
+    assert abs(alone[0] - single_llama[1][0]) > 0.1, alone  # its weights, not the seed's
+    return tuned, alone
+
+
+@pytest.mark.parametrize("layout", ["dp2_tp2_pp2", "dp2_tp2_zero3"])
+def test_fine_tuning_a_tied_qwen2_is_the_same_in_every_layout(layout, qwen2_tuned, sbp_cache, tmp_path):
+    """Each rank reads its boxes of the Qwen2 files (under ZeRO-3, its slice of the masters; the last stage's LM
+    head, the embedding's rows) and logs one process's losses."""
+    tuned, alone = qwen2_tuned
+    split = train_pooled([*tuned, f"parallel={layout}"], tmp_path, sbp_cache)
     for a, b in zip(split, alone):
-        assert abs(a - b) <= 1e-5 * abs(b), (split, alone)
+        assert abs(a - b) <= 1e-5 * abs(b), (layout, split, alone)
 
 
 def test_generate_continues_a_prompt_from_a_llama_run(single_llama):
