@@ -36,7 +36,7 @@ def weight_files(path: str) -> tuple:
 
 class HFFiles:
     """The tensors of the Hugging Face directory ``path`` by name: ``names``, ``shape(name)`` and
-    ``read(name, region)`` (a tuple of slices, one per leading dim).
+    ``read(name, region, dtype)`` (``region``: a tuple of slices, one per leading dim).
 
     safetensors files are opened once and sliced (``get_slice``: only the region's bytes are read); a ``.bin``
     is memory-mapped (``torch.load(mmap=True)``), so only the pages that hold the region are read (for a split
@@ -62,16 +62,22 @@ class HFFiles:
 
                 self._open[file] = safe_open(fpath, framework="pt")
             else:  # weights only: a .bin cannot run code while it loads
-                self._open[file] = torch.load(fpath, map_location="cpu", weights_only=True, mmap=True)
+                try:
+                    self._open[file] = torch.load(fpath, map_location="cpu", weights_only=True, mmap=True)
+                except RuntimeError:  # saved by torch < 1.6 (not a zip file): it cannot be mapped, so read whole
+                    self._open[file] = torch.load(fpath, map_location="cpu", weights_only=True)
         return self._open[file]
 
     def shape(self, name: str) -> tuple:
         opened = self._file(self.where[name])
         return tuple(opened.get_slice(name).get_shape() if hasattr(opened, "get_slice") else opened[name].shape)
 
-    def read(self, name: str, region: tuple) -> torch.Tensor:
-        """The ``region`` of tensor ``name``, a tensor of its own (not a view of a mapped file)."""
+    def read(self, name: str, region: tuple, dtype: torch.dtype) -> torch.Tensor:
+        """The ``region`` of tensor ``name`` in ``dtype``, a tensor of its own (not a view of a mapped file); an
+        empty region (a rank's share of fewer rows than ranks) reads nothing."""
+        if any(r.stop <= r.start for r in region):
+            return torch.empty(tuple(max(0, r.stop - r.start) for r in region), dtype=dtype)
         opened = self._file(self.where[name])
         if hasattr(opened, "get_slice"):
-            return opened.get_slice(name)[region]  # safetensors copies the region out
-        return opened[name][region].clone()
+            return opened.get_slice(name)[region].to(dtype)  # safetensors copies the region out
+        return opened[name][region].to(dtype, copy=True)

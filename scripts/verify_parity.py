@@ -1,4 +1,4 @@
-"""Train an MLP, a tiny GPT-2 and a tiny LLaMA under many layouts and compare with one device training on its own.
+"""Train an MLP, a tiny GPT-2 and a tiny LLaMA (and Qwen2's kind) under many layouts; compare with one device.
 
     python scripts/verify_parity.py [--dtype float64|float32|both]
 

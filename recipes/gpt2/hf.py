@@ -42,25 +42,31 @@ def qkv_permutation(n_embd: int, n_head: int) -> torch.Tensor:
 
 def config_from_hf(hf: dict) -> dict:
     """Our config fields from a HF ``config.json`` dict; raises for options our model lacks."""
-    if hf.get("model_type", "gpt2") != "gpt2":
-        raise ValueError(f"model_type {hf.get('model_type')!r}: only GPT-2 ('gpt2') converts")
-    act = hf.get("activation_function", "gelu_new")
-    unsupported = {
-        "activation_function": (act not in ("gelu_new", "gelu_pytorch_tanh"), act,
-                                "our MLP uses the tanh GELU ('gelu_new')"),
-        "n_inner": (hf.get("n_inner") not in (None, 4 * hf["n_embd"]), hf.get("n_inner"), "ours is 4 * n_embd"),
-        "add_cross_attention": (bool(hf.get("add_cross_attention")), True, "ours has none"),
-        "scale_attn_by_inverse_layer_idx": (bool(hf.get("scale_attn_by_inverse_layer_idx")), True,
-                                            "ours scales by 1/sqrt(head size) only"),
-        "scale_attn_weights": (not hf.get("scale_attn_weights", True), False, "ours scales attention"),
-    }
-    bad = [f"{k}={v!r} ({why})" for k, (is_bad, v, why) in unsupported.items() if is_bad]
+    bad = unsupported(hf)
     if bad:
         raise ValueError("this GPT-2 config uses options our model does not implement: " + "; ".join(bad))
     missing = [k for k in CONFIG_KEYS if k not in hf]
     if missing:
         raise ValueError(f"config.json lacks {missing}")
     return {k: hf[k] for k in CONFIG_KEYS}
+
+
+def unsupported(hf: dict) -> list:
+    """The options of a HF GPT-2 ``config.json`` that our model does not implement, one line each."""
+    if hf.get("model_type", "gpt2") != "gpt2":
+        return [f"model_type={hf.get('model_type')!r} (only GPT-2, 'gpt2', converts)"]
+    act = hf.get("activation_function", "gelu_new")
+    options = {
+        "activation_function": (act not in ("gelu_new", "gelu_pytorch_tanh"), act,
+                                "our MLP uses the tanh GELU ('gelu_new')"),
+        "n_inner": (hf.get("n_inner") not in (None, 4 * hf.get("n_embd", 768)), hf.get("n_inner"), "ours is 4 * n_embd"),
+        "add_cross_attention": (bool(hf.get("add_cross_attention")), True, "ours has none"),
+        "scale_attn_by_inverse_layer_idx": (bool(hf.get("scale_attn_by_inverse_layer_idx")), True,
+                                            "ours scales by 1/sqrt(head size) only"),
+        "scale_attn_weights": (not hf.get("scale_attn_weights", True), False, "ours scales attention"),
+        "tie_word_embeddings": (not hf.get("tie_word_embeddings", True), False, "ours ties the LM head to wte"),
+    }
+    return [f"{k}={v!r} ({why})" for k, (is_bad, v, why) in options.items() if is_bad]
 
 
 def hf_config(ours: dict, base: dict | None = None) -> dict:
@@ -164,7 +170,7 @@ def hf_dir_problems(path: str, model_cfg) -> list:
         files, index = weight_files(path)
     except (OSError, ValueError, KeyError) as err:
         return [str(err)]
-    problems = []
+    problems = [f"its config.json has {b}" for b in unsupported(hf)]
     wrong = [k for k in ("n_layer", "n_embd", "n_head", "vocab_size", "n_positions")
              if hf.get(k) != int(model_cfg[k])]
     if wrong:
@@ -230,8 +236,9 @@ class ShardReader:
     """``read(name, box)``: the box ``((start, length), ...)`` of our parameter ``name`` from a Hugging Face
     GPT-2 directory, in the parameter's dtype: the ``init_shard`` that ``read_weights_from`` gives a model
     (``recipes.hf_files``). Our layout from HF's: ``c_attn``'s columns (and bias entries) in per-head order
-    (the box's columns read from the span of HF's that holds them, then picked), a padded vocabulary's rows
-    past HF's zero, the LM head the embedding (ours is tied), names with or without HF's ``transformer.``.
+    (a box's columns are HF's in runs, its heads' q, k and v, each run read apart), a padded vocabulary's
+    rows past HF's zero, the LM head the embedding (ours is tied), names with or without HF's
+    ``transformer.``. Every tensor's shape is checked against the model's before any is read.
     """
 
     def __init__(self, path: str, model, model_cfg):
@@ -244,6 +251,14 @@ class ShardReader:
         missing = [n for n, _ in model.named_parameters() if self._stored(n) is None]
         if missing:
             raise ValueError(f"trainer.init_from={path}: no weights for {missing[:5]}")
+        wrong = [f"{n} is {list(self.files.shape(self._stored(n)))} there, {list(p.shape)} here"
+                 for n, p in model.named_parameters() if self.files.shape(self._stored(n)) != self._file_shape(n, p)]
+        if wrong:
+            raise ValueError(f"trainer.init_from={path}: other shapes than the model's: " + "; ".join(wrong[:3]))
+
+    def _file_shape(self, name: str, param) -> tuple:
+        """The shape the file's tensor must have: the parameter's, the vocabulary's rows unpadded."""
+        return (self.vocab, *param.shape[1:]) if name in TIED else tuple(param.shape)
 
     def _stored(self, name: str) -> str | None:
         name = TIED[0] if name == TIED[1] else name
@@ -251,21 +266,22 @@ class ShardReader:
         return next((n for n in (name, bare) if n in self.files.names), None)
 
     def read(self, name: str, box) -> torch.Tensor:
-        stored = self._stored(name)
+        stored, dtype = self._stored(name), self.model.get_parameter(name).dtype
         region = [slice(start, start + n) for start, n in box]
         if name.endswith((".attn.c_attn.weight", ".attn.c_attn.bias")):  # HF's columns of ours, in our order
-            cols = self.perm[region[-1]]
-            low = int(cols.min())
-            region[-1] = slice(low, int(cols.max()) + 1)
-            part = self.files.read(stored, tuple(region))[..., cols - low]
+            cols = self.perm[region[-1]].tolist()
+            runs = [i for i in range(len(cols)) if i == 0 or cols[i] != cols[i - 1] + 1] + [len(cols)]
+            parts = [self.files.read(stored, (*region[:-1], slice(cols[a], cols[b - 1] + 1)), dtype)
+                     for a, b in zip(runs, runs[1:])]
+            part = torch.cat(parts, dim=-1) if parts else self.files.read(stored, tuple(region), dtype)
         elif name in TIED:  # rows past HF's vocabulary: padding, zero
             rows = region[0]
             part = self.files.read(stored, (slice(rows.start, max(rows.start, min(rows.stop, self.vocab))),
-                                            *region[1:]))
+                                            *region[1:]), dtype)
             part = torch.cat([part, part.new_zeros(rows.stop - rows.start - len(part), *part.shape[1:])])
         else:
-            part = self.files.read(stored, tuple(region))
-        return part.to(self.model.get_parameter(name).dtype).contiguous()
+            part = self.files.read(stored, tuple(region), dtype)
+        return part.contiguous()
 
 
 def read_weights_from(model, path: str, model_cfg) -> None:

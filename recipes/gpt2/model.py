@@ -65,29 +65,32 @@ BLOCK_VALUES = 1 << 22  # values drawn at a time by normal_box (16 MiB of fp32)
 
 def normal_box(shape, box, std: float, generator: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
     """The box ``((start, length), ...)`` of a ``shape`` tensor ``torch.empty(shape).normal_(0, std, generator)``
-    would hold, holding only the box and one block of rows while it draws.
+    would hold, on the CPU; a tensor over twice ``BLOCK_VALUES`` values is drawn holding only the box and one
+    block of rows.
 
     The rows are drawn in order, a block at a time, up to the box's last: ``normal_`` turns its generator's
     stream into values 16 at a time (its last 16 drawn again when the count is not a multiple of 16, and fewer
     than 16 values another way), so blocks of a multiple of 16 values, the last one at least 16, draw what the
     whole tensor draws (``tests/recipes/test_gpt2_stage_init.py`` checks it on this torch).
     """
-    rows, cols = shape[0], math.prod(shape[1:])
     region = tuple(slice(start, start + n) for start, n in box)
-    if rows * cols <= 2 * BLOCK_VALUES:
-        whole = torch.empty(shape, dtype=dtype).normal_(0.0, std, generator=generator)
+    if any(n == 0 for _, n in box):  # a rank's share of fewer rows than ranks
+        return torch.empty(tuple(n for _, n in box), dtype=dtype, device="cpu")
+    if not shape or math.prod(shape) <= 2 * BLOCK_VALUES:
+        whole = torch.empty(shape, dtype=dtype, device="cpu").normal_(0.0, std, generator=generator)
         shard = whole[region]
         return shard.clone() if shard.numel() < whole.numel() else whole  # a shard keeps none of the rest
+    rows, cols = shape[0], math.prod(shape[1:])
     step = 16 // math.gcd(cols, 16)  # rows per 16 values' worth
     per = max(step, BLOCK_VALUES // cols // step * step)
     (first, n_rows), rest = box[0], region[1:]
-    out = torch.empty(tuple(n for _, n in box), dtype=dtype)
+    out = torch.empty(tuple(n for _, n in box), dtype=dtype, device="cpu")
     r = 0
     while r < first + n_rows:
         n = min(per, rows - r)
         if 0 < (rows - r - n) * cols < 16:  # a last block under 16 values: drawn with this one
             n = rows - r
-        block = torch.empty((n, *shape[1:]), dtype=dtype).normal_(0.0, std, generator=generator)
+        block = torch.empty((n, *shape[1:]), dtype=dtype, device="cpu").normal_(0.0, std, generator=generator)
         lo, hi = max(r, first), min(r + n, first + n_rows)
         if lo < hi:
             out[lo - first:hi - first] = block[(slice(lo - r, hi - r), *rest)]

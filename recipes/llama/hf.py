@@ -144,14 +144,17 @@ class ShardReader:
         missing = [n for n, _ in model.named_parameters() if self._stored(n) not in self.files.names]
         if missing:
             raise ValueError(f"trainer.init_from={path}: no weights for {missing[:5]}")
+        wrong = [f"{n} is {list(self.files.shape(self._stored(n)))} there, {list(p.shape)} here"
+                 for n, p in model.named_parameters() if self.files.shape(self._stored(n)) != tuple(p.shape)]
+        if wrong:
+            raise ValueError(f"trainer.init_from={path}: other shapes than the model's: " + "; ".join(wrong[:3]))
 
     def _stored(self, name: str) -> str:
         return "model.embed_tokens.weight" if name == "lm_head.weight" and self.tied else name
 
     def read(self, name: str, box) -> torch.Tensor:
         region = tuple(slice(start, start + n) for start, n in box)
-        part = self.files.read(self._stored(name), region)
-        return part.to(self.model.get_parameter(name).dtype).contiguous()
+        return self.files.read(self._stored(name), region, self.model.get_parameter(name).dtype).contiguous()
 
 
 def read_weights_from(model, path: str, model_cfg) -> None:

@@ -160,6 +160,25 @@ def test_a_ranks_boxes_of_a_hugging_face_gpt2_are_those_of_the_converted_whole(t
             for name in ("transformer.wte.weight", "lm_head.weight"):
                 got = reader.read(name, ((r * n, n), (0, 32)))
                 assert torch.equal(got, whole[name][r * n:(r + 1) * n]), (name, tp, r)
+    # A share wholly past HF's 1001 rows (padding: zero, nothing read) and an empty one (more ranks than rows).
+    assert torch.equal(reader.read("lm_head.weight", ((1002, 6), (0, 32))), torch.zeros(6, 32))
+    assert reader.read("transformer.h.0.attn.c_attn.bias", ((96, 0),)).shape == (0,)
+    # The file's shapes are checked against the model's before anything is read; options ours lacks are refused.
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(tmp_path / "model.safetensors")
+    key = next(k for k in tensors if k.endswith("h.1.mlp.c_fc.weight"))
+    save_file({**tensors, key: torch.zeros(32, 100)}, tmp_path / "model.safetensors",
+              metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"other shapes than the model's: transformer.h.1.mlp.c_fc.weight is "
+                                         r"\[32, 100\] there, \[32, 128\] here"):
+        ShardReader(str(tmp_path), model, cfg)
+    import json
+
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
+    with pytest.raises(ValueError, match="tie_word_embeddings=False"):
+        ShardReader(str(tmp_path), model, cfg)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
