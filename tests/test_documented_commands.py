@@ -106,17 +106,18 @@ def _stand_in(override: str, tmp, overrides: list) -> str:
     path = tmp / kind.rstrip("/")
     if kind.endswith("/"):
         path.mkdir(exist_ok=True)
-        (path / "config.json").write_text(json.dumps(_hf_config_of([o for o in overrides if o != override])))
-        (path / "model.safetensors").write_text("")
+        _hf_dir_of([o for o in overrides if o != override], path)
         (path / "tokenizer.json").write_text("{}")
     else:
         path.write_text("text")
     return f"{key}={path}"
 
 
-def _hf_config_of(overrides: list) -> dict:
-    """The ``config.json`` of the Hugging Face model the command's model settings describe: a LLaMA's, else
-    GPT-2 small's."""
+def _hf_dir_of(overrides: list, path) -> None:
+    """The ``config.json`` of the Hugging Face model the command's model settings describe, and a
+    ``model.safetensors`` with its tensors' headers (``tests.hf_stand_in``: no data)."""
+    from recipes.registry import get
+    from tests.hf_stand_in import hf_shapes, write_headers
     from toolkit.config import compose
 
     cfg = compose([o for o in overrides if not o.startswith("hydra.")], run_dir="/tmp/doc-command")
@@ -124,8 +125,11 @@ def _hf_config_of(overrides: list) -> dict:
         from recipes.llama.config import llama_config_kwargs
         from recipes.llama.hf import hf_config
 
-        return hf_config(llama_config_kwargs(cfg.model))
-    return {"n_layer": 12, "n_embd": 768, "n_head": 12, "vocab_size": 50257, "n_positions": 1024}
+        config = hf_config(llama_config_kwargs(cfg.model))
+    else:
+        config = {k: int(cfg.model[k]) for k in ("n_layer", "n_embd", "n_head", "vocab_size", "n_positions")}
+    (path / "config.json").write_text(json.dumps(config))
+    write_headers(path / "model.safetensors", hf_shapes(get(cfg.recipe.name), cfg.model))
 
 
 def _check_train(overrides: list, tmp) -> None:

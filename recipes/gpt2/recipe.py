@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import os
+import pickle
 
 import torch
 from omegaconf.errors import OmegaConfBaseException
@@ -16,6 +17,20 @@ from toolkit.recipe import Recipe
 from . import config
 from .model import GPT2Config, GPT2LMHeadModel
 from .plan import ACT_SBP, DATA_SBP, PIPELINE, TIED, mesh_plan, stage_forward
+
+
+def tensor_problems(reader, recipe, path: str, cfg) -> list:
+    """What ``reader(path, model, cfg.model)`` (a ``ShardReader``, which checks every parameter's name and shape
+    against the files' headers) refuses for a meta build of the model, without the ``trainer.init_from`` prefix."""
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+        model = recipe.build_model(cfg.model)
+    from safetensors import SafetensorError
+
+    try:
+        reader(path, model, cfg.model)
+    except (ValueError, OSError, RuntimeError, SafetensorError, pickle.UnpicklingError) as err:  # unreadable headers
+        return [str(err).removeprefix(f"trainer.init_from={path}: ")]
+    return []
 
 
 class GPT2Recipe(Recipe):
@@ -136,9 +151,11 @@ class GPT2Recipe(Recipe):
         return is_hf_dir(path)
 
     def weights_problems(self, path: str, cfg) -> list:
-        from recipes.gpt2.hf import hf_dir_problems
+        """``config.json`` against ``model.*``, then every tensor's name and shape from the files' headers (a meta
+        model's parameters against them, nothing read)."""
+        from recipes.gpt2.hf import ShardReader, hf_dir_problems
 
-        return hf_dir_problems(path, cfg.model)
+        return hf_dir_problems(path, cfg.model) or tensor_problems(ShardReader, self, path, cfg)
 
     def init_weights(self, model, path: str, cfg) -> bool:
         from recipes.gpt2.hf import read_weights_from

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 
 from recipes.gpt2.data.tokenizer import TOKENIZER_FILE
-from recipes.gpt2.recipe import GPT2Recipe
+from recipes.gpt2.recipe import GPT2Recipe, tensor_problems
 from toolkit.recipe import Recipe
 
 from . import config, hf
@@ -83,7 +83,8 @@ class LlamaRecipe(GPT2Recipe):
         return is_hf_dir(path)
 
     def weights_problems(self, path: str, cfg) -> list:
-        return hf.hf_dir_problems(path, cfg.model)
+        """``config.json`` against ``model.*``, then every tensor's name and shape from the files' headers."""
+        return hf.hf_dir_problems(path, cfg.model) or tensor_problems(hf.ShardReader, self, path, cfg)
 
     def init_weights(self, model, path: str, cfg) -> bool:
         if not self.reads_weights(path):

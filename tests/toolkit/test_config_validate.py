@@ -250,7 +250,7 @@ def test_missing_data_tokenizer_and_weights_paths_are_refused(tmp_path):
 @pytest.fixture
 def hub_cache(tmp_path, monkeypatch):
     """An empty Hugging Face hub cache; ``add(name)`` puts a snapshot of ``name`` with GPT-2 small's config.json
-    and an (empty) weights file in it."""
+    and its tensors' headers (``tests.hf_stand_in``) in it."""
     import huggingface_hub.constants
 
     cache = tmp_path / "hub"
@@ -265,7 +265,11 @@ def hub_cache(tmp_path, monkeypatch):
         snap.mkdir(parents=True)
         (snap / "config.json").write_text('{"n_layer": 12, "n_embd": 768, "n_head": 12, "vocab_size": 50257, '
                                           '"n_positions": 1024}')  # GPT-2 small's
-        (snap / "model.safetensors").write_text("")
+        from recipes.gpt2.recipe import RECIPE
+        from tests.hf_stand_in import hf_shapes, write_headers
+        from toolkit.config import compose
+
+        write_headers(snap / "model.safetensors", hf_shapes(RECIPE, compose(["model=gpt2"], run_dir=str(tmp_path)).model))
         return str(snap)
 
     return add

@@ -77,12 +77,14 @@ def test_a_rank_whose_machine_lacks_init_from_fails_instead_of_training_from_scr
 
     hf = tmp_path / "hf"
     hf.mkdir()
-    # A Hugging Face directory, as far as validation looks: its config.json and a weights file.
+    # A Hugging Face directory, as far as validation looks: its config.json and its tensors' headers.
+    from tests.hf_stand_in import hf_shapes, write_headers
+
     (hf / "config.json").write_text('{"n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 512, "n_positions": 32}')
-    (hf / "model.safetensors").write_text("")
     cfg = compose(["model.n_layer=2", "model.n_embd=32", "model.n_head=2", "model.vocab_size=512",
                    "model.n_positions=32", "data.max_bytes=100000", "trainer.eval_every=0", "logger=none",
                    f"trainer.init_from={hf}", f"data.cache_dir={tmp_path / 'cache'}"], run_dir=str(tmp_path / "run"))
+    write_headers(hf / "model.safetensors", hf_shapes(RECIPE, cfg.model))
     layout = validate(cfg, RECIPE)
     out = get_pool(1).run(_job_whose_rank_lacks_init_from, OmegaConf.to_container(cfg, resolve=True), layout)[0]
     assert out == f"trainer.init_from={str(hf)!r}: not found on rank 0's machine"
@@ -121,8 +123,9 @@ def test_ranks_that_see_different_newest_checkpoints_all_refuse_to_resume(tmp_pa
 
 
 def test_a_hugging_face_directory_that_does_not_fit_the_model_is_refused_before_spawning(tmp_path):
-    """``trainer.init_from=<Hugging Face dir>``: its config.json against model.*, and a weights file, checked
-    by validation (``Recipe.weights_problems``), as ``init_weights`` checks them on every rank."""
+    """``trainer.init_from=<Hugging Face dir>``: its config.json against model.*, and its weights files' headers
+    (every tensor's name and shape, a corrupt header), checked by validation (``Recipe.weights_problems``), as
+    ``init_weights`` checks them on every rank."""
     from toolkit.config import ConfigError, compose, validate
 
     hf = tmp_path / "hf"
@@ -136,7 +139,16 @@ def test_a_hugging_face_directory_that_does_not_fit_the_model_is_refused_before_
         return "\n".join(info.value.problems)
 
     assert f"{hf}: no model.safetensors, pytorch_model.bin or their .index.json" in problems("model=gpt2")
-    (hf / "model.safetensors").write_text("")
+    (hf / "model.safetensors").write_text("")  # corrupt: its header cannot be read
+    assert "Error while deserializing header" in problems("model=gpt2")
+    from tests.hf_stand_in import hf_shapes, write_headers
+
+    gpt2 = compose(["model=gpt2"], run_dir=str(tmp_path / "run")).model
+    shapes = hf_shapes(RECIPE, gpt2)
+    write_headers(hf / "model.safetensors", {**shapes, "transformer.h.3.mlp.c_fc.weight": (768, 100)})
+    assert "other shapes than the model's: transformer.h.3.mlp.c_fc.weight is [768, 100] there, [768, 3072] here" \
+        in problems("model=gpt2")
+    write_headers(hf / "model.safetensors", shapes)
     assert validate(compose([f"trainer.init_from={hf}", "model=gpt2"], run_dir=str(tmp_path / "run")), RECIPE)
     assert "its config.json has n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024, the model " \
            "n_layer=" in problems()
