@@ -57,27 +57,44 @@ class HFFiles:
         """An open safetensors file, or a ``.bin``'s memory-mapped state dict (both have ``keys()``)."""
         if file not in self._open:
             fpath = os.path.join(self.path, file)
-            if file.endswith(".safetensors"):
-                from safetensors import safe_open
-
-                self._open[file] = safe_open(fpath, framework="pt")
-            else:  # weights only: a .bin cannot run code while it loads
-                try:
-                    self._open[file] = torch.load(fpath, map_location="cpu", weights_only=True, mmap=True)
-                except RuntimeError:  # saved by torch < 1.6 (not a zip file): it cannot be mapped, so read whole
-                    self._open[file] = torch.load(fpath, map_location="cpu", weights_only=True)
+            try:
+                self._open[file] = self._opened(fpath)
+            except OSError:
+                raise
+            except Exception as err:  # a corrupt or truncated file: whatever its reader raised, named here
+                raise ValueError(f"{fpath} cannot be read: {type(err).__name__}: {err}") from err
         return self._open[file]
 
-    def shape(self, name: str) -> tuple:
+    @staticmethod
+    def _opened(fpath: str):
+        if fpath.endswith(".safetensors"):
+            from safetensors import safe_open
+
+            return safe_open(fpath, framework="pt")
+        try:  # weights only: a .bin cannot run code while it loads
+            return torch.load(fpath, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:  # saved by torch < 1.6 (not a zip file): it cannot be mapped, so it is read whole
+            return torch.load(fpath, map_location="cpu", weights_only=True)
+
+    def _tensor(self, name: str):
+        """The open file's handle of ``name`` (a safetensors slice, or a mapped tensor)."""
         opened = self._file(self.where[name])
-        return tuple(opened.get_slice(name).get_shape() if hasattr(opened, "get_slice") else opened[name].shape)
+        if hasattr(opened, "get_slice"):
+            return opened.get_slice(name)
+        if name not in opened:
+            raise ValueError(f"{self.path}: the index puts {name} in {self.where[name]}, which lacks it")
+        return opened[name]
+
+    def shape(self, name: str) -> tuple:
+        t = self._tensor(name)
+        return tuple(t.get_shape() if hasattr(t, "get_shape") else t.shape)
 
     def read(self, name: str, region: tuple, dtype: torch.dtype) -> torch.Tensor:
         """The ``region`` of tensor ``name`` in ``dtype``, a tensor of its own (not a view of a mapped file); an
         empty region (a rank's share of fewer rows than ranks) reads nothing."""
         if any(r.stop <= r.start for r in region):
             return torch.empty(tuple(max(0, r.stop - r.start) for r in region), dtype=dtype)
-        opened = self._file(self.where[name])
-        if hasattr(opened, "get_slice"):
-            return opened.get_slice(name)[region].to(dtype)  # safetensors copies the region out
-        return opened[name][region].to(dtype, copy=True)
+        t = self._tensor(name)
+        if hasattr(t, "get_shape"):
+            return t[region].to(dtype)  # safetensors copies the region out
+        return t[region].to(dtype, copy=True)

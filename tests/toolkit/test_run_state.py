@@ -140,7 +140,11 @@ def test_a_hugging_face_directory_that_does_not_fit_the_model_is_refused_before_
 
     assert f"{hf}: no model.safetensors, pytorch_model.bin or their .index.json" in problems("model=gpt2")
     (hf / "model.safetensors").write_text("")  # corrupt: its header cannot be read
-    assert "Error while deserializing header" in problems("model=gpt2")
+    assert f"{hf / 'model.safetensors'} cannot be read: SafetensorError" in problems("model=gpt2")
+    (hf / "model.safetensors").unlink()
+    (hf / "pytorch_model.bin").write_text("")  # an empty download: no reader takes it
+    assert f"{hf / 'pytorch_model.bin'} cannot be read: " in problems("model=gpt2")
+    (hf / "pytorch_model.bin").unlink()
     from tests.hf_stand_in import hf_shapes, write_headers
 
     gpt2 = compose(["model=gpt2"], run_dir=str(tmp_path / "run")).model
