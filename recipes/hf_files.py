@@ -5,9 +5,11 @@ on the meta device and gives the model an ``init_shard(name, box)`` that
 reads them (``sbp_core``'s contract: ``distribute_module`` asks each rank for
 the box of each parameter it keeps), so no rank reads the whole checkpoint.
 Each recipe maps its names and layout onto the file's
-(``recipes/gpt2/hf.py``, ``recipes/llama/hf.py``); this file reads.
+(``recipes/gpt2/hf.py``, ``recipes/llama/hf.py``); this file reads, and
+``tensor_problems`` runs a recipe's reader against the headers alone before
+any process starts.
 
-Not ``torch.distributed.checkpoint.HuggingFaceStorageReader``: it loads into
+Not DCP's ``HuggingFaceStorageReader``: it loads into
 a state dict of DTensors through DCP's planner, where ours are global
 tensors built box by box, sometimes from a permutation of the file's columns
 (GPT-2's ``c_attn``) or with padding rows (a padded vocabulary).
@@ -98,3 +100,18 @@ class HFFiles:
         if hasattr(t, "get_shape"):
             return t[region].to(dtype)  # safetensors copies the region out
         return t[region].to(dtype, copy=True)
+
+
+def tensor_problems(reader, recipe, path: str, cfg) -> list:
+    """What ``reader(path, model, cfg.model)`` (a ``ShardReader``, which checks every parameter's name and shape
+    against the files' headers) refuses for a meta build of the model, without the ``trainer.init_from`` prefix."""
+    try:
+        with torch.random.fork_rng(devices=[]), torch.device("meta"):
+            model = recipe.build_model(cfg.model)
+    except (ValueError, TypeError, KeyError, RuntimeError, ZeroDivisionError):
+        return []  # dimensions the model cannot take: recipe.check names them
+    try:
+        reader(path, model, cfg.model)
+    except (ValueError, OSError) as err:  # HFFiles names a file it cannot read as a ValueError
+        return [str(err).removeprefix(f"trainer.init_from={path}: ")]
+    return []

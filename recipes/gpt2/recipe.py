@@ -18,21 +18,6 @@ from .model import GPT2Config, GPT2LMHeadModel
 from .plan import ACT_SBP, DATA_SBP, PIPELINE, TIED, mesh_plan, stage_forward
 
 
-def tensor_problems(reader, recipe, path: str, cfg) -> list:
-    """What ``reader(path, model, cfg.model)`` (a ``ShardReader``, which checks every parameter's name and shape
-    against the files' headers) refuses for a meta build of the model, without the ``trainer.init_from`` prefix."""
-    try:
-        with torch.random.fork_rng(devices=[]), torch.device("meta"):
-            model = recipe.build_model(cfg.model)
-    except (ValueError, TypeError, KeyError, RuntimeError, ZeroDivisionError):
-        return []  # dimensions the model cannot take: recipe.check names them
-    try:
-        reader(path, model, cfg.model)
-    except (ValueError, OSError) as err:  # HFFiles names a file it cannot read as a ValueError
-        return [str(err).removeprefix(f"trainer.init_from={path}: ")]
-    return []
-
-
 class GPT2Recipe(Recipe):
     """Next-token prediction on a tokenized corpus; Megatron's layout in SBP (``plan.py``).
 
@@ -154,6 +139,7 @@ class GPT2Recipe(Recipe):
         """``config.json`` against ``model.*``, then every tensor's name and shape from the files' headers (a meta
         model's parameters against them, nothing read)."""
         from recipes.gpt2.hf import ShardReader, hf_dir_problems
+        from recipes.hf_files import tensor_problems
 
         return hf_dir_problems(path, cfg.model) or tensor_problems(ShardReader, self, path, cfg)
 

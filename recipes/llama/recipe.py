@@ -11,7 +11,8 @@ from __future__ import annotations
 import os
 
 from recipes.gpt2.data.tokenizer import TOKENIZER_FILE
-from recipes.gpt2.recipe import GPT2Recipe, tensor_problems
+from recipes.gpt2.recipe import GPT2Recipe
+from recipes.hf_files import tensor_problems
 from toolkit.recipe import Recipe
 
 from . import config, hf
