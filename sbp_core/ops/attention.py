@@ -23,9 +23,20 @@ argument name rather than by position:
 Outputs: the kernel's first two (the attention and its log-sum-exp) take the
 activations' layout, the rest ``B``; a backward's gradients take the
 activations' layout. Backward ops also take ``P`` -> ``P`` when the incoming
-gradient is partial (they are linear in it). The sequence dim is never
-split here: sequence parallelism gathers it before attention (each query
-attends to every key), as Megatron does, so an input split on it is boxed.
+gradient is partial (they are linear in it).
+
+The CPU kernel also takes the queries split on the sequence (``S(2)``, the
+context-parallel layout): ``query``, ``out``, ``grad_out`` and
+``logsumexp`` ``S(2)``, a mask's query rows split with them, ``key`` and
+``value`` ``B`` (each query attends to every key, so they are gathered);
+the key and value gradients come back ``P`` (each rank's queries' share of
+them). Under ``is_causal`` a rank's queries are not the first positions, so
+its local call (``_causal_rows``) attends to the keys up to its last query
+with the causal mask moved to its offset, which torch's ``is_causal`` (top
+left aligned) cannot say. The CUDA kernels are not offered this split: flash
+takes no mask, and their causal alignment for a query block differs by
+kernel; there a sequence split is boxed to one they take, as Megatron's
+sequence parallelism gathers the sequence before attention.
 
 Dropout inside the kernel draws its mask per shard, which no layout can
 make equal to one device's draw: such calls are refused (torch takes the
@@ -34,8 +45,11 @@ Nothing here communicates except the boxing the dispatcher does.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
+from ..layout import local_box
 from ..sbp import Split
 from .common import B, P
 from .registry import Sig, TensorMeta, register
@@ -97,7 +111,11 @@ def _refuse_mask_grad(call) -> None:
         )
 
 
-def _signatures(call, backward: bool) -> list:
+SEQ = 2  # the sequence dim of the kernels' [batch, heads, sequence, head_dim] activations
+_KEYS = {"key", "value"}
+
+
+def _signatures(call, backward: bool, seq_split: bool = False) -> list:
     _refuse_dropout(call)
     if backward:
         _refuse_mask_grad(call)
@@ -114,10 +132,51 @@ def _signatures(call, backward: bool) -> list:
         return Sig(ins, (Split(d),) * n_act_out + (B,) * (n_out - n_act_out))
 
     sigs = [one(d) for d in dims]
+    if seq_split:
+        sigs.append(_query_rows(roles, q, backward, n_out))
     sigs.append(Sig((B,) * len(roles), (B,) * n_out))
     if backward and _partial_grad(call):
         sigs.append(Sig((P,) + (B,) * (len(roles) - 1), (P,) * n_out))
     return sigs
+
+
+def _query_rows(roles, q, backward: bool, n_out: int) -> Sig:
+    """Queries split on the sequence, keys and values whole: the query-side tensors and outputs ``S(2)``, the
+    key and value gradients ``P``."""
+    ins = tuple(B if name in _KEYS else Split(SEQ) if name in _ACTIVATIONS else _mask_sbp(m, SEQ, q)
+                if name in _MASKS else B for name, m in roles)
+    outs = (Split(SEQ), P, P) if backward else (Split(SEQ), Split(SEQ))
+    return Sig(ins, outs + (B,) * (n_out - len(outs)))
+
+
+def _causal_rows(func, args, kwargs, ctx):
+    """The CPU kernel (forward or backward) on this rank's query rows ``[s, s + n)`` of ``L``.
+
+    Without ``is_causal``, or with the queries whole, the call is the kernel's own. Under ``is_causal`` with the
+    rows split, queries ``s + i`` attend to keys ``j <= s + i``: the kernel runs on keys and values
+    ``[0, s + n)`` with that mask (and ``is_causal`` off); a backward's key and value gradients are padded with
+    zeros past ``s + n`` (this rank's term of their ``P``)."""
+    names = [a.name for a in func._schema.arguments]
+    bound = dict(zip(names, args), **kwargs)
+    tensors = [n for n in names if isinstance(bound.get(n), torch.Tensor)]
+    lay = ctx.in_layouts[tensors.index("query")]
+    start, n = local_box(lay.shape, lay.placement.shape, lay.sbp, ctx.coords)[SEQ]
+    if not bound.get("is_causal") or n == lay.shape[SEQ]:
+        return func(*args, **kwargs)
+    keys = bound["key"].shape[SEQ]
+    seen = min(keys, start + n)
+    rows = torch.arange(start, start + n, device=bound["query"].device)
+    later = torch.arange(seen, device=rows.device)[None, :] > rows[:, None]
+    # The kernel takes an additive mask of the query's dtype (not a boolean one).
+    mask = torch.zeros(later.shape, dtype=bound["query"].dtype, device=rows.device).masked_fill_(later, -math.inf)
+    bound.update(is_causal=False, key=bound["key"].narrow(SEQ, 0, seen), value=bound["value"].narrow(SEQ, 0, seen),
+                 attn_mask=mask)
+    positional = len(args)
+    out = func(*(bound[a] for a in names[:positional]), **{a: bound[a] for a in names[positional:] if a in bound})
+    if "grad_out" not in bound:
+        return out
+    pad = (0, 0, 0, keys - seen)
+    return out[0], torch.nn.functional.pad(out[1], pad), torch.nn.functional.pad(out[2], pad)
 
 
 def _partial_grad(call) -> bool:
@@ -125,11 +184,21 @@ def _partial_grad(call) -> bool:
     return s is not None and s.is_partial and s.op == "sum"
 
 
-@register(*FORWARD)
+@register(*FORWARD[1:])
 def attention(call):
     return _signatures(call, backward=False)
 
 
-@register(*BACKWARD)
+@register(*BACKWARD[1:])
 def attention_backward(call):
     return _signatures(call, backward=True)
+
+
+@register(FORWARD[0], local=_causal_rows)
+def cpu_attention(call):
+    return _signatures(call, backward=False, seq_split=True)
+
+
+@register(BACKWARD[0], local=_causal_rows)
+def cpu_attention_backward(call):
+    return _signatures(call, backward=True, seq_split=True)

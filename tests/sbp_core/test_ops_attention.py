@@ -154,7 +154,7 @@ EXPECTED = [  # (activations, mask, grad_out), one per case of CASES
     ((S0,), None, None),
     ((S1,), None, None),
     ((B,), None, None),
-    ((S0,), None, None),  # the sequence split is boxed to a batch split
+    ((S0,), None, None),  # the sequence split is boxed to a batch split (the CPU backward: CPU_EXPECTED)
     ((S0, S1), None, None),
     ((S1,), (B,), None),
     ((S0,), (S0,), None),
@@ -163,6 +163,12 @@ EXPECTED = [  # (activations, mask, grad_out), one per case of CASES
     ((B,), None, (P,)),
     REFUSED,
 ]
+
+
+# The CPU kernel alone also takes queries split on the sequence with keys and values whole (the
+# context-parallel layout); given the sequence split, its backward keeps it: no boxing of the gradient.
+CPU_EXPECTED = {(3, "backward"): ({"grad_out": (S2,), "query": (S2,), "key": (B,), "value": (B,), "out": (S2,),
+                                   "logsumexp": (S2,)}, [(S2,), (P,), (P,)])}
 
 
 def _expected(which, act, mask, grad):
@@ -192,7 +198,8 @@ def test_cuda_kernels_decide_as_the_cpu_kernel():
                     want = "ValueError: ... dropout_p ..."
                     ok = isinstance(got, str) and "dropout_p" in got
                 else:
-                    want = _expected(which, *EXPECTED[c])
+                    want = CPU_EXPECTED.get((c, which)) if kernel == "cpu" else None
+                    want = want or _expected(which, *EXPECTED[c])
                     ok = got == want
                 compared += 1
                 if not ok:
@@ -222,13 +229,40 @@ def gqa_attention(q, k, v):
 
 def test_grouped_query_attention_is_not_split_on_heads():
     """12 query heads share 4 key/value heads (3 each): splitting both on heads over 3 ranks would pair
-    query heads 0-3 with key/value heads 0-1, not 0-0-0-1. The heads split is boxed away (to the batch)."""
+    query heads 0-3 with key/value heads 0-1, not 0-0-0-1. The heads split is boxed away: to the batch, or, where
+    the keys and values come whole, to the CPU kernel's query rows (as cheap a boxing of the query alone)."""
     g = torch.Generator().manual_seed(4)
     q = torch.randn(3, 12, 5, 4, generator=g)
     k, v = (torch.randn(3, 4, 5, 4, generator=g) for _ in range(2))
     parity.check_cases([
         (gqa_attention, [q, k, v], [S1, S1, S1], R3, [S0]),
-        (gqa_attention, [q, k, v], [S1, B, B], R3, [S0]),
+        (gqa_attention, [q, k, v], [S1, B, B], R3, [S2]),
+    ])
+
+
+def causal_attention(q, k, v):
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def masked_attention(q, k, v, mask):
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def test_queries_split_on_the_sequence_attend_to_the_keys_before_them():
+    """The context-parallel layout on the CPU kernel: queries ``S(2)``, keys and values ``B``. Under ``is_causal``
+    each rank's query block attends to the keys up to its own positions (rank 1's first query sees the keys of
+    rank 0's block), so the result is one device's only if the causal mask moves with the block; the key and
+    value gradients come back partial. Uneven blocks (7 positions over 3 ranks), a 2x2 mesh with the batch
+    split too, and an explicit mask (its rows split with the queries) as well."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 3, 7, 4, generator=g) for _ in range(3))
+    mask = torch.rand(7, 7, generator=g) > 0.3
+    mask[:, 0] = True  # every query attends to something
+    parity.check_cases([
+        (causal_attention, [q, k, v], [S2, B, B], R2, [S2]),
+        (causal_attention, [q, k, v], [S2, B, B], R3, [S2]),
+        (causal_attention, [q, k, v], [(S0, S2), (S0, B), (S0, B)], M22, [(S0, S2)]),
+        (masked_attention, [q, k, v, mask], [S2, B, B, B], R3, [S2]),
     ])
 
 
