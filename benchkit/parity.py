@@ -14,6 +14,7 @@ from recipes.gpt2.plan import RESIDUAL_WHOLE, SEQUENCE_PARALLEL, TENSOR_PARALLEL
 from recipes.llama import plan as llama_plan
 from recipes.llama.model import LlamaConfig, LlamaForCausalLM
 from sbp_core.sbp import Broadcast, Split
+from toolkit.mesh import context_plan, stage_ranks, with_context
 
 WORLD = 4
 STEPS = 3
@@ -83,6 +84,12 @@ def layouts():
     out["gpt2 tp2 sequence-parallel"] = ("gpt2", [0, 1], {**GPT_TP, **GPT_SP_PINS}, (B,))
     out["gpt2 dp2 x tp2 sequence-parallel"] = ("gpt2", [[0, 1], [2, 3]], _on_axis({**GPT_TP, **GPT_SP_PINS}, B, 1, 2), (S0, B))
     out["gpt2 dp2 x tp2 cost-chosen"] = ("gpt2", [[0, 1], [2, 3]], _on_axis(GPT_TP, B, 1, 2), (S0, B))
+    # Context parallelism, as the trainer lays it out (toolkit.mesh): a (dp, cp, tp) mesh, the sequence split on cp.
+    cp_data = with_context((S0, B), 2, 1)
+    out["llama cp2"] = ("llama", stage_ranks(1, 1, 1, 2)[0], context_plan(llama_plan.mesh_plan(), 2, 1), cp_data)
+    out["llama dp2 x cp2"] = ("llama", stage_ranks(2, 1, 1, 2)[0], context_plan(llama_plan.mesh_plan(), 2, 1), cp_data)
+    out["gpt2 cp2 x tp2 sequence-parallel"] = ("gpt2", stage_ranks(1, 2, 1, 2)[0],
+                                               context_plan(_on_axis({**GPT_TP, **GPT_SP_PINS}, B, 1, 2), 2, 1), cp_data)
     # Dropout 0.1 everywhere: masks drawn for the global shape equal one device's draws from the same RNG state.
     out["gpt2 dp2 x tp2 dropout"] = ("gpt2-dropout", [[0, 1], [2, 3]], _on_axis({**GPT_TP, **GPT_TP_PINS}, B, 1, 2),
                                      (S0, B))

@@ -141,10 +141,24 @@ def _signatures_per_axis(entry, call, placement, actual) -> list:
     return per_axis
 
 
+def _starves(sbp, actual, shape, mesh_shape) -> bool:
+    """Whether boxing to ``sbp`` (from ``actual``) splits a dim into more parts than it has rows, leaving some
+    rank nothing to compute (a batch of one split over a context-parallel axis)."""
+    if sbp == actual:
+        return False
+    parts: dict = {}
+    for s, n in zip(sbp, mesh_shape):
+        if s.is_split:
+            parts[s.axis] = parts.get(s.axis, 1) * n
+    return any(d < len(shape) and shape[d] < k for d, k in parts.items())
+
+
 def _cheapest(per_axis, actual, metas, placement, inplace: bool):
-    """``((cost, inputs changed), signatures, required input SBPs)`` of the cheapest combination of one
+    """``((impossible, starves, cost, inputs changed), signatures, required input SBPs)`` of the cheapest combination of one
     signature per axis (the boxing cost of its inputs), or ``None`` when none applies (in place: the
-    first input must keep its layout)."""
+    first input must keep its layout). A combination that boxes an input to a split leaving some rank empty
+    (``_starves``) comes after every one that does not: bytes alone would count one rank doing all the work
+    as cheap."""
     best = None
     for sigs in itertools.product(*per_axis):
         required = [
@@ -154,7 +168,8 @@ def _cheapest(per_axis, actual, metas, placement, inplace: bool):
             continue
         cost = sum(_plan_cost(actual[j], required[j], placement, metas[j].shape, metas[j].dtype) for j in range(len(actual)))
         # Ties (free boxings such as B -> S) go to the signature that changes fewest inputs.
-        rank = (cost, sum(r != a for r, a in zip(required, actual)))
+        starves = any(_starves(required[j], actual[j], metas[j].shape, placement.shape) for j in range(len(actual)))
+        rank = (math.isinf(cost), starves, cost, sum(r != a for r, a in zip(required, actual)))
         if best is None or rank < best[0]:
             best = (rank, sigs, required)
     return best
@@ -197,14 +212,14 @@ def _choose(func, flat, spec, gpos, placement) -> Decision:
     d.decompose = False
     per_axis = _signatures_per_axis(entry, call, placement, actual)
     best = _cheapest(per_axis, actual, metas, placement, d.inplace)
-    if best is None or math.isinf(best[0][0]):
+    if best is None or best[0][0]:
         valid = [" x ".join(f"{[format_sbp((i,)) for i in s.inputs]}->{[format_sbp((o,)) for o in s.outputs]}" for s in sigs) for sigs in itertools.product(*per_axis)]
         raise ValueError(
             f"{func} cannot run with inputs {_describe(flat)}"
             + (" in place" if d.inplace else "")
             + f"; valid signatures per mesh axis: {valid[:12]}"
         )
-    (d.cost, _), d.sigs, d.required = best
+    (_, _, d.cost, _), d.sigs, d.required = best
     d.in_layouts = [x.layout.with_sbp(r) for x, r in zip(globals_, d.required)]
     d.out_layouts = []
     k = 0

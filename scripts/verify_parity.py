@@ -25,8 +25,10 @@ for the gradients and 1e-2 for the parameters.
 Layouts: data parallel on 2 and 4 ranks, Megatron tensor parallel on 2 and
 4 ranks, data x tensor on a 2x2 mesh, the same with sequence-parallel
 norm regions (GPT-2, LLaMA), a layout where the cost model chose every
-activation layout from the weights' SBP alone, and data x tensor with
-dropout 0.1 (both runs draw from one RNG state). Last line:
+activation layout from the weights' SBP alone, data x tensor with
+dropout 0.1 (both runs draw from one RNG state), and context parallelism
+(the sequence split: LLaMA cp2 and dp2 x cp2, GPT-2 cp2 x tp2 with the
+sequence also split over tp around its norms). Last line:
 ``parity: K/K layouts within their mode's bars``.
 """
 

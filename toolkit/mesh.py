@@ -1,27 +1,52 @@
-"""The device mesh of a ``dpD_tpT_ppP`` job: one ``(D, T)`` placement per pipeline stage.
+"""The device mesh of a ``dpD_cpC_tpT_ppP`` job: one ``(D, T)`` placement per pipeline stage, ``(D, C, T)`` with
+context parallelism.
 
 docs/design.md's rank layout: pp outermost, tp innermost,
-``rank = pp_i*D*T + dp_i*T + tp_i``. Every rank builds every stage's
-placement, in stage order (building a placement creates its process groups,
-a collective over the world).
+``rank = pp_i*D*C*T + dp_i*C*T + cp_i*T + tp_i``. Every rank builds every
+stage's placement, in stage order (building a placement creates its process
+groups, a collective over the world).
+
+A recipe's plan and layouts are written for the ``(dp, tp)`` mesh;
+``with_context`` puts the cp axis between them: parameters whole on it
+(``B``; their gradients come back partial and are summed over it as over
+dp), the batch, the activation pins and the stage boundaries split on the
+recipe's sequence dim.
 """
 from __future__ import annotations
 
 import fnmatch
 
 import sbp_core as sc
+from sbp_core.sbp import Broadcast, Split
 
 
-def stage_ranks(dp: int, tp: int, pp: int) -> list:
-    """``pp`` nested lists ``[[rank for tp] for dp]``."""
-    for name, v in (("dp", dp), ("tp", tp), ("pp", pp)):
+def stage_ranks(dp: int, tp: int, pp: int, cp: int = 1) -> list:
+    """``pp`` nested lists ``[[rank for tp] for dp]``; with ``cp > 1`` ``[[[rank for tp] for cp] for dp]``."""
+    for name, v in (("dp", dp), ("cp", cp), ("tp", tp), ("pp", pp)):
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-    return [[[s * dp * tp + d * tp + t for t in range(tp)] for d in range(dp)] for s in range(pp)]
+    if cp == 1:
+        return [[[s * dp * tp + d * tp + t for t in range(tp)] for d in range(dp)] for s in range(pp)]
+    return [[[[((s * dp + d) * cp + c) * tp + t for t in range(tp)] for c in range(cp)] for d in range(dp)]
+            for s in range(pp)]
 
 
-def stage_placements(dp: int, tp: int, pp: int, device_type: str = "cpu") -> list:
-    return [sc.placement(device_type, ranks) for ranks in stage_ranks(dp, tp, pp)]
+def stage_placements(dp: int, tp: int, pp: int, device_type: str = "cpu", cp: int = 1) -> list:
+    return [sc.placement(device_type, ranks) for ranks in stage_ranks(dp, tp, pp, cp)]
+
+
+def with_context(sbp: tuple, cp: int, dim: int) -> tuple:
+    """A ``(dp, tp)`` layout of the batch, an activation pin or a stage boundary on the ``(dp, cp, tp)`` mesh:
+    ``S(dim)`` (the sequence) on the cp axis; unchanged when ``cp == 1``."""
+    return sbp if cp == 1 else (sbp[0], Split(dim), *sbp[1:])
+
+
+def context_plan(plan: dict, cp: int, dim: int) -> dict:
+    """``plan`` on the ``(dp, cp, tp)`` mesh: parameters and buffers ``B`` on the cp axis, activation pins (keys
+    ``module:input``) split on the sequence dim ``dim``; unchanged when ``cp == 1``."""
+    if cp == 1:
+        return plan
+    return {k: with_context(v, cp, dim) if ":" in k else (v[0], Broadcast(), *v[1:]) for k, v in plan.items()}
 
 
 def model_names(model) -> tuple:

@@ -74,7 +74,10 @@ class Recipe(ABC):
     still checks the forward for anything else coupling rows);
     ``sequence_parallel``: ``mesh_plan`` has a sequence-parallel variant,
     chosen by ``parallel.sequence_parallel`` (refused for other recipes
-    before spawn, and never proposed by the search).
+    before spawn, and never proposed by the search); ``context_dim``: the
+    sequence dim of the batch fields, of the plan's activation pins and of
+    the stage boundaries, which ``parallel.cp`` splits (``toolkit.mesh.with_context``;
+    ``None``: no sequence, ``cp > 1`` is refused).
     """
 
     name: str = ""
@@ -89,6 +92,7 @@ class Recipe(ABC):
     throughput_unit: str = "samples"
     rows_weigh_equally: bool = False
     sequence_parallel: bool = False
+    context_dim: int | None = None
 
     # -- configuration -------------------------------------------------------------------------
 
@@ -273,13 +277,13 @@ def data_shard(sbp: tuple, mesh_shape: tuple, mesh_index: tuple) -> tuple:
     """``(shard, n_shards)`` of the rank at ``mesh_index``: the mesh axes whose SBP splits dim 0 cut the batch.
 
     Nested in mesh-axis order (the first such axis outermost), as nested
-    ``tensor_split`` lays out an N-d ``S(0)``.
+    ``tensor_split`` lays out an N-d ``S(0)``. An axis splitting another dim
+    (context parallelism's sequence) reads the same samples on each of its
+    ranks; the pipeline keeps each rank's part of them (``PipelineStep``).
     """
     shard, count = 0, 1
     for s, size, i in zip(sbp, mesh_shape, mesh_index):
-        if isinstance(s, Split):
-            if s.axis != 0:
-                raise ValueError(f"data_sbp {sbp_text(sbp)}: a batch may only be split on dim 0 (samples)")
+        if isinstance(s, Split) and s.axis == 0:
             shard, count = shard * size + i, count * size
     return shard, count
 

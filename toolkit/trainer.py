@@ -2,7 +2,7 @@
 
 ``train(cfg, recipe)`` knows recipes only through ``toolkit.recipe.Recipe``:
 
-1. lays out the job: one ``(dp, tp)`` placement per pipeline stage
+1. lays out the job: one ``(dp, tp)`` placement per pipeline stage (``(dp, cp, tp)`` with context parallelism)
    (``toolkit.mesh``); this rank's stage and its shard of the data (from
    the recipe's ``data_sbp``);
 2. prepares the data (``recipe.prepare``: built once and cached) and this
@@ -45,7 +45,7 @@ from runtime.pipeline import PipelineConfig, PipelineStep, stage_of
 from runtime.pipeline.schedule import chunk_ranks
 from toolkit import run_state
 from toolkit.config import typed, validate
-from toolkit.mesh import model_names, plan_for_module, stage_placements, with_overrides
+from toolkit.mesh import context_plan, model_names, plan_for_module, stage_placements, with_context, with_overrides
 from toolkit.metrics import MetricsLogger, reset_peak_memory
 from toolkit.optim import build_scheduler, lr_at
 from toolkit.peak import device_peak
@@ -80,10 +80,13 @@ class Job:
         self.rank = rank = dist.get_rank()
         keep_freed_host_memory()  # every step reuses the last one's host memory instead of faulting in fresh pages
         tr = cfg.trainer
-        self.placements = stage_placements(lay.dp, lay.tp, lay.pp, "cuda" if lay.device == "cuda" else "cpu")
+        self.placements = stage_placements(lay.dp, lay.tp, lay.pp, "cuda" if lay.device == "cuda" else "cpu", lay.cp)
         self.stage = stage_of(self.placements, rank)
         mesh = self.placements[self.stage]
-        self.data_shard, self.data_shards = data_shard(recipe.data_sbp, mesh.shape, mesh.coords(rank))
+        # The recipe's layouts on this job's mesh: with cp > 1 the sequence is split on the cp axis.
+        self.data_sbp, self.act_sbp = (with_context(s, lay.cp, recipe.context_dim) for s in (recipe.data_sbp,
+                                                                                              recipe.act_sbp))
+        self.data_shard, self.data_shards = data_shard(self.data_sbp, mesh.shape, mesh.coords(rank))
         self.data = recipe.prepare(cfg)
         self.train_batches = recipe.data(cfg, self.data, "train", self.data_shard, self.data_shards, lay)
         init, ranges = self._build_stage(mesh)
@@ -130,6 +133,7 @@ class Job:
         if tr.activation_checkpointing:
             recipe.checkpoint_layers(self.module, cfg.model)
         plan = plan_for_module(self.module, with_overrides(recipe.mesh_plan(cfg), cfg.parallel.plan), names)
+        plan = context_plan(plan, lay.cp, recipe.context_dim)
         self.zero = None
         bucket_bytes = max(1, int(float(cfg.parallel.bucket_mb) * 2**20))
         if lay.zero:
@@ -157,7 +161,7 @@ class Job:
                               recipe.pipeline_plan(cfg.model), ranges, batch, recipe.inputs) if lay.pp > 1 else []
         self.pipe_cfg = PipelineConfig(
             self.placements, lay.accumulation, batch, acts,
-            recipe.data_sbp, recipe.act_sbp, recipe.inputs, recipe.labels, schedule=str(cfg.parallel.pp_schedule),
+            self.data_sbp, self.act_sbp, recipe.inputs, recipe.labels, schedule=str(cfg.parallel.pp_schedule),
             max_grad_norm=float(tr.grad_clip) if tr.grad_clip else None, tied=list(recipe.tied_pairs(cfg.model)),
             rows_weigh_equally=recipe.rows_weigh_equally, split_last_backward=not tr.compile, virtual=lay.pp_virtual)
         forward = recipe.stage_forward

@@ -161,6 +161,11 @@ def data_problems(cfg, layout, positions_key: str, trains_tokenizer: bool = True
     if par.sequence_parallel and layout.tp > 1 and seq_len % layout.tp:
         p.append(f"data.seq_len={seq_len}: sequence_parallel splits it over parallel.tp={layout.tp}; "
                  "valid: a multiple of tp, or parallel.sequence_parallel=false")
+    parts = layout.cp * (layout.tp if par.sequence_parallel else 1)
+    if layout.cp > 1 and seq_len % parts:
+        over = f"parallel.cp={layout.cp}" + (f" times parallel.tp={layout.tp} (sequence_parallel)"
+                                             if parts != layout.cp else "")
+        p.append(f"data.seq_len={seq_len}: context parallelism splits it over {over}; valid: a multiple of {parts}")
     low = MIN_VOCAB_SIZE if trains_tokenizer else 2  # a trained byte-level BPE holds every byte
     if not low <= data.vocab_size <= m.vocab_size:
         why = "token ids must index the embedding" if data.vocab_size > m.vocab_size else \

@@ -54,6 +54,20 @@ def padded_vocab_size(vocab_size: int, multiple: int) -> int:
     return -(-int(vocab_size) // int(multiple)) * int(multiple)
 
 
+IGNORE = -100  # F.cross_entropy's default ignore_index
+
+
+def next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of position ``t``'s logits ``[b, t, vocab]`` against token ``t + 1`` of ``labels`` ``[b, t]``,
+    the mean over the ``b * (t - 1)`` positions that have one (Hugging Face's causal-LM loss).
+
+    The last position's target is ignored rather than its logits sliced away: the logits are not copied, and
+    with the sequence split (context parallelism) they are not cut unevenly; with one sample a rank's positions
+    stay its rows (``view``)."""
+    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE)
+    return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE)
+
+
 def _generator(name: str) -> torch.Generator:
     """A CPU generator seeded from the global seed and ``name`` alone."""
     digest = hashlib.sha256(f"{torch.initial_seed()}:{name}".encode()).digest()
@@ -267,5 +281,5 @@ class GPT2LMHeadModel(nn.Module):
             logits = logits.masked_fill(self.vocab_padding, float("-inf"))
         loss = None
         if labels is not None:
-            loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+            loss = next_token_loss(logits, labels)
         return logits, loss

@@ -35,6 +35,7 @@ class GPT2Recipe(Recipe):
     tied = tuple(TIED)
     throughput_unit = "tokens"
     sequence_parallel = True  # LayerNorm regions split along the sequence (plan.SEQUENCE_PARALLEL)
+    context_dim = 1  # tokens [batch, seq], activations [batch, seq, hidden]: parallel.cp splits the sequence
     rows_weigh_equally = True  # next-token cross-entropy over every position of fixed-length rows: no ignored targets
 
     def check(self, cfg, layout) -> list:

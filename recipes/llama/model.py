@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from recipes.gpt2.model import _generator, normal_box
+from recipes.gpt2.model import _generator, next_token_loss, normal_box
 
 
 @dataclass
@@ -234,5 +234,5 @@ class LlamaForCausalLM(nn.Module):
         logits = self.lm_head(m.norm(x))
         loss = None
         if labels is not None:
-            loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+            loss = next_token_loss(logits, labels)
         return logits, loss

@@ -102,6 +102,7 @@ import torch
 
 import sbp_core as sc
 from sbp_core import GlobalTensor, Layout
+from sbp_core.layout import local_box
 from sbp_core.dispatch import explaining
 from sbp_core.loss_scale import skips_on_device
 from sbp_core.process_groups import initialising, world_rank
@@ -375,8 +376,18 @@ class PipelineStep:
         for name in names:
             shape, dtype = self.cfg.batch[name]
             layout = Layout(self.placement, tuple(self.cfg.data_sbp), torch.Size(shape), dtype)
-            out[name] = GlobalTensor(local[name], layout)
+            out[name] = GlobalTensor(self._context_part(local[name], layout), layout)
         return out
+
+    def _context_part(self, rows: torch.Tensor, layout: Layout) -> torch.Tensor:
+        """This rank's part of its samples ``rows``: every rank of an axis splitting a dim other than the samples
+        (context parallelism's sequence) reads the same samples (``toolkit.recipe.data_shard``) and keeps its
+        box of that dim (a view; no communication)."""
+        box = local_box(layout.shape, layout.placement.shape, layout.sbp, layout.placement.coords(world_rank()))
+        for dim, (start, n) in enumerate(box):
+            if dim and n != rows.shape[dim]:
+                rows = rows.narrow(dim, start, n)
+        return rows
 
     def _split_inputs(self, s: int, ins: tuple) -> tuple:
         """``(x, labels)`` from stage ``s``'s F inputs: the first stage's data, else the boundary's tensors;

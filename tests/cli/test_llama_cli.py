@@ -1,4 +1,4 @@
-"""The LLaMA recipe trains like one device under tensor, sequence, pipeline (interleaved) and ZeRO-3 layouts.
+"""The LLaMA recipe trains like one device under tensor, sequence, context, pipeline (interleaved) and ZeRO layouts.
 
 A tiny LLaMA (grouped-query attention: 4 query heads, 2 key/value heads) on
 the GPT-2 tests' slice of the stdlib corpus (the same cached tokenizer and
@@ -33,7 +33,7 @@ def single(single_llama):
 
 
 @pytest.mark.parametrize("layout", ["tp2 parallel.sequence_parallel=true", "dp2_tp2_pp2 parallel.pp_virtual=2",
-                                    "dp2_tp2_zero3"])
+                                    "dp2_tp2_zero3", "dp2_cp2_pp2_zero1 trainer.micro_batch_size=1"])
 def test_layout_losses_equal_single(layout, single, sbp_cache, tmp_path):
     layout, *options = layout.split()
     losses = train_pooled([*TINY, f"parallel={layout}", *options], tmp_path, sbp_cache)

@@ -40,7 +40,9 @@ def single(single_run):
 # sequence parallelism: LayerNorm gradients partial on both axes, boxed in coalesced rounds, in small buckets
 @pytest.mark.parametrize("layout", ["dp2 parallel.bucket_mb=0.015625", "tp2", "pp2", "dp2_tp2_pp2", "dp2_pp2_zero2",
                                     "dp2_tp2_zero3",
-                                    "dp2_tp2 parallel.sequence_parallel=true parallel.bucket_mb=0.015625"])
+                                    "dp2_tp2 parallel.sequence_parallel=true parallel.bucket_mb=0.015625",
+                                    # the sequence split over cp and, outside attention and the MLP, over tp in it
+                                    "cp2_tp2 parallel.sequence_parallel=true trainer.micro_batch_size=1"])
 def test_layout_losses_equal_single(layout, single, sbp_cache, tmp_path):
     layout, *options = layout.split()
     losses = train_pooled([*TINY, f"parallel={layout}", *options], tmp_path, sbp_cache)

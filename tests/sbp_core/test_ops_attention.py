@@ -266,6 +266,23 @@ def test_queries_split_on_the_sequence_attend_to_the_keys_before_them():
     ])
 
 
+def _one_sample_decision():
+    """The layouts the dispatcher boxes a batch of one sample's query, key and value to, given them split on the
+    sequence over 2 ranks (context parallelism with a micro-batch of one)."""
+    p = sc.placement("cpu", R2)
+    q, k, v = (sc.distribute(torch.randn(1, 4, 8, 4), p, (S2,)) for _ in range(3))
+    d = decide(FORWARD["cpu"], (q, k, v, 0.0, True), {})
+    return [r[0] for r in d.required[:3]]
+
+
+def test_one_sample_is_not_split_on_its_batch():
+    """Splitting the batch dim of one sample over two ranks costs the fewest bytes (an all-to-all of the query,
+    key and value, half of them empty), and leaves one rank all the attention: a boxing that starves a rank is
+    chosen only where nothing else applies. Here the heads are split (an all-to-all each way)."""
+    got = get_pool(parity.WORLD).run(_one_sample_decision)[0]
+    assert got == [S1, S1, S1], got
+
+
 def test_asking_for_the_bias_gradient_is_refused():
     from sbp_core.ops.attention import attention_backward
     from sbp_core.ops.registry import Call, TensorMeta

@@ -68,7 +68,7 @@ def test_gpt2_tiny_fits_tp_and_pp_up_to_4():
 def test_documented_layout_files_equal_the_parsed_name(name):
     assert (CONFIG_DIR / "parallel" / f"{name}.yaml").is_file()
     p = compose([f"parallel={name}"], run_dir="/tmp/run").parallel
-    assert {k: p[k] for k in ("dp", "tp", "pp", "zero")} == parse_parallel_name(name)
+    assert {k: p[k] for k in ("dp", "cp", "tp", "pp", "zero")} == parse_parallel_name(name)
 
 
 @pytest.mark.parametrize("name, expected", [
@@ -176,11 +176,12 @@ def test_resolved_config_round_trip(tmp_path):
 # -- layout names ---------------------------------------------------------------
 
 @pytest.mark.parametrize("name, expected", [
-    ("single", dict(dp=1, tp=1, pp=1, zero=0)),
-    ("dp2_tp4_pp2_zero1", dict(dp=2, tp=4, pp=2, zero=1)),
-    ("pp2_dp2", dict(dp=2, tp=1, pp=2, zero=0)),
-    ("zero2", dict(dp=1, tp=1, pp=1, zero=2)),
-    ("dp1", dict(dp=1, tp=1, pp=1, zero=0)),
+    ("single", dict(dp=1, cp=1, tp=1, pp=1, zero=0)),
+    ("dp2_tp4_pp2_zero1", dict(dp=2, cp=1, tp=4, pp=2, zero=1)),
+    ("pp2_dp2", dict(dp=2, cp=1, tp=1, pp=2, zero=0)),
+    ("zero2", dict(dp=1, cp=1, tp=1, pp=1, zero=2)),
+    ("dp1", dict(dp=1, cp=1, tp=1, pp=1, zero=0)),
+    ("tp2_cp4_dp2", dict(dp=2, cp=4, tp=2, pp=1, zero=0)),
 ])
 def test_parse_parallel_name(name, expected):
     assert parse_parallel_name(name) == expected
@@ -206,13 +207,13 @@ def test_parse_parallel_name_errors(name, fragment):
 degree = st.integers(min_value=1, max_value=64)
 
 
-@given(degree, degree, degree, st.integers(min_value=0, max_value=3), st.randoms())
-def test_name_round_trip_any_order(dp, tp, pp, zero, rnd):
-    canonical = parallel_name(dp, tp, pp, zero)
-    assert parse_parallel_name(canonical) == dict(dp=dp, tp=tp, pp=pp, zero=zero)
-    parts = [f"dp{dp}", f"tp{tp}", f"pp{pp}", f"zero{zero}"]
+@given(degree, degree, degree, st.integers(min_value=0, max_value=3), degree, st.randoms())
+def test_name_round_trip_any_order(dp, tp, pp, zero, cp, rnd):
+    canonical = parallel_name(dp, tp, pp, zero, cp)
+    assert parse_parallel_name(canonical) == dict(dp=dp, cp=cp, tp=tp, pp=pp, zero=zero)
+    parts = [f"dp{dp}", f"cp{cp}", f"tp{tp}", f"pp{pp}", f"zero{zero}"]
     rnd.shuffle(parts)
-    subset = parts[: rnd.randint(1, 4)]
+    subset = parts[: rnd.randint(1, 5)]
     parsed = parse_parallel_name("_".join(subset))
     for part in subset:
         key = part.rstrip("0123456789")
@@ -223,6 +224,7 @@ def test_parallel_name_canonical():
     assert parallel_name() == "single"
     assert parallel_name(2, 1, 2) == "dp2_pp2"
     assert parallel_name(4, zero=2) == "dp4_zero2"
+    assert parallel_name(2, 2, zero=1, cp=4) == "dp2_cp4_tp2_zero1"
 
 
 # -- the command line ---------------------------------------------------------------

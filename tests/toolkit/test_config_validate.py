@@ -171,6 +171,37 @@ def test_sequence_parallel_needs_seq_len_multiple_of_tp():
     assert "data.seq_len=130: sequence_parallel splits it over parallel.tp=4" in text
 
 
+def test_context_parallel_needs_seq_len_multiple_of_its_split():
+    lay = validate(cfg_of("parallel=dp2_cp2", "data.seq_len=64"))
+    assert (lay.dp, lay.cp, lay.world_size, lay.data_shards, lay.name) == (2, 2, 4, 2, "dp2_cp2")
+    assert "data.seq_len=66: context parallelism splits it over parallel.cp=4; valid: a multiple of 4" in \
+        problems("parallel=cp4", "data.seq_len=66")
+    text = problems("parallel=cp2_tp4", "parallel.sequence_parallel=true", "data.seq_len=68")
+    assert "splits it over parallel.cp=2 times parallel.tp=4 (sequence_parallel); valid: a multiple of 8" in text
+    assert "dp*cp*tp*pp = 1*2*1*1 = 2 processes, but 4 are available" in problems("parallel=cp2", world_size=4)
+
+
+def test_context_parallel_of_several_samples_per_micro_batch_warns():
+    with pytest.warns(ConfigWarning, match="parallel.cp=2 with trainer.micro_batch_size=2: torch's linear layers fold"):
+        validate(cfg_of("parallel=cp2", "trainer.micro_batch_size=2", "trainer.global_batch_size=8"))
+
+
+def test_context_parallel_is_refused_with_compile_and_the_search():
+    assert "trainer.compile=true: compiles the stage forwards that run on plain tensors, and with cp=2" in \
+        problems("parallel=cp2", "trainer.compile=true")
+    assert "parallel.cp=2 with parallel.auto=true: the search lays out dp, tp and pp only" in \
+        problems("parallel=cp2", "parallel.auto=true")
+
+
+@pytest.mark.parametrize("name", ["insightface", "wide_deep"])
+def test_context_parallel_is_refused_where_the_recipe_has_no_sequence(name):
+    from recipes.registry import get
+
+    with pytest.raises(ConfigError) as info:
+        validate_for(cfg_of(f"recipe={name}", "parallel=cp2"), get(name))
+    assert f"parallel.cp=2: splits the sequence, and recipe {name} has none" in "\n".join(info.value.problems)
+
+
 @pytest.mark.parametrize("name", ["insightface", "wide_deep"])
 def test_sequence_parallel_is_refused_where_the_plan_has_no_such_variant(name):
     from recipes.registry import get

@@ -66,7 +66,14 @@ class SearchConfig:
 
 @dataclass
 class ParallelConfig:
-    """Degrees and knobs of the parallel layout; ``world = dp * tp * pp`` processes.
+    """Degrees and knobs of the parallel layout; ``world = dp * cp * tp * pp`` processes.
+
+    - ``cp``: context parallelism, the sequence split over ``cp`` ranks of
+      each stage's mesh, ``(dp, cp, tp)`` (a recipe with a sequence:
+      ``Recipe.context_dim``). Parameters are whole on the cp axis and their
+      gradients summed over it, as over dp; activations are split on the
+      sequence, and attention gathers what each query block needs (keys and
+      values, or another split the op rules find cheaper).
 
     - ``zero``: ZeRO stage 0..3 over the dp axis (ignored, with a warning, when dp == 1).
     - ``pp_schedule``: ``1f1b`` (interleaved 1F1B when ``pp_virtual > 1``),
@@ -100,6 +107,7 @@ class ParallelConfig:
     """
 
     dp: int = 1
+    cp: int = 1
     tp: int = 1
     pp: int = 1
     zero: int = 0

@@ -6,7 +6,7 @@ value range and cross-field rule, collecting *all* problems into one
 :class:`ConfigError`:
 
 - ``recipe.name`` names the recipe given;
-- ``dp * tp * pp`` equals the processes available: torchrun's / Slurm's world
+- ``dp * cp * tp * pp`` equals the processes available: torchrun's / Slurm's world
   size when launched (see :mod:`toolkit.config.environment`), else what will
   be spawned; with ``device=cuda`` (or ``auto`` on a CUDA machine) the ranks
   on a node must not outnumber its visible devices. A pipeline on CUDA
@@ -29,6 +29,12 @@ value range and cross-field rule, collecting *all* problems into one
 - ``zero`` in 0..3; ``zero > 0`` with ``dp == 1`` warns (:class:`ConfigWarning`)
   and the layout's effective ``zero`` is 0; ``sequence_parallel`` with
   ``tp == 1`` warns too (it splits nothing).
+- ``cp > 1`` needs a recipe with a sequence (``Recipe.context_dim``), and
+  is refused with ``trainer.compile`` (a context-parallel stage runs on
+  global tensors) and with ``parallel.auto`` (the search lays out dp, tp
+  and pp); the recipe checks that its sequence divides by ``cp``; with
+  ``micro_batch_size > 1`` it warns (the sequence split cannot stay
+  through a linear layer's folded batch and sequence).
 - Every choice-valued string is one of its choices (schema tuples).
 - The checkpoint ``trainer.init_from`` names, and with ``trainer.resume=auto``
   the run directory's newest one: readable, and holding every model tensor
@@ -64,7 +70,7 @@ from toolkit.config.parallel_name import ZERO_STAGES, parallel_name
 class JobLayout:
     """What a valid config means for the job (all derived, nothing to look up again).
 
-    ``rank = pp_i * dp * tp + dp_i * tp + tp_i`` (docs/design.md). ``zero`` is the
+    ``rank = pp_i * dp * cp * tp + dp_i * cp * tp + cp_i * tp + tp_i`` (docs/design.md). ``zero`` is the
     effective stage (0 when ``dp == 1``). ``stage_layers[s]`` is the number
     of transformer blocks of pipeline chunk ``s`` (``pp * pp_virtual``
     chunks; chunk ``s`` runs on stage ``s % pp``). ``data_shards``: the
@@ -80,6 +86,7 @@ class JobLayout:
     pp: int
     zero: int
     pp_virtual: int
+    cp: int
     stage_layers: tuple
     micro_batch_size: int
     global_batch_size: int
@@ -209,10 +216,11 @@ def _typed(cfg: Any, recipe) -> DictConfig:
 
 
 def _data_shards(sbp: tuple, dp: int, tp: int) -> int:
-    """Shards of a batch laid out ``sbp`` on the ``(dp, tp)`` mesh: the product of the axes splitting it."""
+    """Shards of a batch laid out ``sbp`` on the ``(dp, tp)`` mesh: the product of the axes splitting its samples
+    (a context-parallel axis splits each sample's sequence, not the samples)."""
     from sbp_core.sbp import Split
 
-    return math.prod(n for s, n in zip(sbp, (dp, tp)) if isinstance(s, Split))
+    return math.prod(n for s, n in zip(sbp, (dp, tp)) if isinstance(s, Split) and s.axis == 0)
 
 
 def _check_stages(problems: list, par, n_layer: int) -> tuple:
@@ -267,7 +275,7 @@ def _plan_problems(plan: dict, cfg, recipe) -> list:
 def _check_parallel(p: list, cfg, recipe, world_size: Optional[int], env) -> tuple:
     """The parallel section: ``(degrees_ok, zero, world, world_size, layout name, stage_layers)``."""
     par = cfg.parallel
-    degrees_ok = all([_at_least(p, f"parallel.{k}", par[k], 1) for k in ("dp", "tp", "pp", "pp_virtual")])
+    degrees_ok = all([_at_least(p, f"parallel.{k}", par[k], 1) for k in ("dp", "cp", "tp", "pp", "pp_virtual")])
     _choice(p, "parallel.zero", par.zero, ZERO_STAGES)
     _choice(p, "parallel.pp_schedule", par.pp_schedule, S.PP_SCHEDULES)
     if not par.bucket_mb > 0:
@@ -281,6 +289,12 @@ def _check_parallel(p: list, cfg, recipe, world_size: Optional[int], env) -> tup
     if par.auto:
         p.append("parallel.auto=true: the search runs in train.py before the job (toolkit.search.resolve); "
                  "valid: a resolved config with parallel.auto=false")
+    if par.cp > 1 and recipe.context_dim is None:
+        p.append(f"parallel.cp={par.cp}: splits the sequence, and recipe {recipe.name} has none (Recipe.context_dim); "
+                 "valid: 1")
+    if par.cp > 1 and par.auto:
+        p.append(f"parallel.cp={par.cp} with parallel.auto=true: the search lays out dp, tp and pp only; valid: cp=1, "
+                 "or a layout of your own")
     if par.sequence_parallel and not recipe.sequence_parallel:
         p.append(f"parallel.sequence_parallel=true: recipe {recipe.name}'s plan has no sequence-parallel variant "
                  "(no sequence axis to split); valid: false")
@@ -293,8 +307,8 @@ def _check_parallel(p: list, cfg, recipe, world_size: Optional[int], env) -> tup
                       ConfigWarning, stacklevel=3)
         zero = 0
     stage_layers: tuple = ()
-    world = par.dp * par.tp * par.pp if degrees_ok else 0
-    layout_name = parallel_name(par.dp, par.tp, par.pp, par.zero) if degrees_ok else "?"
+    world = par.dp * par.cp * par.tp * par.pp if degrees_ok else 0
+    layout_name = parallel_name(par.dp, par.tp, par.pp, par.zero, par.cp) if degrees_ok else "?"
     if not degrees_ok:
         return False, zero, world, (env.world_size if env is not None else 0) if world_size is None else world_size, \
             layout_name, stage_layers
@@ -319,7 +333,9 @@ def _check_parallel(p: list, cfg, recipe, world_size: Optional[int], env) -> tup
         source = {"torchrun": f"torchrun's WORLD_SIZE is {world_size}",
                   "slurm": f"Slurm's SLURM_STEP_NUM_TASKS is {world_size}"}.get(
             env.kind if env is not None else None, f"{world_size} are available")
-        p.append(f"parallel={layout_name}: dp*tp*pp = {par.dp}*{par.tp}*{par.pp} = {world} processes, "
+        degrees = ("dp", "cp", "tp", "pp") if par.cp > 1 else ("dp", "tp", "pp")
+        p.append(f"parallel={layout_name}: {'*'.join(degrees)} = {'*'.join(str(par[k]) for k in degrees)} = {world} "
+                 "processes, "
                  f"but {source}; valid: a layout with {world_size} processes "
                  f"(e.g. {', '.join(layouts_for(world_size))}) or launch {world}")
     return True, zero, world, world_size, layout_name, stage_layers
@@ -407,6 +423,9 @@ def _check_trainer(p: list, tr, par, recipe, zero: int) -> None:
         p.append(f"trainer.compile=true: compiles the stage forwards that run on plain tensors, and with {why} "
                  "every stage runs on global tensors; valid: tp=1 and zero=0, and dp=1 unless the recipe's "
                  "rows weigh equally (then data-parallel stages run plain after their first micro-batch)")
+    if tr.compile and par.cp > 1:
+        p.append(f"trainer.compile=true: compiles the stage forwards that run on plain tensors, and with cp={par.cp} "
+                 "every stage runs on global tensors (its attention gathers keys and values); valid: cp=1")
     if tr.compile and par.pp_schedule in ("zb", "zbv"):
         p.append(f"trainer.compile=true: parallel.pp_schedule={par.pp_schedule} splits every backward into input and "
                  "weight gradients, and a compiled stage's backward is one node that gives both at once; valid: "
@@ -436,6 +455,13 @@ def validate(cfg: Any, recipe, world_size: Optional[int] = None) -> JobLayout:
     device = _check_device(p, cfg, env, world)
     shards = _data_shards(recipe.data_sbp, par.dp, par.tp) if degrees_ok else 1
     accumulation = _check_batch(p, tr, par, shards, layout_name, degrees_ok)
+    if degrees_ok and par.cp > 1 and tr.micro_batch_size > 1:
+        warnings.warn(f"parallel.cp={par.cp} with trainer.micro_batch_size={tr.micro_batch_size}: torch's linear "
+                      "layers fold a [batch, sequence, features] input's batch and sequence into one dim, where a "
+                      "sequence split of several samples cannot stay, so activations are exchanged to a batch split "
+                      "around them (exact, as much memory per rank, but all-to-alls that data parallelism over the "
+                      "same ranks does without); context parallelism keeps the sequence split with "
+                      "micro_batch_size=1", ConfigWarning, stacklevel=2)
     _check_trainer(p, tr, par, recipe, zero)
     _choice(p, "logger.backend", log.backend, S.LOGGER_BACKENDS)
     if log.mode is not None:
@@ -443,7 +469,7 @@ def validate(cfg: Any, recipe, world_size: Optional[int] = None) -> JobLayout:
 
     mb, gb = tr.micro_batch_size, tr.global_batch_size
     layout = JobLayout(name=layout_name, world_size=world, dp=par.dp, tp=par.tp, pp=par.pp, zero=zero,
-                       pp_virtual=par.pp_virtual, stage_layers=stage_layers, micro_batch_size=mb,
+                       pp_virtual=par.pp_virtual, cp=par.cp, stage_layers=stage_layers, micro_batch_size=mb,
                        global_batch_size=gb, accumulation=accumulation, data_shards=shards, items_per_step=0,
                        device=device, launched=env.kind if env is not None else None)
     weights = recipe.weights_path(str(tr.init_from)) if tr.init_from else None

@@ -231,6 +231,14 @@ def _own_rows(local, layout: Layout, msbp: tuple, dp_axis: int):
     return local if own is None else local[own]
 
 
+def _same_box(a: Layout, b: Layout) -> bool:
+    """Whether this rank's local of layout ``a`` covers the same box of the tensor as of ``b`` (a partial axis
+    covers the whole, as ``B`` does)."""
+    p, me = a.placement, world_rank()
+    return a.placement == b.placement and me in p and \
+        local_box(a.shape, p.shape, a.sbp, p.coords(me)) == local_box(b.shape, p.shape, b.sbp, p.coords(me))
+
+
 def _compact(g):
     """``g``, or a copy when its local is a view that keeps a larger buffer alive (a slice of a ``B``)."""
     local = g._local
@@ -352,8 +360,9 @@ class Zero:
         s = self._by_leaf[id(leaf)]
         if s.grad is not None:
             s.grad = s.grad + g
-        elif s.own is not None:
-            # Into its own rows of the full gradient: stage 1 holds full-size gradients until the step.
+        elif s.own is not None and _same_box(leaf.grad.layout, leaf.layout):
+            # Into its own rows of the full gradient: stage 1 holds full-size gradients until the step. (A
+            # gradient autograd gave in another split, as a sequence-split embedding's may be, holds other rows.)
             s.grad = sc.GlobalTensor(leaf.grad._local[s.own].copy_(g._local), g.layout)
         else:
             s.grad = _compact(g)
