@@ -72,7 +72,7 @@ def _side(cp: int, seq: int, ids: torch.Tensor):
         loss.backward()
         seconds = time.perf_counter() - t0
         top = peak.stop()
-    value = float(loss.full_tensor() if p is not None else loss)
+    value = float((loss.full_tensor() if p is not None else loss).detach())
     return value, max(top - before, 0), seconds, ledger.bytes
 
 
