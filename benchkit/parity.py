@@ -63,7 +63,7 @@ def _on_axis(plan, axis_sbp_other, tp_axis, ndim):
 
 
 def layouts():
-    """name -> (model kind, mesh ranks, plan, input SBP)."""
+    """name -> (model kind, mesh ranks, plan, input SBP[, samples per batch: 4 unless given])."""
     out = {}
     for kind, tp_plan, pins in (("mlp", MLP_TP, {}), ("gpt2", GPT_TP, GPT_TP_PINS)):
         out[f"{kind} dp2"] = (kind, [0, 1], {}, (S0,))
@@ -84,31 +84,37 @@ def layouts():
     out["gpt2 tp2 sequence-parallel"] = ("gpt2", [0, 1], {**GPT_TP, **GPT_SP_PINS}, (B,))
     out["gpt2 dp2 x tp2 sequence-parallel"] = ("gpt2", [[0, 1], [2, 3]], _on_axis({**GPT_TP, **GPT_SP_PINS}, B, 1, 2), (S0, B))
     out["gpt2 dp2 x tp2 cost-chosen"] = ("gpt2", [[0, 1], [2, 3]], _on_axis(GPT_TP, B, 1, 2), (S0, B))
-    # Context parallelism, as the trainer lays it out (toolkit.mesh): a (dp, cp, tp) mesh, the sequence split on cp.
-    cp_data = with_context((S0, B), 2, 1)
-    out["llama cp2"] = ("llama", stage_ranks(1, 1, 1, 2)[0], context_plan(llama_plan.mesh_plan(), 2, 1), cp_data)
-    out["llama dp2 x cp2"] = ("llama", stage_ranks(2, 1, 1, 2)[0], context_plan(llama_plan.mesh_plan(), 2, 1), cp_data)
+    # Context parallelism, as the trainer lays it out (toolkit.mesh): a (dp, cp, tp) mesh, the sequence split on cp,
+    # one sample per data shard (with more, linear layers fold batch and sequence and the split becomes a batch
+    # split). With one head, neither heads nor the batch of one split over cp2: attention runs query blocks against
+    # gathered keys and values (the CPU kernel's causal rows).
+    cp_data, cp_plan = with_context((S0, B), 2, 1), context_plan(llama_plan.mesh_plan(), 2, 1)
+    out["llama cp2"] = ("llama", stage_ranks(1, 1, 1, 2)[0], cp_plan, cp_data, 1)
+    out["llama dp2 x cp2"] = ("llama", stage_ranks(2, 1, 1, 2)[0], cp_plan, cp_data, 2)
+    out["llama cp2, one head"] = ("llama-1h", stage_ranks(1, 1, 1, 2)[0], cp_plan, cp_data, 1)
     out["gpt2 cp2 x tp2 sequence-parallel"] = ("gpt2", stage_ranks(1, 2, 1, 2)[0],
-                                               context_plan(_on_axis({**GPT_TP, **GPT_SP_PINS}, B, 1, 2), 2, 1), cp_data)
+                                               context_plan(_on_axis({**GPT_TP, **GPT_SP_PINS}, B, 1, 2), 2, 1),
+                                               cp_data, 1)
     # Dropout 0.1 everywhere: masks drawn for the global shape equal one device's draws from the same RNG state.
     out["gpt2 dp2 x tp2 dropout"] = ("gpt2-dropout", [[0, 1], [2, 3]], _on_axis({**GPT_TP, **GPT_TP_PINS}, B, 1, 2),
                                      (S0, B))
     return out
 
 
-def _model_and_batches(kind, dtype=torch.float64):
+def _model_and_batches(kind, dtype=torch.float64, rows: int = 4):
     torch.manual_seed(0)
     if kind == "mlp":
         model = MLP()
         batches = [(torch.randn(16, 32).to(dtype), torch.randint(0, 8, (16,))) for _ in range(STEPS)]
-    elif kind in ("llama", "llama-tied", "qwen2"):  # Qwen2: query, key and value biases, the LM head tied
-        model = LlamaForCausalLM(dataclasses.replace(LLAMA_CFG, tie_word_embeddings=kind != "llama",
-                                                     qkv_bias=kind == "qwen2"))
-        batches = [(ids, ids) for ids in (torch.randint(0, LLAMA_CFG.vocab_size, (4, 16)) for _ in range(STEPS))]
+    elif kind in ("llama", "llama-tied", "qwen2", "llama-1h"):  # Qwen2: query, key and value biases, tied head
+        heads = {"num_attention_heads": 1, "num_key_value_heads": 1} if kind == "llama-1h" else {}
+        model = LlamaForCausalLM(dataclasses.replace(LLAMA_CFG, tie_word_embeddings=kind in ("llama-tied", "qwen2"),
+                                                     qkv_bias=kind == "qwen2", **heads))
+        batches = [(ids, ids) for ids in (torch.randint(0, LLAMA_CFG.vocab_size, (rows, 16)) for _ in range(STEPS))]
     else:
         p = 0.1 if kind == "gpt2-dropout" else 0.0
         model = GPT2LMHeadModel(dataclasses.replace(GPT_CFG, embd_pdrop=p, resid_pdrop=p, attn_pdrop=p))
-        batches = [(ids, ids) for ids in (torch.randint(0, GPT_CFG.vocab_size, (4, 16)) for _ in range(STEPS))]
+        batches = [(ids, ids) for ids in (torch.randint(0, GPT_CFG.vocab_size, (rows, 16)) for _ in range(STEPS))]
     return model.to(dtype), batches
 
 
@@ -123,11 +129,12 @@ def _rel(a, b) -> float:
 def run_layout(name, dtype: str = "float64"):
     """Worker: train ``name`` and, on its own, the single-device reference; the max relative differences
     ``(loss, gradients, final parameters)`` on the layout's ranks (``None`` elsewhere)."""
-    kind, ranks, plan, in_sbp = layouts()[name]
+    kind, ranks, plan, in_sbp, *rest = layouts()[name]
+    rows = rest[0] if rest else 4
     dt = getattr(torch, dtype)
-    ref, batches = _model_and_batches(kind, dt)
+    ref, batches = _model_and_batches(kind, dt, rows)
     ref_opt = torch.optim.AdamW(ref.parameters(), **ADAMW)
-    model, _ = _model_and_batches(kind, dt)
+    model, _ = _model_and_batches(kind, dt, rows)
     p = sc.placement("cpu", ranks)
     sc.distribute_module(model, p, plan)
     opt = torch.optim.AdamW(model.parameters(), **ADAMW)
@@ -156,12 +163,12 @@ def run_layout(name, dtype: str = "float64"):
     if me not in p:
         return None
     worst_param = max(_rel(params[n], q.detach()) for n, q in ref.named_parameters())
-    return worst_loss, worst_grad, worst_param, _floor(kind, ref) if dt != torch.float64 else 0.0
+    return worst_loss, worst_grad, worst_param, _floor(kind, ref, rows) if dt != torch.float64 else 0.0
 
 
-def _floor(kind, ref) -> float:
+def _floor(kind, ref, rows: int = 4) -> float:
     """How far the one-device run in ``ref``'s precision ends from the same run in float64 (its parameters)."""
-    exact, batches = _model_and_batches(kind, torch.float64)
+    exact, batches = _model_and_batches(kind, torch.float64, rows)
     opt = torch.optim.AdamW(exact.parameters(), **ADAMW)
     for x, y in batches:
         _loss(kind, exact, x, y).backward()

@@ -27,8 +27,10 @@ Layouts: data parallel on 2 and 4 ranks, Megatron tensor parallel on 2 and
 norm regions (GPT-2, LLaMA), a layout where the cost model chose every
 activation layout from the weights' SBP alone, data x tensor with
 dropout 0.1 (both runs draw from one RNG state), and context parallelism
-(the sequence split: LLaMA cp2 and dp2 x cp2, GPT-2 cp2 x tp2 with the
-sequence also split over tp around its norms). Last line:
+(the sequence split, one sample per data shard: LLaMA cp2 and dp2 x cp2,
+LLaMA cp2 with one head, whose attention runs query blocks against gathered
+keys and values, and GPT-2 cp2 x tp2 with the sequence also split over tp
+around its norms). Last line:
 ``parity: K/K layouts within their mode's bars``.
 """
 

@@ -70,10 +70,8 @@ LAYOUTS = "single,dp2,tp2,pp2,dp4,tp4,pp4,dp2_tp2,dp2_pp2,tp2_pp2,dp2_tp2_pp2"
 
 def _strategy(name: str, micro: int):
     from toolkit.search.strategy import Strategy
-    from toolkit.config import parse_parallel_name
 
-    d = parse_parallel_name(name)
-    return Strategy(d["dp"], d["tp"], d["pp"], d["zero"], micro_batch_size=micro)
+    return Strategy.from_name(name, micro)
 
 
 def delta_vs_full(model, evaluator, base_strategy, n: int, seed: int = 0, repeats: int = 5) -> tuple:

@@ -149,7 +149,7 @@ class MetricsLogger:
 
             model, par = config.get("model", {}), config.get("parallel", {})
             name = f"{model.get('name', 'model')}_" + parallel_name(
-                par.get("dp", 1), par.get("tp", 1), par.get("pp", 1), par.get("zero", 0))
+                par.get("dp", 1), par.get("tp", 1), par.get("pp", 1), par.get("zero", 0), par.get("cp", 1))
         tags = _node(logger, "tags") or []
         return wandb.init(project=_node(logger, "project", "sbp-recipes"), name=name,
                           entity=_node(logger, "entity"), tags=list(tags), config=config,

@@ -68,7 +68,7 @@ class Recipe(ABC):
     metrics key is ``<unit>_per_s``); ``rows_weigh_equally``: the loss is a
     mean over the batch's rows (samples, or tokens of equal count per row)
     in which every row weighs the same, whatever the data — no ignored
-    targets, no per-sample weights — so a pure data-parallel stage may run on
+    targets that vary by row, no per-sample weights — so a pure data-parallel stage may run on
     plain tensors, each replica's loss scaled by 1/replicas
     (``runtime.pipeline.plain_stage``; an audit of the first micro-batch
     still checks the forward for anything else coupling rows);

@@ -36,7 +36,8 @@ class GPT2Recipe(Recipe):
     throughput_unit = "tokens"
     sequence_parallel = True  # LayerNorm regions split along the sequence (plan.SEQUENCE_PARALLEL)
     context_dim = 1  # tokens [batch, seq], activations [batch, seq, hidden]: parallel.cp splits the sequence
-    rows_weigh_equally = True  # next-token cross-entropy over every position of fixed-length rows: no ignored targets
+    # Next-token cross-entropy over fixed-length rows: every row has the same targets (all but its last position).
+    rows_weigh_equally = True
 
     def check(self, cfg, layout) -> list:
         return config.problems(cfg, layout, trains_tokenizer=self.tokenizer_path(cfg) is None)

@@ -383,6 +383,8 @@ class PipelineStep:
         """This rank's part of its samples ``rows``: every rank of an axis splitting a dim other than the samples
         (context parallelism's sequence) reads the same samples (``toolkit.recipe.data_shard``) and keeps its
         box of that dim (a view; no communication)."""
+        if not any(s.is_split and s.axis for s in layout.sbp):
+            return rows
         box = local_box(layout.shape, layout.placement.shape, layout.sbp, layout.placement.coords(world_rank()))
         for dim, (start, n) in enumerate(box):
             if dim and n != rows.shape[dim]:

@@ -149,26 +149,40 @@ def _query_rows(roles, q, backward: bool, n_out: int) -> Sig:
     return Sig(ins, outs + (B,) * (n_out - len(outs)))
 
 
+_NAMES: dict = {}  # kernel -> its argument names
+
+
 def _causal_rows(func, args, kwargs, ctx):
     """The CPU kernel (forward or backward) on this rank's query rows ``[s, s + n)`` of ``L``.
 
-    Without ``is_causal``, or with the queries whole, the call is the kernel's own. Under ``is_causal`` with the
-    rows split, queries ``s + i`` attend to keys ``j <= s + i``: the kernel runs on keys and values
-    ``[0, s + n)`` with that mask (and ``is_causal`` off); a backward's key and value gradients are padded with
-    zeros past ``s + n`` (this rank's term of their ``P``)."""
-    names = [a.name for a in func._schema.arguments]
+    Without ``is_causal``, or with the queries whole on the sequence, the call is the kernel's own. Under
+    ``is_causal`` with the rows split, queries ``s + i`` attend to keys ``j <= s + i``: the kernel runs on keys
+    and values ``[0, s + n)`` with that mask added to the call's own (``is_causal`` off); a backward's key and
+    value gradients are padded with zeros past ``s + n`` (this rank's term of their ``P``). A rank holding no
+    query (an empty shard) returns empty outputs and zero key and value gradients without calling the kernel,
+    which fails on an empty sequence."""
+    names = _NAMES.get(func) or _NAMES.setdefault(func, [a.name for a in func._schema.arguments])
     bound = dict(zip(names, args), **kwargs)
-    tensors = [n for n in names if isinstance(bound.get(n), torch.Tensor)]
-    lay = ctx.in_layouts[tensors.index("query")]
-    start, n = local_box(lay.shape, lay.placement.shape, lay.sbp, ctx.coords)[SEQ]
-    if not bound.get("is_causal") or n == lay.shape[SEQ]:
+    query = bound["query"]
+    if query.numel() == 0:
+        return tuple(torch.zeros(shape, dtype=lay.dtype, device=query.device)
+                     for shape, lay in zip(ctx.local_out_shapes, ctx.out_layouts))
+    lay = ctx.in_layouts[1 if "grad_out" in bound else 0]  # the query: the first tensor, after a backward's grad_out
+    if not bound.get("is_causal") or not any(s.is_split and s.axis == SEQ for s in lay.sbp):
         return func(*args, **kwargs)
+    start, n = local_box(lay.shape, lay.placement.shape, lay.sbp, ctx.coords)[SEQ]
     keys = bound["key"].shape[SEQ]
     seen = min(keys, start + n)
-    rows = torch.arange(start, start + n, device=bound["query"].device)
+    rows = torch.arange(start, start + n, device=query.device)
     later = torch.arange(seen, device=rows.device)[None, :] > rows[:, None]
     # The kernel takes an additive mask of the query's dtype (not a boolean one).
-    mask = torch.zeros(later.shape, dtype=bound["query"].dtype, device=rows.device).masked_fill_(later, -math.inf)
+    mask = torch.zeros(later.shape, dtype=query.dtype, device=rows.device).masked_fill_(later, -math.inf)
+    own = bound.get("attn_mask")
+    if own is not None:  # the call's own mask, its rows split with the queries: its first s + n keys, added
+        own = own.narrow(-1, 0, seen) if own.shape[-1] != 1 else own
+        if own.dtype == torch.bool:
+            own = torch.zeros(own.shape, dtype=query.dtype, device=own.device).masked_fill_(~own, -math.inf)
+        mask = own + mask
     bound.update(is_causal=False, key=bound["key"].narrow(SEQ, 0, seen), value=bound["value"].narrow(SEQ, 0, seen),
                  attn_mask=mask)
     positional = len(args)

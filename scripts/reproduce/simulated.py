@@ -60,7 +60,5 @@ def evaluator(model, cluster):
 def strategy(name: str, micro: int):
     """The ``Strategy`` of a layout name like ``dp8_tp2_pp2`` (``_zero1`` allowed) with ``micro`` rows per micro-batch."""
     from toolkit.search.strategy import Strategy
-    from toolkit.config import parse_parallel_name
 
-    d = parse_parallel_name(name)
-    return Strategy(d["dp"], d["tp"], d["pp"], d["zero"], micro_batch_size=micro)
+    return Strategy.from_name(name, micro)

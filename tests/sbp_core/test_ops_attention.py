@@ -248,21 +248,32 @@ def masked_attention(q, k, v, mask):
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
+def causal_masked_attention(q, k, v, mask):
+    """The CPU kernel with both masks (``F.scaled_dot_product_attention`` refuses the pair; the kernel adds them)."""
+    return FORWARD["cpu"](q, k, v, 0.0, True, attn_mask=mask.detach())[0]
+
+
 def test_queries_split_on_the_sequence_attend_to_the_keys_before_them():
     """The context-parallel layout on the CPU kernel: queries ``S(2)``, keys and values ``B``. Under ``is_causal``
     each rank's query block attends to the keys up to its own positions (rank 1's first query sees the keys of
     rank 0's block), so the result is one device's only if the causal mask moves with the block; the key and
     value gradients come back partial. Uneven blocks (7 positions over 3 ranks), a 2x2 mesh with the batch
-    split too, and an explicit mask (its rows split with the queries) as well."""
+    split too, an explicit mask (its rows split with the queries), the causal mask and an explicit one
+    together, and a rank with no query (2 positions over 3 ranks: the kernel fails on an empty sequence, so the
+    empty block's outputs are made without it)."""
     g = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(2, 3, 7, 4, generator=g) for _ in range(3))
     mask = torch.rand(7, 7, generator=g) > 0.3
     mask[:, 0] = True  # every query attends to something
+    bias = torch.randn(2, 1, 7, 7, generator=g)
+    short = [t[:, :, :2] for t in (q, k, v)]
     parity.check_cases([
         (causal_attention, [q, k, v], [S2, B, B], R2, [S2]),
         (causal_attention, [q, k, v], [S2, B, B], R3, [S2]),
         (causal_attention, [q, k, v], [(S0, S2), (S0, B), (S0, B)], M22, [(S0, S2)]),
         (masked_attention, [q, k, v, mask], [S2, B, B, B], R3, [S2]),
+        (causal_masked_attention, [q, k, v, bias], [S2, B, B, S2], R3, [S2]),
+        (causal_attention, short, [S2, B, B], R3, [S2]),
     ])
 
 

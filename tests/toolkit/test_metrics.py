@@ -13,7 +13,7 @@ from toolkit.metrics import MetricsLogger, peak_memory_bytes, read_metrics, wand
 
 
 def cfg_with(backend="none", mode=None, name=None):
-    return OmegaConf.create({"model": {"name": "gpt2-tiny"}, "parallel": {"dp": 2, "tp": 1, "pp": 1, "zero": 0},
+    return OmegaConf.create({"model": {"name": "gpt2-tiny"}, "parallel": {"dp": 2, "cp": 2, "tp": 1, "pp": 1, "zero": 0},
                              "logger": {"backend": backend, "project": "sbp-test", "name": name,
                                         "entity": None, "mode": mode, "tags": ["test"]}})
 
@@ -112,7 +112,7 @@ def test_wandb_offline_run(tmp_path, monkeypatch):
     log = MetricsLogger(tmp_path, cfg_with("wandb"), enabled=True, console=False)
     init_s = time.monotonic() - start
     try:
-        assert log.wandb_run is not None and log.wandb_run.name == "gpt2-tiny_dp2"
+        assert log.wandb_run is not None and log.wandb_run.name == "gpt2-tiny_dp2_cp2"
         assert log.wandb_run.config["parallel"]["dp"] == 2
         log.log(1, loss=2.5, lr=1e-3)
         log.log_eval(1, val_loss=2.4)

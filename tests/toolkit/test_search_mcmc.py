@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import pytest
+
 from toolkit.search.mcmc import search
 from toolkit.search.strategy import Strategy
 
@@ -45,3 +47,10 @@ def test_finds_the_optimum_from_the_seeds():
     assert res.best.step_seconds == 2.0
     assert res.invalid > 0 and res.accepted > 0
     assert res.evaluated <= 6  # each distinct strategy is predicted once
+
+
+def test_a_strategy_from_a_layout_name_and_cp_refused():
+    s = Strategy.from_name("tp2_dp4_zero1", 2)
+    assert (s.dp, s.tp, s.pp, s.zero, s.micro_batch_size) == (4, 2, 1, 1, 2)
+    with pytest.raises(ValueError, match="the simulator lays out dp, tp and pp only, not cp=2"):
+        Strategy.from_name("dp2_cp2")

@@ -13,7 +13,7 @@ How: ``configs/config.yaml`` puts ``sbp-parallel://`` on ``hydra.searchpath``
 source answers only the names that have no file. It claims every config in
 group ``parallel`` whose name consists of letters, digits and ``_``; loading
 parses the name (so a malformed one fails with the grammar in the message)
-and returns ``{dp, tp, pp, zero}``; the other parallel fields keep their
+and returns ``{dp, cp, tp, pp, zero}``; the other parallel fields keep their
 schema defaults and can still be overridden (``parallel.pp_schedule=gpipe``).
 
 The scheme must be registered before Hydra composes:

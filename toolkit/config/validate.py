@@ -459,7 +459,7 @@ def validate(cfg: Any, recipe, world_size: Optional[int] = None) -> JobLayout:
         warnings.warn(f"parallel.cp={par.cp} with trainer.micro_batch_size={tr.micro_batch_size}: torch's linear "
                       "layers fold a [batch, sequence, features] input's batch and sequence into one dim, where a "
                       "sequence split of several samples cannot stay, so activations are exchanged to a batch split "
-                      "around them (exact, as much memory per rank, but all-to-alls that data parallelism over the "
+                      "around them (exact, the same memory per rank, but all-to-alls that data parallelism over the "
                       "same ranks does without); context parallelism keeps the sequence split with "
                       "micro_batch_size=1", ConfigWarning, stacklevel=2)
     _check_trainer(p, tr, par, recipe, zero)

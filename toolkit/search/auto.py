@@ -133,8 +133,16 @@ def read_plan(path) -> Strategy:
 
 
 def resolve(cfg, recipe, log=print):
-    """``cfg`` with ``parallel.auto`` replaced by the found (or cached) plan."""
+    """``cfg`` with ``parallel.auto`` replaced by the found (or cached) plan.
+
+    Raises ``ConfigError`` before searching (or reading a cached plan) for a context-parallel config: the search
+    lays out dp, tp and pp only, and a plan found for them would run on cp times as many processes."""
     cfg = typed(cfg, recipe)
+    if int(cfg.parallel.get("cp", 1)) != 1:
+        from toolkit.config import ConfigError
+
+        raise ConfigError([f"parallel.cp={cfg.parallel.cp} with parallel.auto=true: the search lays out dp, tp and pp "
+                           "only; valid: cp=1, or a layout of your own"])
     path, cluster = plan_path(cfg, recipe)
     if path.exists():
         strategy = read_plan(path)

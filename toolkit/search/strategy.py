@@ -116,6 +116,17 @@ class Strategy:
                 "ops": {p: s for p, s in self.ops}, "schedule": self.schedule, "virtual": self.virtual}
 
     @classmethod
+    def from_name(cls, name: str, micro_batch_size: int = 1) -> "Strategy":
+        """The strategy of a layout name like ``dp8_tp2_pp2_zero1``; a context-parallel name (``cp2``) is refused:
+        the search and the simulator lay out dp, tp and pp only."""
+        from toolkit.config import parse_parallel_name
+
+        d = parse_parallel_name(name)
+        if d["cp"] != 1:
+            raise ValueError(f"layout {name!r}: the simulator lays out dp, tp and pp only, not cp={d['cp']}")
+        return cls(d["dp"], d["tp"], d["pp"], d["zero"], micro_batch_size=micro_batch_size)
+
+    @classmethod
     def from_dict(cls, d: dict) -> "Strategy":
         known = {"dp", "tp", "pp", "zero", "micro_batch_size", "sequence_parallel", "ops", "schedule", "virtual"}
         unknown = sorted(set(d) - known)
