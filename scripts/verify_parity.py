@@ -14,7 +14,7 @@ Two modes (bars in ``TOLERANCE``: loss, gradients, final parameters).
 difference between the runs, the order of summation, is ~1e-16; Adam's
 ``g / (sqrt(v) + eps)`` can amplify it up to ``lr / (4 eps)``-fold (2.5e4
 here) where a gradient is near ``eps``, so every bar is ``1e-9`` (measured:
-at most ~6e-12). ``float32``: the same training in single precision, where
+at most ~2e-11). ``float32``: the same training in single precision, where
 that amplification turns summation-order noise (~1e-7) into parameter
 differences of ~1e-3 after three steps, as large as those between the
 float32 reference and the float64 one (the ``floor`` column: the one-device

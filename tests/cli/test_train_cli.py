@@ -41,9 +41,8 @@ def single(single_run):
 @pytest.mark.parametrize("layout", ["dp2 parallel.bucket_mb=0.015625", "tp2", "pp2", "dp2_tp2_pp2", "dp2_pp2_zero2",
                                     "dp2_tp2_zero3",
                                     "dp2_tp2 parallel.sequence_parallel=true parallel.bucket_mb=0.015625",
-                                    # the sequence split over cp and, outside attention and the MLP, over tp in it
-                                    "cp2_tp2 parallel.sequence_parallel=true trainer.micro_batch_size=1",
-                                    # the position embedding's gradient comes back split on cp (ZeRO-1 reduces it)
+                                    # context parallel: the position embedding's gradient comes back split on cp
+                                    # (ZeRO-1 reduces it); cp2 x tp2 sequence-parallel: benchkit/parity.py
                                     "dp2_cp2_zero1 trainer.micro_batch_size=1"])
 def test_layout_losses_equal_single(layout, single, sbp_cache, tmp_path):
     layout, *options = layout.split()
