@@ -4,7 +4,7 @@ Hydra composes ``configs/`` (``recipe=``, ``model=``, ``parallel=`` any ``dpX_tp
 name or ``parallel.dp=..`` or ``auto`` (search the plan first, ``toolkit.search``),
 ``data=``, ``trainer.*``, ``logger=none``); the
 config is validated before any process starts; without torchrun or Slurm
-this spawns dp*tp*pp local processes (gloo on CPU, NCCL with a GPU each).
+this spawns dp*cp*tp*pp local processes (gloo on CPU, NCCL with a GPU each).
 The run directory (``hydra.run.dir``) gets ``config.yaml`` and
 ``metrics.jsonl``.
 """

@@ -92,6 +92,8 @@ def layouts():
     out["llama cp2"] = ("llama", stage_ranks(1, 1, 1, 2)[0], cp_plan, cp_data, 1)
     out["llama dp2 x cp2"] = ("llama", stage_ranks(2, 1, 1, 2)[0], cp_plan, cp_data, 2)
     out["llama cp2, one head"] = ("llama-1h", stage_ranks(1, 1, 1, 2)[0], cp_plan, cp_data, 1)
+    out["llama cp2 x tp2 sequence-parallel"] = ("llama", stage_ranks(1, 2, 1, 2)[0],
+                                                context_plan(llama_plan.mesh_plan(True), 2, 1), cp_data, 1)
     out["gpt2 cp2 x tp2 sequence-parallel"] = ("gpt2", stage_ranks(1, 2, 1, 2)[0],
                                                context_plan(_on_axis({**GPT_TP, **GPT_SP_PINS}, B, 1, 2), 2, 1),
                                                cp_data, 1)

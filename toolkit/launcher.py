@@ -205,7 +205,7 @@ def launch(main: Callable[[Any], Any], cfg: Any, nprocs: int, *, device: Optiona
     ``nprocs``, :class:`LaunchError` when a local rank fails.
     """
     if not isinstance(nprocs, int) or nprocs < 1:
-        raise ValueError(f"nprocs={nprocs!r}: must be a positive int (dp * tp * pp)")
+        raise ValueError(f"nprocs={nprocs!r}: must be a positive int (dp * cp * tp * pp)")
     if device is None:
         device = (cfg.get("device") if hasattr(cfg, "get") else None) or "auto"
     timeout = _timeout_s(timeout)
@@ -225,7 +225,7 @@ def _run_launched(main, cfg, nprocs: int, env: ClusterEnv, device: str, timeout:
     if env.world_size != nprocs:
         raise ConfigError(f"{env.kind} started {env.world_size} processes, but the layout needs "
                           f"nprocs={nprocs}; valid: launch {nprocs} processes, or choose a layout whose "
-                          f"dp*tp*pp is {env.world_size}")
+                          f"dp*cp*tp*pp is {env.world_size}")
     _require_no_group()
     kind = resolve_device(device, env.sharing_devices(env.world_size))
     if kind == "cuda":

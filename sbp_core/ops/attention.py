@@ -178,11 +178,8 @@ def _causal_rows(func, args, kwargs, ctx):
     # The kernel takes an additive mask of the query's dtype (not a boolean one).
     mask = torch.zeros(later.shape, dtype=query.dtype, device=rows.device).masked_fill_(later, -math.inf)
     own = bound.get("attn_mask")
-    if own is not None:  # the call's own mask, its rows split with the queries: its first s + n keys, added
-        own = own.narrow(-1, 0, seen) if own.shape[-1] != 1 else own
-        if own.dtype == torch.bool:
-            own = torch.zeros(own.shape, dtype=query.dtype, device=own.device).masked_fill_(~own, -math.inf)
-        mask = own + mask
+    if own is not None:  # the call's own (additive) mask, its rows split with the queries: its first s + n keys
+        mask = (own.narrow(-1, 0, seen) if own.shape[-1] != 1 else own) + mask
     bound.update(is_causal=False, key=bound["key"].narrow(SEQ, 0, seen), value=bound["value"].narrow(SEQ, 0, seen),
                  attn_mask=mask)
     positional = len(args)

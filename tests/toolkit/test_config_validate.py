@@ -196,10 +196,11 @@ def test_context_parallel_is_refused_with_compile_and_the_search():
 def test_the_search_refuses_context_parallelism_before_searching():
     """train.py resolves parallel.auto before it validates: the refusal must come before any search or cached plan
     (a plan for dp, tp and pp would run on cp times its processes)."""
-    from toolkit.search.auto import resolve
+    from toolkit.search.auto import resolve, search_plan
 
-    with pytest.raises(ConfigError, match="parallel.cp=2 with parallel.auto=true: the search lays out dp, tp and pp"):
-        resolve(cfg_of("parallel.cp=2", "parallel.auto=true"), GPT2, log=pytest.fail)
+    for search in (resolve, search_plan):  # train.py's parallel=auto, and scripts/search_plan.py
+        with pytest.raises(ConfigError, match="parallel.cp=2 with parallel.auto=true: the search lays out dp, tp"):
+            search(cfg_of("parallel.cp=2", "parallel.auto=true"), GPT2, log=pytest.fail)
 
 
 @pytest.mark.parametrize("name", ["insightface", "wide_deep"])

@@ -2,7 +2,7 @@
 
 A job is either *launched* (torchrun, or ``srun`` under Slurm, started one
 process per rank and told each its rank through the environment) or *local*
-(``train.py`` will spawn ``dp * tp * pp`` processes itself). :func:`cluster_env`
+(``train.py`` will spawn ``dp * cp * tp * pp`` processes itself). :func:`cluster_env`
 tells which, and both :func:`toolkit.config.validate` (world-size check) and
 :func:`toolkit.launcher.launch` (process-group init) read it, so they agree.
 

@@ -438,7 +438,7 @@ def validate(cfg: Any, recipe, world_size: Optional[int] = None) -> JobLayout:
     ``recipe``: the ``toolkit.recipe.Recipe`` named by ``cfg.recipe.name``
     (``recipes.registry.get``). ``world_size``: the processes the job has;
     ``None`` reads torchrun's or Slurm's environment, else assumes
-    ``dp * tp * pp`` will be spawned. Returns the :class:`JobLayout`; raises
+    ``dp * cp * tp * pp`` will be spawned. Returns the :class:`JobLayout`; raises
     :class:`ConfigError` listing every problem; warns :class:`ConfigWarning`
     for ignored settings. Does not modify ``cfg``; reads ``run_dir`` (Hydra's
     output dir) only with ``trainer.resume=auto``.

@@ -72,8 +72,18 @@ def plan_path(cfg, recipe) -> tuple:
     return cache / f"{recipe.name}-{key}.json", cluster
 
 
+def refuse_context(cfg) -> None:
+    """``ConfigError`` for ``parallel.cp > 1``: the search lays out dp, tp and pp only, and a plan found for them
+    would run on cp times as many processes (and share the cache file of the ``cp=1`` config)."""
+    if int(cfg.parallel.get("cp", 1)) != 1:
+        from toolkit.config import ConfigError
+
+        raise ConfigError([f"parallel.cp={cfg.parallel.cp} with parallel.auto=true: the search lays out dp, tp and pp "
+                           "only; valid: cp=1, or a layout of your own"])
+
+
 def search_plan(cfg, recipe, progress: bool = True, log=print):
-    """Run the search; returns ``(SearchResult, search model)``."""
+    """Run the search; returns ``(SearchResult, search model)``. Refuses ``parallel.cp > 1`` (``refuse_context``)."""
     from toolkit.search.evaluate import Evaluator
     from toolkit.search.mcmc import search
     from toolkit.search.opcost import MeasuredOpCosts, RooflineOpCosts, measurement_cache
@@ -84,6 +94,7 @@ def search_plan(cfg, recipe, progress: bool = True, log=print):
     from .search_model import RecipeSearchModel
 
     cfg = typed(cfg, recipe)
+    refuse_context(cfg)
     s = cfg.parallel.search
     cluster = load_cluster(s.cluster)
     devices, all_devices = _devices(cfg, cluster)
@@ -133,16 +144,10 @@ def read_plan(path) -> Strategy:
 
 
 def resolve(cfg, recipe, log=print):
-    """``cfg`` with ``parallel.auto`` replaced by the found (or cached) plan.
-
-    Raises ``ConfigError`` before searching (or reading a cached plan) for a context-parallel config: the search
-    lays out dp, tp and pp only, and a plan found for them would run on cp times as many processes."""
+    """``cfg`` with ``parallel.auto`` replaced by the found (or cached) plan (a context-parallel config is refused
+    first, ``refuse_context``)."""
     cfg = typed(cfg, recipe)
-    if int(cfg.parallel.get("cp", 1)) != 1:
-        from toolkit.config import ConfigError
-
-        raise ConfigError([f"parallel.cp={cfg.parallel.cp} with parallel.auto=true: the search lays out dp, tp and pp "
-                           "only; valid: cp=1, or a layout of your own"])
+    refuse_context(cfg)
     path, cluster = plan_path(cfg, recipe)
     if path.exists():
         strategy = read_plan(path)
