@@ -7,8 +7,8 @@ stage's placement, in stage order (building a placement creates its process
 groups, a collective over the world).
 
 A recipe's plan and layouts are written for the ``(dp, tp)`` mesh;
-``with_context`` puts the cp axis between them: parameters whole on it
-(``B``; their gradients come back partial and are summed over it as over
+``context_plan`` and ``with_context`` put the cp axis between them:
+parameters whole on it (``B``; their gradients are reduced over it as over
 dp), the batch, the activation pins and the stage boundaries split on the
 recipe's sequence dim.
 """
