@@ -186,11 +186,9 @@ def test_context_parallel_of_several_samples_per_micro_batch_warns():
         validate(cfg_of("parallel=cp2", "trainer.micro_batch_size=2", "trainer.global_batch_size=8"))
 
 
-def test_context_parallel_is_refused_with_compile_and_the_search():
+def test_context_parallel_is_refused_with_compile():
     assert "trainer.compile=true: compiles the stage forwards that run on plain tensors, and with cp=2" in \
         problems("parallel=cp2", "trainer.compile=true")
-    assert "parallel.cp=2 with parallel.auto=true: the search lays out dp, tp and pp only" in \
-        problems("parallel=cp2", "parallel.auto=true")
 
 
 def test_the_search_refuses_context_parallelism_before_searching():

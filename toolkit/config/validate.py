@@ -31,8 +31,8 @@ value range and cross-field rule, collecting *all* problems into one
   ``tp == 1`` warns too (it splits nothing).
 - ``cp > 1`` needs a recipe with a sequence (``Recipe.context_dim``), and
   is refused with ``trainer.compile`` (a context-parallel stage runs on
-  global tensors) and with ``parallel.auto`` (the search lays out dp, tp
-  and pp); the recipe checks that its sequence divides by ``cp``; with
+  global tensors; ``parallel.auto`` refuses it before searching,
+  ``toolkit.search.auto.refuse_context``); the recipe checks that its sequence divides by ``cp``; with
   ``micro_batch_size > 1`` it warns (the sequence split cannot stay
   through a linear layer's folded batch and sequence).
 - Every choice-valued string is one of its choices (schema tuples).
@@ -215,14 +215,6 @@ def _typed(cfg: Any, recipe) -> DictConfig:
         raise ConfigError(f"{key}: {str(err).splitlines()[0]}; valid: the fields and types of {where}") from None
 
 
-def _data_shards(sbp: tuple, dp: int, tp: int) -> int:
-    """Shards of a batch laid out ``sbp`` on the ``(dp, tp)`` mesh: the product of the axes splitting its samples
-    (a context-parallel axis splits each sample's sequence, not the samples)."""
-    from sbp_core.sbp import Split
-
-    return math.prod(n for s, n in zip(sbp, (dp, tp)) if isinstance(s, Split) and s.axis == 0)
-
-
 def _check_stages(problems: list, par, n_layer: int) -> tuple:
     chunks = par.pp * par.pp_virtual
     if par.stage_layers is None:
@@ -292,9 +284,6 @@ def _check_parallel(p: list, cfg, recipe, world_size: Optional[int], env) -> tup
     if par.cp > 1 and recipe.context_dim is None:
         p.append(f"parallel.cp={par.cp}: splits the sequence, and recipe {recipe.name} has none (Recipe.context_dim); "
                  "valid: 1")
-    if par.cp > 1 and par.auto:
-        p.append(f"parallel.cp={par.cp} with parallel.auto=true: the search lays out dp, tp and pp only; valid: cp=1, "
-                 "or a layout of your own")
     if par.sequence_parallel and not recipe.sequence_parallel:
         p.append(f"parallel.sequence_parallel=true: recipe {recipe.name}'s plan has no sequence-parallel variant "
                  "(no sequence axis to split); valid: false")
@@ -453,7 +442,9 @@ def validate(cfg: Any, recipe, world_size: Optional[int] = None) -> JobLayout:
     env = cluster_env()
     degrees_ok, zero, world, world_size, layout_name, stage_layers = _check_parallel(p, cfg, recipe, world_size, env)
     device = _check_device(p, cfg, env, world)
-    shards = _data_shards(recipe.data_sbp, par.dp, par.tp) if degrees_ok else 1
+    from toolkit.recipe import data_shard
+
+    shards = data_shard(recipe.data_sbp, (par.dp, par.tp), (0, 0))[1] if degrees_ok else 1
     accumulation = _check_batch(p, tr, par, shards, layout_name, degrees_ok)
     if degrees_ok and par.cp > 1 and tr.micro_batch_size > 1:
         warnings.warn(f"parallel.cp={par.cp} with trainer.micro_batch_size={tr.micro_batch_size}: torch's linear "
