@@ -32,8 +32,8 @@ def single(single_llama):
     return single_llama[1]
 
 
-@pytest.mark.parametrize("layout", ["tp2 parallel.sequence_parallel=true", "dp2_tp2_pp2 parallel.pp_virtual=2",
-                                    "dp2_tp2_zero3", "dp2_cp2_pp2_zero1 trainer.micro_batch_size=1"])
+@pytest.mark.parametrize("layout", ["tp2 parallel.sequence_parallel=true", "tp2_pp2 parallel.pp_virtual=2",
+                                    "dp2_tp2_zero3", "cp2_pp2 trainer.micro_batch_size=1"])
 def test_layout_losses_equal_single(layout, single, sbp_cache, tmp_path):
     layout, *options = layout.split()
     losses = train_pooled([*TINY, f"parallel={layout}", *options], tmp_path, sbp_cache)

@@ -1,8 +1,9 @@
-"""A whole training job as NCCL runs it, on CPU: gpt2 dp2_tp2 with an evaluation and checkpoints, the world read
-as NCCL by ``sbp_core.process_groups`` alone while every group stays gloo on the host. Each group then gets its
-gloo control twin on every rank, layout checks, headers, the checkpoint's object collectives (its own and
-DCP's) and the runtime's tokens go over the twins, as on GPUs, and a checkpoint is written under the init
-bound; the losses, evaluation and checkpoint must be the job's own, bit for bit."""
+"""A whole training job as NCCL runs it, on CPU: gpt2 dp2_pp2 with an evaluation and checkpoints, the world
+read as NCCL by ``sbp_core.process_groups`` alone while every group stays gloo on the host. Each group then gets
+its gloo control twin on every rank (most groups leave a rank out), layout checks, headers, the checkpoint's
+object collectives (its own and DCP's) and the runtime's tokens (one before each pipeline receive) go over the
+twins, as on GPUs, and a checkpoint is written under the init bound; the losses, evaluation and checkpoint
+must be the job's own, bit for bit."""
 from __future__ import annotations
 
 import json
@@ -15,7 +16,7 @@ from tests.cli.pooled import _rank_train
 from tests.cli.test_train_cli import TINY
 from toolkit.config import compose, save_resolved_config, validate
 
-JOB = [*TINY, "parallel=dp2_tp2", "trainer.eval_every=3", "trainer.eval_steps=1", "trainer.save_every=2"]
+JOB = [*TINY, "parallel=dp2_pp2", "trainer.eval_every=3", "trainer.eval_steps=1", "trainer.save_every=2"]
 
 
 OBJECT_COLLECTIVES = ("all_gather_object", "gather_object", "broadcast_object_list", "scatter_object_list")
@@ -79,7 +80,7 @@ def test_a_job_under_nccls_control_messages_is_the_jobs_own(tmp_path, sbp_cache)
         else:
             with RankPool(layout.world_size, timeout=60.0) as pool:  # its own: the twins stay in its workers
                 twins, off_twins, inits = zip(*pool.run(_train_as_nccl, container, call_timeout=180))
-            assert len(set(twins)) == 1 and twins[0] > 1, twins
+            assert len(set(twins)) == 1 and twins[0] > layout.world_size, twins
             assert off_twins == ([],) * layout.world_size, off_twins  # checkpoint and DCP messages included
             assert inits == ([True, True],) * layout.world_size, inits  # steps 2 and 3
         runs[way] = run

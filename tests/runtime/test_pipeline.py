@@ -581,25 +581,3 @@ def test_a_plans_first_runs_wait_under_the_init_timeout_and_later_runs_under_the
         assert len(got) == 3 and float(got[0]) > 0 and float(got[1]) > 0, (r, got)
         assert "Error" in got[2] or "Failure" in got[2], (r, got)
     assert "timeout 3 s" in (tmp_path / "rank0").read_text(), (tmp_path / "rank0").read_text()
-
-
-def _under_nccl_control(name: str, dtype: str):
-    """``run_pipeline`` under NCCL's control flow (``tests.as_nccl``); (its result, the twins this rank built)."""
-    from sbp_core import process_groups
-    from tests.as_nccl import world_read_as_nccl
-
-    with world_read_as_nccl():
-        return run_pipeline(name, dtype=dtype), len(process_groups._twinned)
-
-
-def test_a_pipeline_under_nccls_control_messages_matches_one_device():
-    """dp2_tp2_pp2 as NCCL runs it, but on CPU: twins built by every rank (a rank is outside most groups),
-    host messages over them, tokens before receives; the same numbers as one device training on its own."""
-    from toolkit.rank_pool import RankPool
-
-    with RankPool(8, timeout=60.0) as pool:  # its own: the twins it builds stay in its workers
-        got = pool.run(_under_nccl_control, "dp2_tp2_pp2", "float64")
-    twins = {n for _, n in got}
-    assert len(twins) == 1 and twins.pop() > 8, [n for _, n in got]
-    errs = compare([r for r, _ in got], dtype="float64")
-    assert all(e <= bar for e, bar in zip(errs, TOLERANCE["float64"])), (errs, TOLERANCE["float64"])
