@@ -53,11 +53,18 @@ def _selection_backward_uses_new_zeros() -> bool:
             self.ops.add(func)
             return func(*args, **(kwargs or {}))
 
-    with torch.inference_mode(False), torch.enable_grad():  # whatever the importing code runs under
-        x = torch.zeros(2, 2, device="cpu", requires_grad=True)
-        values = x.max(0)[0]
-        with _Seen() as seen:
-            values.sum().backward()
+    # One intra-op thread: a reduction would otherwise start torch's thread pool, and importing sbp_core must
+    # leave none behind (a fork server imports it, toolkit.rank_pool, and forks ranks that then use their own).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.inference_mode(False), torch.enable_grad():  # whatever the importing code runs under
+            x = torch.zeros(2, 2, device="cpu", requires_grad=True)
+            values = x.max(0)[0]
+            with _Seen() as seen:
+                values.sum().backward()
+    finally:
+        torch.set_num_threads(threads)
     return torch.ops.aten.new_zeros.default in seen.ops
 
 

@@ -193,3 +193,41 @@ def test_workers_exit_when_parent_dies(tmp_path):
     while _running(worker) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not _running(worker), f"worker {worker} outlived its parent"
+
+
+def environment_and_timeouts():
+    from sbp_core import process_groups
+
+    with process_groups.initialising():
+        init = process_groups.get_timeout()
+    return os.environ.get("SBP_POOL_TEST"), process_groups.get_timeout(), init
+
+
+def test_workers_take_the_parents_environment_as_it_is_when_the_pool_starts(monkeypatch):
+    """A worker is forked by a server that imported sbp_core long before: the pool's environment and its
+    timeouts are still the ones the pool starts with (as a spawned child's would be)."""
+    monkeypatch.setenv("SBP_POOL_TEST", "first")
+    monkeypatch.setenv("SBP_INIT_TIMEOUT", "77")
+    with RankPool(2, timeout=9.0) as pool:
+        assert pool.run(environment_and_timeouts) == [("first", 9.0, 77.0)] * 2
+        monkeypatch.setenv("SBP_POOL_TEST", "second")
+        assert pool.run(environment_and_timeouts) == [("first", 9.0, 77.0)] * 2  # started already
+    with RankPool(2, timeout=9.0) as pool:
+        assert pool.run(environment_and_timeouts)[0][0] == "second"
+
+
+def test_importing_the_project_starts_no_thread():
+    """What the pool's fork server imports leaves no thread behind (torch's own at import aside): a process
+    forked from it would lack the threads and hang on their locks."""
+    code = ("import os, torch\n"
+            "before = len(os.listdir('/proc/self/task'))\n"
+            "import importlib\n"
+            "from toolkit.rank_pool import PRELOAD\n"
+            "for name in PRELOAD: importlib.import_module(name)\n"
+            "print(before, len(os.listdir('/proc/self/task')))\n")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=root,
+                         env={**os.environ, "PYTHONPATH": root})
+    assert out.returncode == 0, out.stderr
+    before, after = map(int, out.stdout.split())
+    assert after == before, (before, after)
