@@ -1,14 +1,48 @@
-"""What a spawned rank process does for its parent, in the launcher (``toolkit.launcher``) and the rank pool
-(``toolkit.rank_pool``): leave when the parent is gone, and send it pickled messages."""
+"""What a local rank process is started from and does for its parent, in the launcher (``toolkit.launcher``)
+and the rank pool (``toolkit.rank_pool``): forked by a fork server that imported the project once, it leaves
+when the parent is gone and sends it pickled messages."""
 from __future__ import annotations
 
 import os
 import pickle
+import sys
 import threading
 import time
+from multiprocessing import get_all_start_methods, get_context
 from typing import Callable
 
 PARENT_POLL_S = 1.0
+
+#: What the fork server imports before it forks any rank: what nearly every rank needs.
+PRELOAD = ["torch", "torch.distributed", "sbp_core", "runtime.executor", "toolkit.trainer", "recipes.registry"]
+
+
+def host_rank_context():
+    """The ``multiprocessing`` context that starts CPU ranks: the fork server's, with :data:`PRELOAD`.
+
+    A spawned rank imports torch and this project again (about 3 s of CPU each, which ranks sharing a few
+    cores pay one after another); a rank forked from the server starts in a fraction of a second. The
+    server is a fresh process that only imported modules: no thread pool, no process group, no CUDA state is
+    inherited (``tests/toolkit/test_rank_pool.py`` counts its threads). A forked rank inherits the server's
+    environment, the parent's as it was when the server started: callers pass ``dict(os.environ)`` and the
+    rank installs it (:func:`take_environment`). ``spawn`` where the platform has no fork server. The
+    preload list is the process's one fork server's: set before that server first starts."""
+    if "forkserver" not in get_all_start_methods():
+        return get_context("spawn")
+    ctx = get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+def take_environment(environ: dict, **extra: str) -> None:
+    """Make this process's environment ``environ`` plus ``extra``, and re-read what sbp_core read from the
+    environment at import (its timeouts), which a fork server's import did before this environment."""
+    os.environ.clear()
+    os.environ.update(environ, **extra)
+    groups = sys.modules.get("sbp_core.process_groups")
+    if groups is not None:
+        groups.set_timeout(float(os.environ.get("SBP_TIMEOUT", "300")))
+        groups.set_init_timeout(float(os.environ.get("SBP_INIT_TIMEOUT", "900")))
 
 
 def leave_with_parent(parent_pid: int) -> None:

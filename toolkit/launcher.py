@@ -10,7 +10,9 @@
   directory even when nodes composed theirs at different seconds), calls
   ``main(cfg)`` and destroys the group. Failure handling is the launcher's
   (torchrun stops the other workers; the collective timeout bounds a hang).
-- **Local, nprocs > 1**: spawns ``nprocs`` processes on this machine. The
+- **Local, nprocs > 1**: starts ``nprocs`` processes on this machine (on
+  CPU forked from a fork server that imported the project once,
+  ``toolkit.child.host_rank_context``; CUDA ranks are spawned). The
   parent owns the rendezvous ``TCPStore`` on a port the OS picks (no
   free-port race); each child joins it as rank ``r`` (gloo on CPU; NCCL with
   ``torch.cuda.set_device(r)`` when there is a CUDA device per rank), calls
@@ -41,7 +43,7 @@ such as the run directory are resolved in the parent) and is rebuilt as a
 DictConfig, typed again when it was a structured config. ``main`` must be
 picklable by reference (a module-level function); a script using
 :func:`launch` must guard its entry point with ``if __name__ == "__main__":``
-because children re-import it (``spawn``).
+because children re-import it.
 """
 from __future__ import annotations
 
@@ -278,16 +280,15 @@ def _send(conn, message: tuple) -> None:
 
 
 def _child(rank: int, nprocs: int, port: int, kind: str, timeout: float, parent_pid: int, conn,
-           main, packed) -> None:
-    """Body of one spawned rank: join the group, run ``main``, report over ``conn``."""
+           main, packed, environ: dict) -> None:
+    """Body of one local rank: join the group, run ``main``, report over ``conn``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops us
     keep_freed_host_memory()  # before any other thread: one malloc arena for all of them
     child.leave_with_parent(parent_pid)
-    os.environ.update(_rank_env(rank, nprocs, rank, nprocs, "127.0.0.1", port, timeout))
     try:
-        # main's module (and maybe sbp_core) was imported while unpickling our arguments,
-        # before SBP_TIMEOUT was set here, so push the timeout into sbp_core explicitly.
-        _apply_sbp_timeout(timeout)
+        # main's module and sbp_core may be imported already (by the fork server, or while unpickling our
+        # arguments): take_environment pushes the timeouts into sbp_core too.
+        child.take_environment(environ, **_rank_env(rank, nprocs, rank, nprocs, "127.0.0.1", port, timeout))
         import torch
         import torch.distributed as dist
 
@@ -337,7 +338,9 @@ def _run_spawned(main, cfg, nprocs: int, device: str, timeout: float, kill_grace
                         "module-level function of an importable module") from exc
     kind = resolve_device(device, nprocs)
     packed = _pack(cfg)
-    ctx = get_context("spawn")
+    # CUDA ranks are spawned: on a GPU machine's cores their start-up is short next to CUDA's own, and each
+    # initialises CUDA in a process nothing was forked into.
+    ctx = child.host_rank_context() if kind == "cpu" else get_context("spawn")
     # The parent owns the rendezvous store: the OS picks its port, so no rank can lose a port race.
     store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=timeout), wait_for_workers=False)
     procs, conns = [], []
@@ -346,7 +349,7 @@ def _run_spawned(main, cfg, nprocs: int, device: str, timeout: float, kill_grace
             parent_end, child_end = ctx.Pipe(duplex=False)
             proc = ctx.Process(target=_child, name=f"rank-{rank}", daemon=False,
                                args=(rank, nprocs, store.port, kind, timeout, os.getpid(), child_end,
-                                     main, packed))
+                                     main, packed, dict(os.environ)))
             proc.start()
             child_end.close()
             procs.append(proc)

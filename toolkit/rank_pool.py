@@ -13,14 +13,10 @@ Contract:
   are handed to the children). A script that uses a pool must guard its
   entry point with ``if __name__ == "__main__":`` because the children
   re-import it.
-- Workers are forked by a fork server (``multiprocessing``'s
-  ``forkserver``) that imported torch and this project's packages once
-  (:data:`PRELOAD`), so a worker starts in a fraction of a second instead of
-  importing them again (seconds of CPU each). The server is a fresh process
-  that only imported modules: no thread pool, no CUDA, no process group is
-  inherited. Each worker takes the parent's environment as it is when the
-  pool starts, as a spawned child would. Where the platform has no fork
-  server, workers are spawned.
+- Workers are forked by a fork server that imported torch and this
+  project's packages once (``toolkit.child.host_rank_context``); each takes
+  the parent's environment as it is when the pool starts, as a spawned child
+  would.
 - Arguments and return values travel as plain pickles (no shared memory).
 - Workers run with ``torch.set_num_threads(1)`` and the standard env vars
   ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
@@ -48,14 +44,11 @@ import traceback
 import weakref
 from dataclasses import dataclass
 from datetime import timedelta
-from multiprocessing import connection, get_all_start_methods, get_context
+from multiprocessing import connection
 from typing import Any, Callable
 
 from runtime.host_memory import keep_freed_host_memory
 from toolkit import child
-
-#: What the fork server imports before it forks any worker: what nearly every pool call needs.
-PRELOAD = ["torch", "torch.distributed", "sbp_core", "runtime.executor", "toolkit.trainer", "recipes.registry"]
 
 #: Errors raised uniformly by all ranks before any collective diverged (bad
 #: arguments, unsupported op). They leave the process group usable.
@@ -114,20 +107,15 @@ def _worker(rank: int, world_size: int, port: int, timeout: float, parent_pid: i
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     keep_freed_host_memory()  # before any other thread: one malloc arena for all of them
     child.leave_with_parent(parent_pid)
-    os.environ.clear()  # the fork server's is the parent's as it was when the server started
-    os.environ.update(environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size),
-                      # sbp_core builds its own groups; they time out like the default one.
-                      SBP_TIMEOUT=str(timeout))
     try:
+        child.take_environment(environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                               WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                               LOCAL_WORLD_SIZE=str(world_size),
+                               # sbp_core builds its own groups; they time out like the default one.
+                               SBP_TIMEOUT=str(timeout))
         import torch
         import torch.distributed as dist
 
-        from sbp_core import process_groups  # imported by the fork server, before this environment
-
-        process_groups.set_timeout(timeout)
-        process_groups.set_init_timeout(float(os.environ.get("SBP_INIT_TIMEOUT", "900")))
         torch.set_num_threads(1)
         dist.init_process_group("gloo", rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout))
@@ -154,17 +142,6 @@ def _worker(rank: int, world_size: int, port: int, timeout: float, parent_pid: i
     dist.destroy_process_group()
 
 
-def _context():
-    """The fork server's context with :data:`PRELOAD` (``spawn`` where there is no fork server).
-
-    The preload list is the process's one fork server's: set before that server first starts."""
-    if "forkserver" not in get_all_start_methods():
-        return get_context("spawn")
-    ctx = get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
-    return ctx
-
-
 class RankPool:
     """``world_size`` local worker processes, each one gloo rank, reused across calls.
 
@@ -181,7 +158,7 @@ class RankPool:
             raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
         self.world_size = world_size
         self.timeout = float(timeout)
-        self._ctx = _context()
+        self._ctx = child.host_rank_context()
         self._procs: list = []
         self._conns: list = []
         self._lock = threading.Lock()

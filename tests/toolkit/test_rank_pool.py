@@ -222,7 +222,7 @@ def test_importing_the_project_starts_no_thread():
     code = ("import os, torch\n"
             "before = len(os.listdir('/proc/self/task'))\n"
             "import importlib\n"
-            "from toolkit.rank_pool import PRELOAD\n"
+            "from toolkit.child import PRELOAD\n"
             "for name in PRELOAD: importlib.import_module(name)\n"
             "print(before, len(os.listdir('/proc/self/task')))\n")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
