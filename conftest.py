@@ -1,9 +1,9 @@
 """Root conftest: makes the repository root importable in tests.
 
-pytest puts this file's directory on ``sys.path``; ``RankPool`` workers are
-started with ``spawn``, which copies ``sys.path``, so they can import test
-modules such as ``tests.toolkit.test_rank_pool`` and unpickle the functions
-the tests send them, even without ``pip install -e .``.
+pytest puts this file's directory on ``sys.path``; ``RankPool`` workers
+import with this process's ``sys.path`` (``toolkit.child.host_rank_context``),
+so they can import test modules such as ``tests.toolkit.test_rank_pool`` and
+unpickle the functions the tests send them, even without ``pip install -e .``.
 
 Tests marked ``cuda`` need a GPU: ``pytest -m cuda`` runs them on one, and
 everywhere else they are skipped with that reason.

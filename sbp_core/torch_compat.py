@@ -54,7 +54,8 @@ def _selection_backward_uses_new_zeros() -> bool:
             return func(*args, **(kwargs or {}))
 
     # One intra-op thread: a reduction would otherwise start torch's thread pool, and importing sbp_core must
-    # leave none behind (a fork server imports it, toolkit.rank_pool, and forks ranks that then use their own).
+    # leave none behind (a fork server imports it, toolkit.child.host_rank_context, and forks ranks that then
+    # use their own).
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

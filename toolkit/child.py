@@ -1,6 +1,6 @@
-"""What a local rank process is started from and does for its parent, in the launcher (``toolkit.launcher``)
-and the rank pool (``toolkit.rank_pool``): forked by a fork server that imported the project once, it leaves
-when the parent is gone and sends it pickled messages."""
+"""Local rank processes, for the launcher (``toolkit.launcher``) and the rank pool (``toolkit.rank_pool``): how
+a CPU rank is started (forked by a fork server that imported the project once), and what a rank does for its
+parent (take its environment, leave when it is gone, send it pickled messages)."""
 from __future__ import annotations
 
 import os
@@ -8,29 +8,37 @@ import pickle
 import sys
 import threading
 import time
-from multiprocessing import get_all_start_methods, get_context
+from multiprocessing import forkserver, get_all_start_methods, get_context
 from typing import Callable
 
 PARENT_POLL_S = 1.0
 
-#: What the fork server imports before it forks any rank: what nearly every rank needs.
-PRELOAD = ["torch", "torch.distributed", "sbp_core", "runtime.executor", "toolkit.trainer", "recipes.registry"]
-
 
 def host_rank_context():
-    """The ``multiprocessing`` context that starts CPU ranks: the fork server's, with :data:`PRELOAD`.
+    """The ``multiprocessing`` context that starts CPU ranks: the fork server's, which imported
+    ``toolkit.preload`` (torch and this project) once.
 
     A spawned rank imports torch and this project again (about 3 s of CPU each, which ranks sharing a few
     cores pay one after another); a rank forked from the server starts in a fraction of a second. The
     server is a fresh process that only imported modules: no thread pool, no process group, no CUDA state is
-    inherited (``tests/toolkit/test_rank_pool.py`` counts its threads). A forked rank inherits the server's
-    environment, the parent's as it was when the server started: callers pass ``dict(os.environ)`` and the
-    rank installs it (:func:`take_environment`). ``spawn`` where the platform has no fork server. The
-    preload list is the process's one fork server's: set before that server first starts."""
+    inherited (``tests/toolkit/test_rank_pool.py`` counts its threads). It is started here, with this
+    process's ``sys.path`` as its ``PYTHONPATH`` (``multiprocessing`` does not hand it ``sys.path``), so it
+    imports the modules this process would. A forked rank inherits the server's environment, this
+    process's as it was when the server started: callers pass ``dict(os.environ)`` and the rank installs
+    it (:func:`take_environment`). ``spawn`` where the platform has no fork server."""
     if "forkserver" not in get_all_start_methods():
         return get_context("spawn")
     ctx = get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
+    ctx.set_forkserver_preload(["toolkit.preload"])
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p or os.getcwd() for p in sys.path)
+    try:
+        forkserver.ensure_running()  # a no-op once it runs
+    finally:
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before
     return ctx
 
 
@@ -51,9 +59,10 @@ def leave_with_parent(parent_pid: int) -> None:
     A rank blocked in a collective never reads its pipe, so it would not notice
     the parent's death by EOF; the thread polls the parent instead and leaves hard.
     A spawned child's parent process is ``parent_pid``; a child forked by a fork
-    server (``toolkit.rank_pool``) is the server's, which ends when
-    ``parent_pid`` does: either way the child leaves once the process that
-    started it is gone, or ``parent_pid`` is.
+    server (:func:`host_rank_context`) is the server's, which outlives
+    ``parent_pid`` while any rank it forked lives. So the child leaves when the
+    process that started it is gone, or ``parent_pid`` is (no such process, a
+    zombie, or another user's under a reused pid).
     """
     started_by = os.getppid()
 
@@ -62,11 +71,13 @@ def leave_with_parent(parent_pid: int) -> None:
             return True
         try:
             os.kill(parent_pid, 0)
-        except ProcessLookupError:
+        except (ProcessLookupError, PermissionError):
             return True
-        except PermissionError:  # another user's process under a reused pid
-            return True
-        return False
+        try:
+            with open(f"/proc/{parent_pid}/stat") as f:
+                return f.read().rpartition(")")[2].split()[0] == "Z"  # dead, not yet reaped
+        except (OSError, IndexError):
+            return False  # no /proc: the signal above is the check
 
     def watch() -> None:
         while True:

@@ -1,16 +1,16 @@
-"""A pool of local gloo ranks, spawned once and reused across many calls.
+"""A pool of local gloo ranks, started once and reused across many calls.
 
 Multi-rank tests and scripts need N processes that each joined one
-``torch.distributed`` process group. Spawning them per check costs seconds
-(every child imports torch), so a :class:`RankPool` spawns its workers on the
-first call and keeps them: each :meth:`RankPool.run` ships ``(fn, args,
+``torch.distributed`` process group. Starting them per check costs time
+(each joins gloo; a spawned one imports torch too), so a :class:`RankPool`
+starts its workers on the first call and keeps them: each :meth:`RankPool.run` ships ``(fn, args,
 kwargs)`` to every rank over a pipe and gathers the per-rank results.
 
 Contract:
 
 - ``fn`` must be picklable by reference (a module-level function in a module
-  the children can import; the parent's ``sys.path`` and working directory
-  are handed to the children). A script that uses a pool must guard its
+  the children can import; they import what this process would, from its
+  working directory). A script that uses a pool must guard its
   entry point with ``if __name__ == "__main__":`` because the children
   re-import it.
 - Workers are forked by a fork server that imported torch and this

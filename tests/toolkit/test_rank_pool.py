@@ -222,8 +222,8 @@ def test_importing_the_project_starts_no_thread():
     code = ("import os, torch\n"
             "before = len(os.listdir('/proc/self/task'))\n"
             "import importlib\n"
-            "from toolkit.child import PRELOAD\n"
-            "for name in PRELOAD: importlib.import_module(name)\n"
+            "from toolkit.preload import MODULES\n"
+            "assert all(importlib.import_module(name) for name in MODULES)\n"
             "print(before, len(os.listdir('/proc/self/task')))\n")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=root,
@@ -231,3 +231,36 @@ def test_importing_the_project_starts_no_thread():
     assert out.returncode == 0, out.stderr
     before, after = map(int, out.stdout.split())
     assert after == before, (before, after)
+
+
+SHADOW_SCRIPT = """
+import sys
+sys.path.insert(0, sys.argv[1])  # after start-up, as pytest's rootdir or a script's own directory is
+sys.path.insert(1, sys.argv[2])
+from toolkit.rank_pool import RankPool
+
+def marker():
+    import recipes.registry
+    return getattr(recipes.registry, "MARKER", None)
+
+if __name__ == "__main__":
+    with RankPool(1, timeout=30.0) as pool:
+        print(pool.run(marker)[0])
+"""
+
+
+def test_workers_import_the_modules_their_parent_would(tmp_path):
+    """The fork server imports torch and the project before any worker exists; it must find them where the
+    pool's owner would, on the owner's ``sys.path`` as it is then, not on the server's own start-up path."""
+    shadow = tmp_path / "shadow"
+    (shadow / "recipes").mkdir(parents=True)
+    (shadow / "recipes" / "__init__.py").write_text("")
+    (shadow / "recipes" / "registry.py").write_text("MARKER = 'the owner\\'s'\n")
+    script = tmp_path / "owner.py"
+    script.write_text(SHADOW_SCRIPT)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, str(script), str(shadow), root], capture_output=True, text=True,
+                         timeout=120, cwd=str(tmp_path), env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["the", "owner's"], out.stdout
