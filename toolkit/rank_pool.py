@@ -2,9 +2,10 @@
 
 Multi-rank tests and scripts need N processes that each joined one
 ``torch.distributed`` process group. Starting them per check costs time
-(each joins gloo; a spawned one imports torch too), so a :class:`RankPool`
-starts its workers on the first call and keeps them: each :meth:`RankPool.run` ships ``(fn, args,
-kwargs)`` to every rank over a pipe and gathers the per-rank results.
+(each joins gloo; a spawned one imports torch too), so a
+:class:`RankPool` starts its workers on the first call and keeps them:
+each :meth:`RankPool.run` ships ``(fn, args, kwargs)`` to every rank over
+a pipe and gathers the per-rank results.
 
 Contract:
 
