@@ -37,8 +37,14 @@ import torch.distributed as dist
 _groups: dict = {}
 _twins: dict = {}  # id(group) -> (group, its gloo control twin), where the group itself is not gloo
 _twinned: set = set()  # the keys of the groups whose twins exist (a rank outside a group builds its twin too)
-_timeout_s: float = float(os.environ.get("SBP_TIMEOUT", "300"))
-_init_timeout_s: float = float(os.environ.get("SBP_INIT_TIMEOUT", "900"))
+
+
+def _environment_timeouts() -> tuple:
+    """``(SBP_TIMEOUT, SBP_INIT_TIMEOUT)`` in seconds, from the environment (300 and 900 where unset)."""
+    return float(os.environ.get("SBP_TIMEOUT", "300")), float(os.environ.get("SBP_INIT_TIMEOUT", "900"))
+
+
+_timeout_s, _init_timeout_s = _environment_timeouts()
 _initialising = 0  # depth of ``initialising`` blocks
 
 
@@ -60,6 +66,15 @@ def set_init_timeout(seconds: float) -> None:
     global _init_timeout_s
     _init_timeout_s = _positive(seconds)
     _apply()
+
+
+def read_environment() -> None:
+    """Take both timeouts from the environment as it is now, as the import did: for a process whose
+    environment was installed after sbp_core was imported (a rank forked from a fork server,
+    ``toolkit.child``)."""
+    steady, init = _environment_timeouts()
+    set_timeout(steady)
+    set_init_timeout(init)
 
 
 def get_timeout() -> float:

@@ -48,9 +48,8 @@ def take_environment(environ: dict, **extra: str) -> None:
     os.environ.clear()
     os.environ.update(environ, **extra)
     groups = sys.modules.get("sbp_core.process_groups")
-    if groups is not None:
-        groups.set_timeout(float(os.environ.get("SBP_TIMEOUT", "300")))
-        groups.set_init_timeout(float(os.environ.get("SBP_INIT_TIMEOUT", "900")))
+    if groups is not None:  # else its import reads this environment
+        groups.read_environment()
 
 
 def leave_with_parent(parent_pid: int) -> None:

@@ -338,8 +338,7 @@ def _run_spawned(main, cfg, nprocs: int, device: str, timeout: float, kill_grace
                         "module-level function of an importable module") from exc
     kind = resolve_device(device, nprocs)
     packed = _pack(cfg)
-    # CUDA ranks are spawned: on a GPU machine's cores their start-up is short next to CUDA's own, and each
-    # initialises CUDA in a process nothing was forked into.
+    # CUDA ranks are spawned: the fork server's ranks have only been run on CPU.
     ctx = child.host_rank_context() if kind == "cpu" else get_context("spawn")
     # The parent owns the rendezvous store: the OS picks its port, so no rank can lose a port race.
     store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=timeout), wait_for_workers=False)
