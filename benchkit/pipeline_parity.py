@@ -29,9 +29,12 @@ BATCH, SEQ = 16, 16
 ADAMW = dict(lr=1e-3, weight_decay=0.1)
 CFG = GPT2Config(vocab_size=256, n_positions=32, n_embd=64, n_layer=4, n_head=4,
                  embd_pdrop=0.0, resid_pdrop=0.0, attn_pdrop=0.0)
-# scripts/verify_parity.py's LLaMA (grouped-query attention) with 4 layers; "llama-tied" ties its LM head.
+# scripts/verify_parity.py's LLaMA (grouped-query attention) with 4 layers; "llama-tied" ties its LM head;
+# "mixtral" has 4 experts, 2 per token, a capacity that drops choices, and a load-balancing loss 10x Mixtral's.
 LLAMA_CFG = replace(parity.LLAMA_CFG, num_hidden_layers=4)
-MODELS = {"gpt2": CFG, "llama": LLAMA_CFG, "llama-tied": replace(LLAMA_CFG, tie_word_embeddings=True)}
+MODELS = {"gpt2": CFG, "llama": LLAMA_CFG, "llama-tied": replace(LLAMA_CFG, tie_word_embeddings=True),
+          "mixtral": replace(LLAMA_CFG, num_local_experts=4, num_experts_per_tok=2, capacity_factor=1.0,
+                             router_aux_loss_coef=0.01)}
 LAYOUTS = {"pp2": (1, 1, 2), "pp4": (1, 1, 4), "dp2_pp2": (2, 1, 2), "tp2_pp2": (1, 2, 2), "dp2_tp2_pp2": (2, 2, 2)}
 
 
@@ -49,8 +52,8 @@ def _recipe_parts(cfg) -> tuple:
     if isinstance(cfg, GPT2Config):
         return GPT2LMHeadModel, gpt2_plan.PIPELINE, gpt2_plan.TIED, gpt2_plan.mesh_plan(), cfg.n_layer, cfg.n_embd
     tied = llama_plan.TIED if cfg.tie_word_embeddings else ()
-    return (LlamaForCausalLM, llama_plan.PIPELINE, tied, llama_plan.mesh_plan(), cfg.num_hidden_layers,
-            cfg.hidden_size)
+    return (LlamaForCausalLM, llama_plan.PIPELINE, tied, llama_plan.mesh_plan(experts=cfg.num_local_experts > 0),
+            cfg.num_hidden_layers, cfg.hidden_size)
 
 
 def global_batch(step: int) -> torch.Tensor:
@@ -97,8 +100,11 @@ def build(dp: int, tp: int, pp: int, micro: int = MICRO, schedule: str = "1f1b",
     if data is not None:
         batches = data(d)
 
+    act = (((batch // micro, seq, hidden), dtype),)
+    if getattr(cfg, "num_local_experts", 0):  # each sample's load-balancing loss travels with its hidden states
+        act += (((batch // micro,), torch.promote_types(dtype, torch.float32)),)
     pcfg = PipelineConfig(placements, micro, {"input_ids": ((batch // micro, seq), torch.int64)},
-                          [(((batch // micro, seq, hidden), dtype),)] * (pp * virtual - 1), DATA_SBP, ACT_SBP,
+                          [act] * (pp * virtual - 1), DATA_SBP, ACT_SBP,
                           ("input_ids",), ("input_ids",), schedule=schedule, tied=tied, max_grad_norm=max_grad_norm,
                           timeout=20, rows_weigh_equally=rows_weigh_equally, virtual=virtual)
     trace = (lambda: Trace(rank=me)) if traced else None

@@ -28,7 +28,12 @@ class ModelConfig:
     ``original_max_position_embeddings`` are the other ``rope_*`` keys).
     ``tie_word_embeddings``: the LM head is the token embedding (one
     parameter). ``qkv_bias``: biases on the query, key and value
-    projections (Qwen2's). ``name`` labels the preset (run names, W&B); the dimensions are what
+    projections (Qwen2's). ``num_local_experts > 0``: Mixtral's sparse MLP
+    in every layer (``recipes/llama/moe.py``), ``num_experts_per_tok`` of
+    them per token, each of ``intermediate_size``; ``capacity_factor`` sets
+    each expert's slots per sample (0: room for every token, none dropped),
+    ``router_aux_loss_coef`` the load-balancing loss's weight in the loss.
+    ``name`` labels the preset (run names, W&B); the dimensions are what
     count.
     """
 
@@ -49,6 +54,10 @@ class ModelConfig:
     initializer_range: float = 0.02
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
+    num_local_experts: int = 0
+    num_experts_per_tok: int = 2
+    capacity_factor: float = 0.0
+    router_aux_loss_coef: float = 0.001
 
 
 @dataclass
@@ -59,6 +68,31 @@ class DataConfig(GPT2DataConfig):
 def llama_config_kwargs(model: Any) -> dict:
     """Keyword arguments of ``recipes.llama.model.LlamaConfig`` for a ``model`` config node."""
     return {f.name: type(f.default)(model.get(f.name, f.default)) for f in fields(LlamaConfig)}
+
+
+def expert_problems(m, layout) -> list:
+    """Mixtral's keys: experts per token among the experts, whole experts per data-parallel rank (expert
+    parallelism splits them over dp), a capacity and a loss weight >= 0; no context parallelism."""
+    n = m.get("num_local_experts", 0)
+    if n == 0:
+        return []
+    if n < 0:
+        return [f"model.num_local_experts={n}: must be >= 0 (0: the dense MLP)"]
+    p = []
+    if not 1 <= m.num_experts_per_tok <= n:
+        p.append(f"model.num_experts_per_tok={m.num_experts_per_tok}: must be between 1 and "
+                 f"model.num_local_experts={n}")
+    if n % layout.dp:
+        p.append(f"model.num_local_experts={n}: must divide by parallel.dp={layout.dp} (expert parallelism: whole "
+                 f"experts per data-parallel rank); valid dp: {[d for d in range(1, n + 1) if n % d == 0]}")
+    if not (m.capacity_factor >= 0 and m.router_aux_loss_coef >= 0):
+        p.append(f"model.capacity_factor={m.capacity_factor}, model.router_aux_loss_coef="
+                 f"{m.router_aux_loss_coef}: both must be >= 0 (capacity 0: no token dropped)")
+    if layout.cp > 1:
+        p.append(f"parallel.cp={layout.cp} with model.num_local_experts={n}: each sample's tokens take their "
+                 "experts' slots in sequence order, which a sequence split over cp would gather whole on every rank; "
+                 "valid: cp=1")
+    return p
 
 
 def problems(cfg, layout, trains_tokenizer: bool = True) -> list:
@@ -86,6 +120,7 @@ def problems(cfg, layout, trains_tokenizer: bool = True) -> list:
                  f"model.rope_high_freq_factor={m.rope_high_freq_factor}, model.rope_original_max_position_"
                  f"embeddings={m.rope_original_max_position_embeddings}: Llama 3.1's scaling needs a factor > 0, "
                  "0 < low < high, and a context > 0")
+    p += expert_problems(m, layout)
     for key, what in (("num_key_value_heads", "whole key/value heads per rank"),
                       ("intermediate_size", "MLP columns per rank"),
                       ("vocab_size", "vocab-parallel embedding and loss")):

@@ -110,6 +110,9 @@ def hf_dir_problems(path: str, model_cfg) -> list:
     except ValueError as err:  # json.JSONDecodeError
         return [f"{cpath}: not valid JSON ({err})"]
     problems = [f"its config.json has {b}" for b in unsupported(hf)]
+    if model_cfg.get("num_local_experts", 0):
+        problems.append(f"model.num_local_experts={model_cfg.num_local_experts}: Mixtral's weights do not load "
+                        "from Hugging Face files (only Llama, Mistral and Qwen2's dense decoders do)")
     scaled = bool(_scaling(hf)) or model_cfg.rope_factor != 1.0  # without scaling its other keys do not count
     wrong = [k for k in DIMS if (scaled or k not in ROPE_SCALING or k == "rope_factor")
              and _hf_value(hf, k) != type(model_cfg[k])(model_cfg[k])]
@@ -181,6 +184,9 @@ def hf_config(ours: dict, tokenizer=None) -> dict:
     corpus's documents end; without one they are ``None`` (transformers' own defaults, 1 and 2, are ordinary
     tokens of a tokenizer trained on the corpus)."""
     missing = [k for k in DIMS if k not in ours and k not in ROPE_SCALING and k not in FLAGS]
+    if ours.get("num_local_experts", 0):
+        raise ValueError(f"the checkpoint's model has num_local_experts={ours['num_local_experts']}: a Mixtral run "
+                         "does not export to a Hugging Face directory (only dense Llama and Qwen2 runs do)")
     if missing:
         raise ValueError(f"the checkpoint's extra.model_config lacks {missing}: not a LLaMA run's checkpoint")
     bos = None if tokenizer is None else next(

@@ -28,6 +28,8 @@ from torch import nn
 
 from recipes.gpt2.model import _generator, next_token_loss, normal_box
 
+from .moe import SparseMoE
+
 
 @dataclass
 class LlamaConfig:
@@ -49,6 +51,12 @@ class LlamaConfig:
     tie_word_embeddings: bool = False
     # Biases on the query, key and value projections (Qwen2's; its output projection has none).
     qkv_bias: bool = False
+    # Mixtral's sparse MLP (moe.py) in every layer when > 0: experts, experts per token, slots per expert and
+    # sample (0: room for every token), and the load-balancing loss's weight.
+    num_local_experts: int = 0
+    num_experts_per_tok: int = 2
+    capacity_factor: float = 0.0
+    router_aux_loss_coef: float = 0.001
 
     @property
     def head_dim(self) -> int:
@@ -134,11 +142,15 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = SparseMoE(cfg) if cfg.num_local_experts else MLP(cfg)
 
     def forward(self, x, cos, sin):
+        """The layer's output; with experts, ``(output, each sample's load-balancing loss)``."""
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        if isinstance(self.mlp, MLP):
+            return x + self.mlp(self.post_attention_layernorm(x))
+        y, balance = self.mlp(self.post_attention_layernorm(x))
+        return x + y, balance
 
 
 class LlamaModel(nn.Module):
@@ -155,7 +167,12 @@ class LlamaForCausalLM(nn.Module):
 
     As a pipeline stage: without ``model.embed_tokens`` the first argument
     is the previous stage's hidden states ``[b, t, hidden_size]``; without
-    ``lm_head`` it returns ``(hidden states, None)``. The rotary tables
+    ``lm_head`` it returns ``(hidden states, None)``. With experts
+    (``num_local_experts > 0``) the hidden states travel with each sample's
+    load-balancing loss summed over the layers so far (``[b]``), as a pair
+    ``(hidden states, balance)``, and the loss is the next-token loss plus
+    ``router_aux_loss_coef`` times the mean over samples and layers of the
+    balance (``moe.py``). The rotary tables
     ``rope_cos``/``rope_sin`` (``[max_position_embeddings, head_dim]``,
     float32, not saved) are buffers of every stage.
     """
@@ -222,17 +239,27 @@ class LlamaForCausalLM(nn.Module):
         return normal_box(tuple(param.shape), box, self.config.initializer_range, _generator(name), param.dtype)
 
     def forward(self, input_ids, labels=None):
-        t = input_ids.shape[1]
-        m = self.model
-        x = m.embed_tokens(input_ids) if m.embed_tokens is not None else input_ids
+        cfg, m = self.config, self.model
+        experts = cfg.num_local_experts > 0
+        x, balance = input_ids if isinstance(input_ids, tuple) else (input_ids, None)
+        if m.embed_tokens is not None:
+            x = m.embed_tokens(x)
+        t = x.shape[1]
         cos, sin = self.rope_cos[:t].to(x.dtype), self.rope_sin[:t].to(x.dtype)
         for layer in m.layers:
             if layer is not None:
                 x = layer(x, cos, sin)
+                if experts:
+                    x, more = x
+                    balance = more if balance is None else balance + more
+        if experts and balance is None:  # a first stage without layers
+            balance = x.new_zeros(x.shape[:1])
         if self.lm_head is None:
-            return x, None
+            return ((x, balance) if experts else x), None
         logits = self.lm_head(m.norm(x))
         loss = None
         if labels is not None:
             loss = next_token_loss(logits, labels)
+            if experts and cfg.router_aux_loss_coef:
+                loss = loss + cfg.router_aux_loss_coef * balance.mean() / cfg.num_hidden_layers
         return logits, loss

@@ -43,8 +43,22 @@ ACT_SBP = (S0, B)
 QKV_BIAS = {"*.self_attn.q_proj.bias": S0, "*.self_attn.k_proj.bias": S0, "*.self_attn.v_proj.bias": S0}
 
 
-def mesh_plan(sequence_parallel: bool = False, qkv_bias: bool = False) -> dict:
-    """The plan on a ``(dp, tp)`` mesh: parameters ``(B, tp SBP)``; activation pins ``(S(0), tp SBP)``."""
+# Mixtral's experts (moe.py), already on the (dp, tp) mesh: expert parallelism over the data-parallel ranks (each
+# holds E / dp whole experts) and Megatron's tensor parallelism inside each expert (gate and up column-split,
+# down row-split). The dispatched buffer [E, b, capacity, hidden] is pinned to the experts on the way in and back
+# to the samples on the way out: boxing it is expert parallelism's two all-to-alls (dp axis), and the tp axis
+# sums the down projection's partial outputs. The router is replicated.
+EXPERTS = {"*.mlp.gate.weight": (B, B), "*.mlp.experts.gate_proj": (S0, S1), "*.mlp.experts.up_proj": (S0, S1),
+           "*.mlp.experts.down_proj": (S0, Split(2)), "*.mlp.experts:input": (S0, B),
+           "*.mlp.experts:output": (S1, B)}
+
+
+def mesh_plan(sequence_parallel: bool = False, qkv_bias: bool = False, experts: bool = False) -> dict:
+    """The plan on a ``(dp, tp)`` mesh: parameters ``(B, tp SBP)``; activation pins ``(S(0), tp SBP)``; with
+    ``experts``, ``EXPERTS`` in place of the dense MLP's entries."""
     pins = SEQUENCE_PARALLEL if sequence_parallel else RESIDUAL_WHOLE
     params = {**TENSOR_PARALLEL, **(QKV_BIAS if qkv_bias else {})}
-    return {**{k: (B, v) for k, v in params.items()}, **{k: (S0, v) for k, v in pins.items()}}
+    if experts:
+        params = {k: v for k, v in params.items() if ".mlp." not in k}
+    return {**{k: (B, v) for k, v in params.items()}, **{k: (S0, v) for k, v in pins.items()},
+            **(EXPERTS if experts else {})}

@@ -58,15 +58,21 @@ class LlamaRecipe(GPT2Recipe):
         return LlamaForCausalLM(LlamaConfig(**config.llama_config_kwargs(model_cfg)))
 
     def mesh_plan(self, cfg) -> dict:
-        return mesh_plan(bool(cfg.parallel.sequence_parallel), bool(cfg.model.get("qkv_bias", False)))
+        return mesh_plan(bool(cfg.parallel.sequence_parallel), bool(cfg.model.get("qkv_bias", False)),
+                         int(cfg.model.get("num_local_experts", 0)) > 0)
 
     def flops_per_item(self, cfg, n_params: int) -> float:
-        """Training FLOPs per token: 6 per parameter of the matmuls (the embedding is a lookup), plus
+        """Training FLOPs per token: 6 per parameter of the matmuls a token runs (the embedding is a lookup; of
+        the experts, those it is routed to), plus
         attention's scores and weighted sum, 6 * 2 * layers * seq * hidden (half of it under the causal
         mask is still computed)."""
         m = cfg.model
         # A tied embedding is counted once in n_params, as the LM head's matmul.
         matmuls = n_params - (0 if m.get("tie_word_embeddings", False) else m.vocab_size * m.hidden_size)
+        experts = m.get("num_local_experts", 0)
+        if experts:  # a token runs num_experts_per_tok of each layer's experts (every one, if none is dropped)
+            idle = experts - m.num_experts_per_tok
+            matmuls -= m.num_hidden_layers * idle * 3 * m.intermediate_size * m.hidden_size
         return 6.0 * matmuls + 12.0 * m.num_hidden_layers * int(cfg.data.seq_len) * m.hidden_size
 
     def weights_path(self, init_from: str) -> str | None:

@@ -1,0 +1,111 @@
+"""Mixtral's sparse MLP as plain torch: a top-k router and stacked SwiGLU experts, dispatched by static slots.
+
+Names and shapes follow ``transformers``' ``MixtralSparseMoeBlock``
+(version 5): ``mlp.gate.weight`` ``[E, hidden]`` is the router, and the
+experts are stacked, ``mlp.experts.gate_proj`` and ``.up_proj`` ``[E, F,
+hidden]``, ``.down_proj`` ``[E, hidden, F]``. Hugging Face fuses the
+first two into one ``gate_up_proj`` ``[E, 2F, hidden]`` (their
+concatenation on dim 1); here they stay apart so that a tensor-parallel
+rank's share of ``F`` holds matching gate and up columns.
+
+Routing is Mixtral's: a softmax over the experts (in at least float32), the
+``k`` most probable, their weights renormalised to sum to 1. Dispatch is
+GShard's, with static shapes so that boxing can plan it: every sample is a
+group whose experts have ``capacity`` slots each; a sample's first choices
+take slots in token order, then its second choices, and so on, and a choice
+that finds its expert full is dropped (it adds nothing to the token's
+output). ``capacity_factor = 0`` gives every expert room for every token of
+the sample (no choice is dropped: the output is Hugging Face's), at ``E x
+seq`` slots per sample; a factor ``c > 0`` gives ``ceil(c * k * seq / E)``.
+
+The experts read a ``[E, batch, capacity, hidden]`` buffer. With the
+experts split over the data-parallel ranks (``plan.py``'s ``EXPERTS``: the
+buffer pinned ``S(0)`` at the experts' input, ``S(1)`` at their output),
+boxing the buffer from samples to experts and back is the two all-to-alls
+of expert parallelism; nothing here communicates.
+
+The load-balancing loss is per sample (a sequence-wise Switch loss, as
+DeepSeek-V3's): ``E * sum_e f_e * P_e`` with ``f_e`` the sample's share of
+choices routed to expert ``e`` and ``P_e`` its mean router probability over
+the sample's tokens, 1 when routing is uniform. Hugging Face's Mixtral pools
+every token of the batch and every layer into one such product instead; a
+per-sample loss is what lets each pipeline stage add its own layers' to the
+activations it sends on.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def capacity(cfg, seq: int) -> int:
+    """Slots per expert and sample: ``seq`` for ``capacity_factor == 0`` (none dropped), else
+    ``ceil(capacity_factor * num_experts_per_tok * seq / num_local_experts)``, at most ``seq``."""
+    if cfg.capacity_factor == 0:
+        return seq
+    return min(seq, math.ceil(cfg.capacity_factor * cfg.num_experts_per_tok * seq / cfg.num_local_experts))
+
+
+class Router(nn.Module):
+    """``weight`` ``[E, hidden]``: the logits ``x @ weight.T`` (Hugging Face's ``MixtralTopKRouter``'s)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(cfg.num_local_experts, cfg.hidden_size))
+
+    def forward(self, x):
+        return F.linear(x, self.weight)
+
+
+class Experts(nn.Module):
+    """``E`` SwiGLU MLPs stacked: ``[E, n, hidden] -> [E, n, hidden]``, expert ``e`` on row block ``e``."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        e, f, h = cfg.num_local_experts, cfg.intermediate_size, cfg.hidden_size
+        self.gate_proj = nn.Parameter(torch.empty(e, f, h))
+        self.up_proj = nn.Parameter(torch.empty(e, f, h))
+        self.down_proj = nn.Parameter(torch.empty(e, h, f))
+
+    def forward(self, x):
+        e, b, c, h = x.shape
+        x = x.reshape(e, b * c, h)
+        hidden = F.silu(torch.bmm(x, self.gate_proj.transpose(1, 2))) * torch.bmm(x, self.up_proj.transpose(1, 2))
+        return torch.bmm(hidden, self.down_proj.transpose(1, 2)).reshape(e, b, c, h)
+
+
+class SparseMoE(nn.Module):
+    """``forward(x [b, t, hidden]) -> (y [b, t, hidden], balance [b])``: the experts' weighted outputs and each
+    sample's load-balancing loss (module docstring)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.config = cfg
+        self.gate = Router(cfg)
+        self.experts = Experts(cfg)
+
+    def forward(self, x):
+        cfg = self.config
+        b, t, h = x.shape
+        n, k, c = cfg.num_local_experts, cfg.num_experts_per_tok, capacity(cfg, t)
+        logits = self.gate(x)
+        probs = torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+        weights, chosen = probs.topk(k, dim=-1)  # [b, t, k]
+        weights = weights / weights.sum(-1, keepdim=True)
+        # Choice-major queue: choice j of token i at j * t + i, so first choices take slots before second ones.
+        chosen = chosen.transpose(1, 2).reshape(b, k * t)
+        hits = chosen.new_zeros((b, k * t, n)).scatter_(2, chosen.unsqueeze(-1), 1)
+        slot = (hits.cumsum(1) * hits).sum(-1) - 1  # the choice's place in its expert's queue
+        # Slot e * c + place in the sample's buffer; a dropped choice goes to the spare slot n * c, zeros.
+        where = (chosen * c + slot).masked_fill(slot >= c, n * c).unsqueeze(-1).expand(b, k * t, h)
+        sent = x.new_zeros((b, n * c + 1, h)).scatter_add(1, where, x.repeat(1, k, 1))
+        done = self.experts(sent[:, :n * c].reshape(b, n, c, h).transpose(0, 1))  # [E, b, c, hidden]
+        done = torch.cat((done.transpose(0, 1).reshape(b, n * c, h), x.new_zeros((b, 1, h))), dim=1)
+        picked = done.gather(1, where).reshape(b, k, t, h)
+        y = (picked * weights.transpose(1, 2).unsqueeze(-1).to(x.dtype)).sum(1)
+        share = hits.sum(1).to(probs.dtype) / (k * t)  # [b, E]: each expert's share of the sample's choices
+        balance = n * (share * probs.mean(1)).sum(-1)
+        return y, balance
