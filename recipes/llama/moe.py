@@ -97,7 +97,7 @@ class SparseMoE(nn.Module):
         weights = weights / weights.sum(-1, keepdim=True)
         # Choice-major queue: choice j of token i at j * t + i, so first choices take slots before second ones.
         chosen = chosen.transpose(1, 2).reshape(b, k * t)
-        hits = chosen.new_zeros((b, k * t, n)).scatter_(2, chosen.unsqueeze(-1), 1)
+        hits = chosen.new_zeros((b, k * t, n)).scatter(2, chosen.unsqueeze(-1), 1)
         slot = (hits.cumsum(1) * hits).sum(-1) - 1  # the choice's place in its expert's queue
         # Slot e * c + place in the sample's buffer; a dropped choice goes to the spare slot n * c, zeros.
         where = (chosen * c + slot).masked_fill(slot >= c, n * c).unsqueeze(-1).expand(b, k * t, h)

@@ -1,0 +1,159 @@
+"""Mixtral's sparse MLP in the LLaMA recipe: Hugging Face's outputs without drops, GShard's drops at a capacity,
+expert parallelism as all-to-alls, and the checks that refuse what it does not do.
+
+Layouts against one device: ``tests/runtime/test_pipeline_schedules.py``
+(losses, gradients and parameters, float64) and ``tests/cli/test_mixtral_cli.py``
+(``train.py``'s jobs).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from recipes.llama.model import LlamaConfig, LlamaForCausalLM
+from recipes.llama.moe import SparseMoE, capacity
+from sbp_core.sbp import Split
+from toolkit.rank_pool import get_pool
+
+CFG = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=32, num_local_experts=4, num_experts_per_tok=2,
+                  router_aux_loss_coef=0.0)
+
+
+def _rel(a, b) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def _as_transformers(state: dict) -> dict:
+    """Our state dict with transformers 5's fused experts: ``gate_up_proj`` is gate_proj and up_proj stacked."""
+    out = {}
+    for name, v in state.items():
+        if name.endswith("experts.gate_proj"):
+            out[name.replace("gate_proj", "gate_up_proj")] = torch.cat((v, state[name[:-9] + "up_proj"]), 1)
+        elif not name.endswith("experts.up_proj"):
+            out[name] = v
+    return out
+
+
+def test_without_drops_logits_and_gradients_match_transformers_mixtral():
+    """No capacity (every choice kept): Hugging Face's Mixtral (its eager experts) with our weights gives our logits
+    and, through the loss, our gradients. Its router computes in float32 (ours in float64 here), hence 1e-6."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    ours = LlamaForCausalLM(CFG).double()
+    theirs = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, num_local_experts=4, num_experts_per_tok=2,
+        rms_norm_eps=CFG.rms_norm_eps, rope_theta=CFG.rope_theta, sliding_window=None,
+        attn_implementation="eager", experts_implementation="eager")).double()
+    theirs.load_state_dict(_as_transformers(ours.state_dict()), strict=True)
+    ids = torch.randint(0, 128, (3, 16), generator=torch.Generator().manual_seed(1))
+    logits, loss = ours(ids, ids)
+    out = theirs(ids, labels=ids)
+    assert _rel(logits, out.logits) < 1e-6
+    loss.backward()
+    F.cross_entropy(out.logits[:, :-1].reshape(-1, 128), ids[:, 1:].reshape(-1)).backward()
+    grads = _as_transformers({n: p.grad for n, p in ours.named_parameters()})
+    for name, p in theirs.named_parameters():
+        assert _rel(grads[name], p.grad) < 1e-6, name
+
+
+def _by_loop(moe: SparseMoE, x: torch.Tensor):
+    """The sparse MLP, one choice at a time: per sample, first choices in token order, then second ones, each taking
+    a slot of its expert while one is free; a choice finding none adds nothing. And each sample's balance:
+    E * sum over experts of (its choices there / all its choices) * (its tokens' mean probability there)."""
+    cfg = moe.config
+    b, t, h = x.shape
+    slots = capacity(cfg, t)
+    probs = torch.softmax(moe.gate(x), -1)
+    w, chosen = probs.topk(cfg.num_experts_per_tok, -1)
+    w = w / w.sum(-1, keepdim=True)
+    ex = moe.experts
+    y = torch.zeros_like(x)
+    balance = torch.zeros(b, dtype=x.dtype)
+    dropped = 0
+    for s in range(b):
+        for e in range(cfg.num_local_experts):
+            share = (chosen[s] == e).sum() / (cfg.num_experts_per_tok * t)
+            balance[s] += cfg.num_local_experts * share * probs[s, :, e].mean()
+        taken = [0] * cfg.num_local_experts
+        for j in range(cfg.num_experts_per_tok):
+            for i in range(t):
+                e = int(chosen[s, i, j])
+                if taken[e] == slots:
+                    dropped += 1
+                    continue
+                taken[e] += 1
+                v = x[s, i]
+                out = (F.silu(ex.gate_proj[e] @ v) * (ex.up_proj[e] @ v)) @ ex.down_proj[e].T
+                y[s, i] += w[s, i, j] * out
+    return y, balance, dropped
+
+
+@pytest.mark.parametrize("factor", [0.0, 0.5, 1.0])
+def test_a_capacity_drops_the_choices_a_loop_over_the_queues_drops(factor):
+    torch.manual_seed(0)
+    moe = SparseMoE(replace(CFG, capacity_factor=factor)).double()
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    x = torch.randn(3, 16, 32, dtype=torch.float64)
+    y, balance = moe(x)
+    want, want_balance, dropped = _by_loop(moe, x)
+    assert _rel(y, want) < 1e-12 and _rel(balance, want_balance) < 1e-12
+    assert (dropped > 0) == (factor > 0), dropped  # 0.5 and 1.0 leave a full expert somewhere in this batch
+
+
+def _expert_parallel_traffic():
+    """Rank side: one forward and backward of a float64 sparse MLP with its experts split over two ranks (dp2, the
+    plan's EXPERTS); the collectives it ran, and its output and gradients whole."""
+    import sbp_core as sc
+    from recipes.llama.plan import EXPERTS
+    from toolkit.mesh import plan_for_module
+
+    torch.manual_seed(0)
+    moe = SparseMoE(replace(CFG, capacity_factor=1.0)).double()
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    placement = sc.placement("cpu", [[0], [1]])
+    plan = {k.replace("*.mlp.", ""): v for k, v in EXPERTS.items()}
+    names = tuple(n for n, _ in moe.named_parameters()) + tuple(n for n, _ in moe.named_modules())
+    sc.distribute_module(moe, placement, plan_for_module(moe, plan, names))
+    x = torch.randn(4, 16, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    xg = sc.to_global(x.tensor_split(2)[torch.distributed.get_rank()], placement=placement,
+                      sbp=(Split(0), sc.sbp.broadcast)).requires_grad_()
+    with sc.comm_ledger() as ledger:
+        y, balance = moe(xg)
+        (y.sum() + balance.sum()).backward()
+    ops = [(r.op, r.bytes) for r in ledger.records]
+    grads = {n: p.grad.full_tensor() for n, p in moe.named_parameters()}
+    return ops, y.full_tensor(), {**grads, "x": xg.grad.full_tensor()}, {n: tuple(p.sbp) for n, p in moe.named_parameters()}
+
+
+def test_expert_parallelism_moves_tokens_by_all_to_all_and_keeps_expert_gradients_split():
+    """Over two ranks, each holding two of the four experts: forward boxes the dispatched buffer to the experts and
+    back (two all-to-alls), backward its gradient the same two ways; the experts' weights are never gathered, and
+    only the replicated router's gradient is reduced. Routing runs on each rank's own samples (nothing of it is
+    gathered). Values: one device's."""
+    res = get_pool(2).run(_expert_parallel_traffic)
+    ops, y, grads, sbps = res[0]
+    assert [op for op, _ in ops].count("all_to_all") == 4, ops
+    assert {op for op, _ in ops} == {"all_to_all", "all_reduce"}, ops
+    b, c, h = 4, capacity(replace(CFG, capacity_factor=1.0), 16), 32
+    buffer = CFG.num_local_experts * b * c * h * 8  # the [E, b, c, h] float64 buffer, whole
+    assert all(n == buffer // 4 for op, n in ops if op == "all_to_all"), ops  # half of a half stays home
+    reduced = [n for op, n in ops if op == "all_reduce"]
+    assert reduced == [CFG.num_local_experts * h * 8 * 2 * (2 - 1) // 2], ops  # ring: 2(p-1)/p of the router
+    assert sbps["experts.gate_proj"][0] == Split(0) and sbps["gate.weight"][0].is_broadcast
+    torch.manual_seed(0)
+    ref = SparseMoE(replace(CFG, capacity_factor=1.0)).double()
+    for p in ref.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    x = torch.randn(4, 16, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(2)).requires_grad_()
+    want, balance = ref(x)
+    (want.sum() + balance.sum()).backward()
+    assert _rel(y, want) < 1e-12
+    for n, p in [*ref.named_parameters(), ("x", x)]:
+        assert _rel(grads[n], p.grad) < 1e-12, n
