@@ -30,11 +30,14 @@ sum, max and min (offered only for inputs that are partial on the axis, see
   own shape takes ``self``'s split or broadcast layout; a partial ``self``
   stays partial for ``new_empty``/``new_empty_strided`` (no values) and
   ``new_zeros`` (zeros on every rank are zeros under sum, max and min) and
-  becomes ``B`` for ones and fills. Autograd makes gradient buffers this
+  becomes ``B`` for ones and fills. A tensor of another shape of as many
+  dims, whose length on ``self``'s split dim is ``self``'s, takes that
+  split (gather's backward makes ``self``'s gradient so from the output's:
+  each rank allocates its own rows). Autograd makes gradient buffers this
   way (``new_empty_strided`` then ``copy_`` when a gradient's strides differ
   from its parameter's, e.g. a square ``nn.Linear`` weight's): a ``B``
   buffer would all-gather a split gradient into it, or all-reduce a partial
-  one at once, outside the gradient buckets. Any other shape is ``B``, which
+  one at once, outside the gradient buckets. Any other tensor is ``B``, which
   every layout boxes from for free.
 """
 from __future__ import annotations
@@ -211,7 +214,12 @@ _VALUELESS_UNDER_PARTIAL = (aten.new_empty.default, aten.new_empty_strided.defau
 def new_tensor(call):
     size = tuple(call.arg(1, "size"))
     here = call.actual(0)
-    if size == tuple(call.metas[0].shape) and here is not None and (
+    shape = tuple(call.metas[0].shape)
+    if size == shape and here is not None and (
             here.is_split or (here.is_partial and call.func in _VALUELESS_UNDER_PARTIAL)):
+        return [Sig((here,), (here,)), Sig((None,), (B,))]
+    if here is not None and here.is_split and len(size) == len(shape) and size[here.axis] == shape[here.axis]:
+        # Another shape, the split dim's length unchanged (gather's and topk's backward make their gradient
+        # buffers so): split alike, so that a rank allocates its rows only, not every rank's.
         return [Sig((here,), (here,)), Sig((None,), (B,))]
     return [Sig((None,), (B,))]
