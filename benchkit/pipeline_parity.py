@@ -30,7 +30,7 @@ ADAMW = dict(lr=1e-3, weight_decay=0.1)
 CFG = GPT2Config(vocab_size=256, n_positions=32, n_embd=64, n_layer=4, n_head=4,
                  embd_pdrop=0.0, resid_pdrop=0.0, attn_pdrop=0.0)
 # scripts/verify_parity.py's LLaMA (grouped-query attention) with 4 layers; "llama-tied" ties its LM head;
-# "mixtral" has 4 experts, 2 per token, a capacity that drops choices, and a load-balancing loss 10x Mixtral's.
+# "mixtral" has 4 experts, 2 per token, a capacity that drops choices, and a load-balancing weight of 0.01.
 LLAMA_CFG = replace(parity.LLAMA_CFG, num_hidden_layers=4)
 MODELS = {"gpt2": CFG, "llama": LLAMA_CFG, "llama-tied": replace(LLAMA_CFG, tie_word_embeddings=True),
           "mixtral": replace(LLAMA_CFG, num_local_experts=4, num_experts_per_tok=2, capacity_factor=1.0,

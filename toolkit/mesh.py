@@ -74,12 +74,17 @@ def plan_for_module(module, plan: dict, full_names: tuple) -> dict:
 
 
 def with_overrides(plan: dict, overrides) -> dict:
-    """``plan`` with per-op layouts first: ``{pattern: tp-axis SBP text}`` -> ``(B, SBP)`` on a ``(dp, tp)`` mesh.
+    """``plan`` with per-op layouts first: ``{pattern: tp-axis SBP text}`` -> ``(dp SBP, SBP)`` on a ``(dp, tp)``
+    mesh, the dp SBP the recipe's first entry matching the pattern has (``B`` without one: an expert split
+    over dp stays split when its tp layout is overridden).
 
     ``distribute_module`` takes the first matching pattern, so an override
     wins over the recipe's entry for the same parameters.
     """
     from toolkit.search.strategy import parse_sbp
 
-    first = {str(k): (sc.sbp.broadcast, parse_sbp(v)) for k, v in dict(overrides or {}).items()}
+    def dp_sbp(key: str):
+        return next((v[0] for k, v in plan.items() if fnmatch.fnmatchcase(key, k)), sc.sbp.broadcast)
+
+    first = {str(k): (dp_sbp(str(k)), parse_sbp(v)) for k, v in dict(overrides or {}).items()}
     return {**first, **{k: v for k, v in plan.items() if k not in first}}

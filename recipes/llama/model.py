@@ -172,7 +172,8 @@ class LlamaForCausalLM(nn.Module):
     load-balancing loss summed over the layers so far (``[b]``), as a pair
     ``(hidden states, balance)``, and the loss is the next-token loss plus
     ``router_aux_loss_coef`` times the mean over samples and layers of the
-    balance (``moe.py``). The rotary tables
+    balance (``moe.py``) where autograd records; under ``torch.no_grad``
+    (evaluation) it is the next-token loss alone. The rotary tables
     ``rope_cos``/``rope_sin`` (``[max_position_embeddings, head_dim]``,
     float32, not saved) are buffers of every stage.
     """
@@ -253,13 +254,13 @@ class LlamaForCausalLM(nn.Module):
                     x, more = x
                     balance = more if balance is None else balance + more
         if experts and balance is None:  # a first stage without layers
-            balance = x.new_zeros(x.shape[:1])
+            balance = torch.zeros_like(x[:, 0, 0], dtype=torch.promote_types(x.dtype, torch.float32))
         if self.lm_head is None:
             return ((x, balance) if experts else x), None
         logits = self.lm_head(m.norm(x))
         loss = None
         if labels is not None:
             loss = next_token_loss(logits, labels)
-            if experts and cfg.router_aux_loss_coef:
+            if experts and cfg.router_aux_loss_coef and torch.is_grad_enabled():  # a training loss, not a metric
                 loss = loss + cfg.router_aux_loss_coef * balance.mean() / cfg.num_hidden_layers
         return logits, loss

@@ -11,12 +11,14 @@ rank's share of ``F`` holds matching gate and up columns.
 Routing is Mixtral's: a softmax over the experts (in at least float32), the
 ``k`` most probable, their weights renormalised to sum to 1. Dispatch is
 GShard's, with static shapes so that boxing can plan it: every sample is a
-group whose experts have ``capacity`` slots each; a sample's first choices
-take slots in token order, then its second choices, and so on, and a choice
+group whose experts have ``capacity`` slots each; the sample's tokens take
+slots in order, each token its choices most probable first, and a choice
 that finds its expert full is dropped (it adds nothing to the token's
-output). ``capacity_factor = 0`` gives every expert room for every token of
+output). Token order, not GShard's all-first-choices-first: a causal
+model's drops must not depend on later tokens. ``capacity_factor = 0`` gives every expert room for every token of
 the sample (no choice is dropped: the output is Hugging Face's), at ``E x
-seq`` slots per sample; a factor ``c > 0`` gives ``ceil(c * k * seq / E)``.
+seq`` slots per sample, all of which the experts compute (``E / k`` times
+the routed tokens' work); a factor ``c > 0`` gives ``ceil(c * k * seq / E)``.
 
 The experts read a ``[E, batch, capacity, hidden]`` buffer. With the
 experts split over the data-parallel ranks (``plan.py``'s ``EXPERTS``: the
@@ -25,12 +27,13 @@ boxing the buffer from samples to experts and back is the two all-to-alls
 of expert parallelism; nothing here communicates.
 
 The load-balancing loss is per sample (a sequence-wise Switch loss, as
-DeepSeek-V3's): ``E * sum_e f_e * P_e`` with ``f_e`` the sample's share of
-choices routed to expert ``e`` and ``P_e`` its mean router probability over
-the sample's tokens, 1 when routing is uniform. Hugging Face's Mixtral pools
-every token of the batch and every layer into one such product instead; a
-per-sample loss is what lets each pipeline stage add its own layers' to the
-activations it sends on.
+DeepSeek-V3's): ``E * sum_e f_e * P_e`` with ``f_e`` the sample's choices
+routed to expert ``e`` per token and ``P_e`` its mean router probability
+over the sample's tokens, ``k`` when routing is uniform. Hugging Face's
+Mixtral computes the same product over every token of the batch and every
+layer pooled (equal for one sample and one layer); a per-sample loss is
+what lets each pipeline stage add its own layers' to the activations it
+sends on.
 """
 from __future__ import annotations
 
@@ -95,17 +98,23 @@ class SparseMoE(nn.Module):
         probs = torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
         weights, chosen = probs.topk(k, dim=-1)  # [b, t, k]
         weights = weights / weights.sum(-1, keepdim=True)
-        # Choice-major queue: choice j of token i at j * t + i, so first choices take slots before second ones.
-        chosen = chosen.transpose(1, 2).reshape(b, k * t)
-        hits = chosen.new_zeros((b, k * t, n)).scatter(2, chosen.unsqueeze(-1), 1)
+        # Token-major queues: choice j of token i at i * k + j. Whether a choice finds a free slot then depends
+        # on earlier tokens alone, as a causal model's position must (GShard's choice-major order would let a
+        # token's later neighbours, its own label among them, decide which of its second choices are dropped).
+        chosen = chosen.reshape(b, t * k)
+        # Buffers made "like" a tensor of this layout: a new tensor of another shape would be every rank's
+        # samples (a global B), and the rows of other ranks sliced off only after it was allocated.
+        hits = torch.zeros_like(chosen.unsqueeze(-1).expand(b, t * k, n)).scatter(2, chosen.unsqueeze(-1), 1)
         slot = (hits.cumsum(1) * hits).sum(-1) - 1  # the choice's place in its expert's queue
         # Slot e * c + place in the sample's buffer; a dropped choice goes to the spare slot n * c, zeros.
-        where = (chosen * c + slot).masked_fill(slot >= c, n * c).unsqueeze(-1).expand(b, k * t, h)
-        sent = x.new_zeros((b, n * c + 1, h)).scatter_add(1, where, x.repeat(1, k, 1))
+        where = (chosen * c + slot).masked_fill(slot >= c, n * c).unsqueeze(-1).expand(b, t * k, h)
+        spare = torch.zeros_like(x[:, :1])
+        tokens = x.unsqueeze(2).expand(b, t, k, h).reshape(b, t * k, h)
+        sent = torch.zeros_like(spare.expand(b, n * c + 1, h)).scatter_add(1, where, tokens)
         done = self.experts(sent[:, :n * c].reshape(b, n, c, h).transpose(0, 1))  # [E, b, c, hidden]
-        done = torch.cat((done.transpose(0, 1).reshape(b, n * c, h), x.new_zeros((b, 1, h))), dim=1)
-        picked = done.gather(1, where).reshape(b, k, t, h)
-        y = (picked * weights.transpose(1, 2).unsqueeze(-1).to(x.dtype)).sum(1)
-        share = hits.sum(1).to(probs.dtype) / (k * t)  # [b, E]: each expert's share of the sample's choices
+        done = torch.cat((done.transpose(0, 1).reshape(b, n * c, h), spare), dim=1)
+        picked = done.gather(1, where).reshape(b, t, k, h)
+        y = (picked * weights.unsqueeze(-1).to(x.dtype)).sum(2)
+        share = hits.sum(1).to(probs.dtype) / t  # [b, E]: each expert's choices per token of the sample
         balance = n * (share * probs.mean(1)).sum(-1)
         return y, balance

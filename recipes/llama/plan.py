@@ -15,7 +15,7 @@ the embedding (``TIED``): both names have the same SBP.
 """
 from __future__ import annotations
 
-from sbp_core.sbp import Broadcast, Split
+from sbp_core.sbp import Broadcast, Partial, Split
 
 B, S0, S1 = Broadcast(), Split(0), Split(1)
 
@@ -46,11 +46,13 @@ QKV_BIAS = {"*.self_attn.q_proj.bias": S0, "*.self_attn.k_proj.bias": S0, "*.sel
 # Mixtral's experts (moe.py), already on the (dp, tp) mesh: expert parallelism over the data-parallel ranks (each
 # holds E / dp whole experts) and Megatron's tensor parallelism inside each expert (gate and up column-split,
 # down row-split). The dispatched buffer [E, b, capacity, hidden] is pinned to the experts on the way in and back
-# to the samples on the way out: boxing it is expert parallelism's two all-to-alls (dp axis), and the tp axis
-# sums the down projection's partial outputs. The router is replicated.
+# to the samples on the way out: boxing it is expert parallelism's two all-to-alls (dp axis). On the tp axis the
+# down projection's partial outputs stay partial through the gather and the weighted sum, so the sum over tp
+# is taken of the tokens' outputs [b, t, hidden], not of the buffer (E * capacity / t times as large). The router
+# is replicated.
 EXPERTS = {"*.mlp.gate.weight": (B, B), "*.mlp.experts.gate_proj": (S0, S1), "*.mlp.experts.up_proj": (S0, S1),
            "*.mlp.experts.down_proj": (S0, Split(2)), "*.mlp.experts:input": (S0, B),
-           "*.mlp.experts:output": (S1, B)}
+           "*.mlp.experts:output": (S1, Partial())}
 
 
 def mesh_plan(sequence_parallel: bool = False, qkv_bias: bool = False, experts: bool = False) -> dict:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from recipes.llama.model import LlamaConfig, LlamaForCausalLM
 from recipes.llama.moe import SparseMoE, capacity
-from sbp_core.sbp import Split
+from sbp_core.sbp import Broadcast, Split
 from toolkit.rank_pool import get_pool
 
 CFG = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -62,9 +62,9 @@ def test_without_drops_logits_and_gradients_match_transformers_mixtral():
 
 
 def _by_loop(moe: SparseMoE, x: torch.Tensor):
-    """The sparse MLP, one choice at a time: per sample, first choices in token order, then second ones, each taking
-    a slot of its expert while one is free; a choice finding none adds nothing. And each sample's balance:
-    E * sum over experts of (its choices there / all its choices) * (its tokens' mean probability there)."""
+    """The sparse MLP, one choice at a time: per sample, token by token, each token's choices most probable first,
+    each taking a slot of its expert while one is free; a choice finding none adds nothing. And each sample's
+    balance: E * sum over experts of (its choices there per token) * (its tokens' mean probability there)."""
     cfg = moe.config
     b, t, h = x.shape
     slots = capacity(cfg, t)
@@ -77,11 +77,11 @@ def _by_loop(moe: SparseMoE, x: torch.Tensor):
     dropped = 0
     for s in range(b):
         for e in range(cfg.num_local_experts):
-            share = (chosen[s] == e).sum() / (cfg.num_experts_per_tok * t)
+            share = (chosen[s] == e).sum() / t
             balance[s] += cfg.num_local_experts * share * probs[s, :, e].mean()
         taken = [0] * cfg.num_local_experts
-        for j in range(cfg.num_experts_per_tok):
-            for i in range(t):
+        for i in range(t):
+            for j in range(cfg.num_experts_per_tok):
                 e = int(chosen[s, i, j])
                 if taken[e] == slots:
                     dropped += 1
@@ -106,6 +106,34 @@ def test_a_capacity_drops_the_choices_a_loop_over_the_queues_drops(factor):
     assert (dropped > 0) == (factor > 0), dropped  # 0.5 and 1.0 leave a full expert somewhere in this batch
 
 
+def test_what_a_position_keeps_does_not_depend_on_later_tokens():
+    """At a capacity that drops choices, changing the sample's last tokens leaves every earlier position's output
+    as it was: the drops of a causal model's position are decided by the tokens before it."""
+    torch.manual_seed(0)
+    moe = SparseMoE(replace(CFG, capacity_factor=0.5)).double()
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    x = torch.randn(3, 16, 32, dtype=torch.float64)
+    later = x.clone()
+    later[:, 12:] = torch.randn(3, 4, 32, dtype=torch.float64)
+    assert _by_loop(moe, x)[2] > 0
+    assert torch.equal(moe(x)[0][:, :12], moe(later)[0][:, :12])
+
+
+def test_one_sample_and_one_layer_balance_is_transformers_load_balancing_loss():
+    """Hugging Face pools every token and layer into one product; for one sample and one layer it is ours."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    torch.manual_seed(0)
+    moe = SparseMoE(CFG).double()
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    x = torch.randn(1, 16, 32, dtype=torch.float64)
+    theirs = load_balancing_loss_func((moe.gate(x)[0],), CFG.num_local_experts, CFG.num_experts_per_tok)
+    assert _rel(moe(x)[1], theirs.double()) < 1e-6  # their softmax in float32
+
+
 def _expert_parallel_traffic():
     """Rank side: one forward and backward of a float64 sparse MLP with its experts split over two ranks (dp2, the
     plan's EXPERTS); the collectives it ran, and its output and gradients whole."""
@@ -124,10 +152,15 @@ def _expert_parallel_traffic():
     x = torch.randn(4, 16, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
     xg = sc.to_global(x.tensor_split(2)[torch.distributed.get_rank()], placement=placement,
                       sbp=(Split(0), sc.sbp.broadcast)).requires_grad_()
-    with sc.comm_ledger() as ledger:
+    from sbp_core.dispatch import explain
+
+    with sc.comm_ledger() as ledger, explain() as steps:
         y, balance = moe(xg)
         (y.sum() + balance.sum()).backward()
     ops = [(r.op, r.bytes) for r in ledger.records]
+    # Buffers made in forward and by autograd in backward: each rank's own samples, never every rank's.
+    made = [(op, str(outs[0])) for op, _, _, outs, _ in steps if "zeros" in op or "empty" in op]
+    assert made and all(outs == "(S(0), B)" for _, outs in made), made
     grads = {n: p.grad.full_tensor() for n, p in moe.named_parameters()}
     return ops, y.full_tensor(), {**grads, "x": xg.grad.full_tensor()}, {n: tuple(p.sbp) for n, p in moe.named_parameters()}
 
@@ -157,3 +190,26 @@ def test_expert_parallelism_moves_tokens_by_all_to_all_and_keeps_expert_gradient
     assert _rel(y, want) < 1e-12
     for n, p in [*ref.named_parameters(), ("x", x)]:
         assert _rel(grads[n], p.grad) < 1e-12, n
+
+
+def test_the_load_balancing_loss_joins_the_training_loss_and_not_evaluation():
+    """With autograd recording, the loss is the next-token loss plus the weight times the mean balance per layer
+    (about k = 2 each at initialisation); under no_grad, as evaluation runs, the next-token loss alone."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(replace(CFG, router_aux_loss_coef=0.5)).double()
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    logits, loss = model(ids, ids)
+    plain = F.cross_entropy(logits[:, :-1].reshape(-1, 128), ids[:, 1:].reshape(-1))
+    with torch.no_grad():
+        assert torch.equal(model(ids, ids)[1], plain.detach())
+    assert 0.5 * 1.5 < loss.item() - plain.item() < 0.5 * 2.5
+
+
+def test_a_tensor_parallel_override_of_an_expert_keeps_it_split_over_dp():
+    from recipes.llama.plan import mesh_plan
+    from toolkit.mesh import with_overrides
+
+    plan = with_overrides(mesh_plan(experts=True), {"model.layers.0.mlp.experts.up_proj": "B",
+                                                    "model.layers.0.self_attn.q_proj.weight": "B"})
+    assert plan["model.layers.0.mlp.experts.up_proj"] == (Split(0), Broadcast())
+    assert plan["model.layers.0.self_attn.q_proj.weight"] == (Broadcast(), Broadcast())
