@@ -243,9 +243,9 @@ class LlamaForCausalLM(nn.Module):
         cfg, m = self.config, self.model
         experts = cfg.num_local_experts > 0
         x, balance = input_ids if isinstance(input_ids, tuple) else (input_ids, None)
+        t = x.shape[1]  # the whole sequence: a peer's sequence-parallel embedding may return a shard of it
         if m.embed_tokens is not None:
             x = m.embed_tokens(x)
-        t = x.shape[1]
         cos, sin = self.rope_cos[:t].to(x.dtype), self.rope_sin[:t].to(x.dtype)
         for layer in m.layers:
             if layer is not None:
