@@ -18,8 +18,15 @@ MIXTRAL = [*TINY, "model=mixtral-tiny", "model.capacity_factor=1.0", "model.rout
 
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory, sbp_cache):
-    return train_pooled([*MIXTRAL, "parallel=single"], tmp_path_factory.mktemp("mixtral-single"), sbp_cache)
+def single_mixtral(tmp_path_factory, sbp_cache):
+    """``(run directory, per-step losses)`` of the one-process run (it ends with a checkpoint)."""
+    run = tmp_path_factory.mktemp("mixtral-single")
+    return run, train_pooled([*MIXTRAL, "parallel=single"], run, sbp_cache)
+
+
+@pytest.fixture(scope="module")
+def single(single_mixtral):
+    return single_mixtral[1]
 
 
 @pytest.mark.parametrize("layout", ["dp2_tp2_pp2 parallel.pp_virtual=2", "dp2_tp2_zero3"])
@@ -29,6 +36,53 @@ def test_expert_parallel_layouts_train_like_one_device(layout, single, sbp_cache
     assert len(losses) == len(single) == 3
     for a, b in zip(losses, single):
         assert abs(a - b) <= 1e-5 * abs(b), (layout, losses, single)
+
+
+def test_fine_tuning_from_a_mixtral_directory_is_the_same_with_the_experts_split(single_mixtral, sbp_cache, tmp_path):
+    """``trainer.init_from=<a MixtralForCausalLM directory>`` (each expert's weights a tensor of their own): one
+    process and dp2_tp2 (each rank reading its two experts' halves) start from its weights and log the same
+    losses."""
+    import shutil
+
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(3)
+    hf = tmp_path / "hf"
+    transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=10000.0,
+        num_local_experts=4, num_experts_per_tok=2, initializer_range=0.2)).save_pretrained(hf)
+    shutil.copyfile(single_mixtral[0] / "tokenizer.json", hf / "tokenizer.json")  # the corpus's token ids
+    tuned = [*MIXTRAL, f"trainer.init_from={hf}"]
+    alone = train_pooled([*tuned, "parallel=single"], tmp_path / "single", sbp_cache)
+    split = train_pooled([*tuned, "parallel=dp2_tp2"], tmp_path / "split", sbp_cache)
+    assert abs(alone[0] - single_mixtral[1][0]) > 0.1, alone  # initializer_range 0.2: far from the seed's start
+    for a, b in zip(split, alone):
+        assert abs(a - b) <= 1e-5 * abs(b), (split, alone)
+
+
+def test_a_mixtral_run_exports_as_a_directory_transformers_loads(single_mixtral, tmp_path):
+    """``convert_hf.py export``: a ``MixtralForCausalLM`` directory whose logits are our model's with the
+    checkpoint's weights and no capacity (transformers' Mixtral drops no choice; the run trained with one)."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from scripts.convert_hf import main as convert
+    from toolkit import checkpoint as ckpt
+    from toolkit.config import load_config
+
+    run = single_mixtral[0]
+    assert convert(["export", str(run), str(tmp_path / "hf")]) == 0
+    theirs = transformers.MixtralForCausalLM.from_pretrained(tmp_path / "hf", experts_implementation="eager").eval()
+    assert theirs.config.num_local_experts == 4 and theirs.config.router_aux_loss_coef == 0.01
+    cfg = load_config(str(run))
+    cfg.model.capacity_factor = 0.0
+    ours = get("llama").build_model(cfg.model).eval()
+    ckpt.load(ckpt.latest(str(run / "checkpoints")), {"model": ours.state_dict()})
+    ids = torch.randint(0, 512, (2, 16))
+    with torch.no_grad():
+        a, b = ours(ids)[0], theirs(input_ids=ids).logits
+    assert ((a - b).abs().max() / b.abs().max()).item() < 1e-5
 
 
 @pytest.mark.parametrize("overrides, message", [

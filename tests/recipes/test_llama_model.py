@@ -275,6 +275,12 @@ def test_keys_a_config_leaves_out_take_transformers_defaults():
         for key in ("vocab_size", "intermediate_size", "num_key_value_heads", "max_position_embeddings"):
             assert _hf_value(minimal, key) == getattr(config, key), (kind, key)
     assert _hf_value({"model_type": "mistral"}, "sliding_window") == transformers.MistralConfig().sliding_window
+    mixtral = transformers.MixtralConfig()
+    for key in ("vocab_size", "intermediate_size", "num_key_value_heads", "max_position_embeddings", "rms_norm_eps",
+                "num_local_experts", "num_experts_per_tok"):
+        assert _hf_value({"model_type": "mixtral"}, key) == getattr(mixtral, key), key
+    assert _hf_value({"model_type": "mixtral"}, "rope_theta") == mixtral.rope_parameters["rope_theta"]
+    assert _hf_value({"model_type": "llama"}, "num_local_experts") == 0  # a dense MLP
 
 
 def test_llama3_rotary_scaling_loads_when_the_model_has_it_and_exports_back(tmp_path):

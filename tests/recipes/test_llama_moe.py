@@ -213,3 +213,66 @@ def test_a_tensor_parallel_override_of_an_expert_keeps_it_split_over_dp():
                                                     "model.layers.0.self_attn.q_proj.weight": "B"})
     assert plan["model.layers.0.mlp.experts.up_proj"] == (Split(0), Broadcast())
     assert plan["model.layers.0.self_attn.q_proj.weight"] == (Broadcast(), Broadcast())
+
+
+def _mixtral_dir(path, **changes):
+    """A tiny ``transformers`` Mixtral saved as Hugging Face saves it (each expert's w1, w3, w2 apart)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(1)
+    cfg = transformers.MixtralConfig(**{
+        "vocab_size": 128, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 32, "num_local_experts": 4,
+        "num_experts_per_tok": 2, "rms_norm_eps": CFG.rms_norm_eps, "rope_theta": CFG.rope_theta,
+        "experts_implementation": "eager", **changes})
+    model = transformers.MixtralForCausalLM(cfg)
+    model.save_pretrained(path)
+    return model
+
+
+def _mixtral_model_cfg(**changes):
+    from omegaconf import OmegaConf
+
+    from recipes.llama.config import ModelConfig
+
+    dims = {k: getattr(CFG, k) for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                         "num_attention_heads", "num_key_value_heads", "max_position_embeddings",
+                                         "num_local_experts", "num_experts_per_tok", "rms_norm_eps")}
+    return OmegaConf.merge(OmegaConf.structured(ModelConfig), {**dims, **changes})
+
+
+def test_a_mixtral_directory_loads_box_by_box_and_exports_back(tmp_path):
+    """A box of our stacked experts reads its experts' regions of the per-expert files; the whole model then gives
+    transformers' logits; ``to_hf_files`` writes the files' names and tensors back."""
+    from recipes.llama import hf
+
+    theirs = _mixtral_dir(tmp_path)
+    ours = LlamaForCausalLM(CFG)
+    reader = hf.ShardReader(str(tmp_path), ours, _mixtral_model_cfg())
+    box = reader.read("model.layers.1.mlp.experts.down_proj", ((1, 2), (8, 16), (0, 48)))
+    want = torch.stack([theirs.model.layers[1].mlp.experts.down_proj[j, 8:24] for j in (1, 2)])
+    assert torch.equal(box, want.detach())
+    with torch.no_grad():
+        for name, p in ours.named_parameters():
+            p.copy_(reader.read(name, tuple((0, n) for n in p.shape)))
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert _rel(ours(ids)[0], theirs(input_ids=ids).logits) < 1e-5
+    from safetensors.torch import load_file
+
+    files = load_file(str(tmp_path / "model.safetensors"))
+    back = hf.to_hf_files(ours.state_dict(), CFG.num_local_experts)
+    assert set(back) == set(files) and all(torch.equal(back[k], files[k]) for k in files)
+
+
+@pytest.mark.parametrize("changes, model, message", [
+    ({"router_jitter_noise": 0.1}, {}, "router_jitter_noise=0.1 (ours routes the hidden states as they are)"),
+    ({"sliding_window": 16}, {}, "sliding_window=16 (ours attends to every earlier position"),
+    ({}, {"num_experts_per_tok": 1}, "num_experts_per_tok=2, the model num_experts_per_tok=1"),
+    ({}, {"num_local_experts": 0}, "num_local_experts=4, the model num_local_experts=0"),
+])
+def test_what_a_mixtral_directory_has_and_the_model_lacks_is_refused(changes, model, message, tmp_path):
+    from recipes.llama import hf
+
+    _mixtral_dir(tmp_path, **changes)
+    assert any(message in p for p in hf.hf_dir_problems(str(tmp_path), _mixtral_model_cfg(**model))), \
+        hf.hf_dir_problems(str(tmp_path), _mixtral_model_cfg(**model))
