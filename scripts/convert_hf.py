@@ -22,9 +22,13 @@ run's ``config.yaml``, else from the weights' shapes plus ``--n-head``;
 rows of the embedding past the recorded ``vocab_size`` (padding) are
 dropped.
 A LLaMA run's checkpoint (``recipe=llama``) exports as a ``LlamaForCausalLM``
-directory: its tensors already have Hugging Face's names and shapes, and
-its ``extra.model_config`` gives ``config.json`` (a LLaMA needs no
-``import``: ``trainer.init_from`` reads a Hugging Face directory itself).
+directory (``Qwen2ForCausalLM`` with query/key/value biases): its tensors
+already have Hugging Face's names and shapes, and its
+``extra.model_config`` gives ``config.json`` (a LLaMA needs no ``import``:
+``trainer.init_from`` reads a Hugging Face directory itself). A run with
+experts exports as a ``MixtralForCausalLM`` directory, each stacked expert
+tensor split into Mixtral's per-expert ``w1``/``w3``/``w2``
+(``recipes.llama.hf.to_hf_files``).
 When the run directory above the checkpoint holds the run's tokenizer
 (``tokenizer.json``, which a GPT-2 run copies there), export copies it
 beside the weights: a ``tokenizers`` file that

@@ -148,7 +148,7 @@ def hf_dir_problems(path: str, model_cfg) -> list:
 
 class ShardReader:
     """``read(name, box)``: the box ``((start, length), ...)`` of parameter ``name`` from a Hugging Face Llama,
-    Mistral or Qwen2 directory, in the parameter's dtype: the ``init_shard`` that ``read_weights_from`` gives a
+    Mistral, Qwen2 or Mixtral directory, in the parameter's dtype: the ``init_shard`` that ``read_weights_from`` gives a
     model (``recipes.hf_files``). An LM head tied to the embedding reads the embedding's rows, as transformers
     ties them, even where the files keep a copy under the head's name (a last stage reading that copy could
     start from other values than the first stage's embedding).
@@ -164,7 +164,7 @@ class ShardReader:
         missing = [n for n, _ in model.named_parameters() if any(s not in self.files.names for s in self._stored(n))]
         if missing:
             raise ValueError(f"trainer.init_from={path}: no weights for {missing[:5]}")
-        wrong = [f"{s} is {list(self.files.shape(s))} there, {list(p.shape)} here"
+        wrong = [f"{s} is {list(self.files.shape(s))} there, {list(self._piece_shape(n, p))} here"
                  for n, p in model.named_parameters() for s in self._stored(n)
                  if self.files.shape(s) != self._piece_shape(n, p)]
         if wrong:
@@ -251,11 +251,14 @@ def hf_config(ours: dict, tokenizer=None) -> dict:
 def to_hf_files(state: dict, experts: int) -> dict:
     """A LLaMA run's ``model`` state as a Hugging Face directory's tensors: the same, but with experts in
     Mixtral's files' form (each layer's router under ``block_sparse_moe``, each expert's ``w1``/``w3``/``w2``
-    a tensor of its own; what ``ShardReader`` reads back)."""
+    a tensor of its own; what ``ShardReader`` reads back). With experts it empties ``state`` as it goes, so
+    that a stacked tensor is freed once its pieces are copied out (safetensors refuses views that share
+    storage): the export holds about one copy of the weights, not two."""
     if not experts:
         return dict(state)
     out = {}
-    for name, value in state.items():
+    for name in list(state):
+        value = state.pop(name)
         layer, found, kind = name.partition(".mlp.experts.")
         if found:
             for j in range(experts):

@@ -102,8 +102,7 @@ class SparseMoE(nn.Module):
         # on earlier tokens alone, as a causal model's position must (GShard's choice-major order would let a
         # token's later neighbours, its own label among them, decide which of its second choices are dropped).
         chosen = chosen.reshape(b, t * k)
-        # Buffers made "like" a tensor of this layout: a new tensor of another shape would be every rank's
-        # samples (a global B), and the rows of other ranks sliced off only after it was allocated.
+        # Buffers made "like" a tensor of the samples' layout, so that a rank allocates its own samples' rows.
         hits = torch.zeros_like(chosen.unsqueeze(-1).expand(b, t * k, n)).scatter(2, chosen.unsqueeze(-1), 1)
         slot = (hits.cumsum(1) * hits).sum(-1) - 1  # the choice's place in its expert's queue
         # Slot e * c + place in the sample's buffer; a dropped choice goes to the spare slot n * c, zeros.

@@ -1,6 +1,7 @@
 """The LLaMA recipe's parallel plan as data: Megatron's layout (torchtitan's for Llama) in SBP terms.
 
-On a stage's ``(dp, tp)`` mesh parameters are ``B`` on the dp axis and, on
+On a stage's ``(dp, tp)`` mesh parameters are ``B`` on the dp axis (but
+Mixtral's experts: ``EXPERTS``, split over it) and, on
 the tp axis: the query, key, value, gate and up projections column-split
 (``nn.Linear`` weights are ``[out, in]``: ``S(0)``, whole heads per rank,
 and with grouped-query attention whole key/value heads, so their query

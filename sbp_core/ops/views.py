@@ -33,7 +33,9 @@ sum, max and min (offered only for inputs that are partial on the axis, see
   becomes ``B`` for ones and fills. A tensor of another shape of as many
   dims, whose length on ``self``'s split dim is ``self``'s, takes that
   split (gather's backward makes ``self``'s gradient so from the output's:
-  each rank allocates its own rows). Autograd makes gradient buffers this
+  each rank allocates its own rows). A consumer that needs it whole then
+  pays an all-gather where ``B`` was free, and one writing into it in place
+  along the split dim is refused: make such a buffer ``B`` explicitly. Autograd makes gradient buffers this
   way (``new_empty_strided`` then ``copy_`` when a gradient's strides differ
   from its parameter's, e.g. a square ``nn.Linear`` weight's): a ``B``
   buffer would all-gather a split gradient into it, or all-reduce a partial

@@ -200,6 +200,15 @@ def new_tensors(x):
     return x + x.new_ones(x.shape) + x.new_zeros(x.shape[1:]) + x.new_full((1, x.shape[1]), 0.5) + x.new_empty(x.shape).zero_()
 
 
+def new_other_shapes(x):  # [n, 3] -> [n, 5], [n, 2], [n, 4]: the rows' dim as long as x's
+    return (x.new_zeros((x.shape[0], 5)), x.new_full((x.shape[0], 2), 0.5),
+            x.new_empty_strided((x.shape[0], 4), (1, x.shape[0])).zero_())
+
+
+def new_other_rank(x):
+    return x.new_zeros((x.shape[0],)) + 1
+
+
 def test_permute_expand_squeeze_new():
     x453, x413, x312 = rnd(4, 5, 3), rnd(4, 1, 3), rnd(3, 1, 2)
     run([
@@ -228,6 +237,13 @@ def test_permute_expand_squeeze_new():
         (new_tensors, [rnd(4, 3)], [S0], R3, [S0]),
         (new_tensors, [rnd(4, 3)], [B], R2, [B]),
         (new_tensors, [rnd(4, 3)], [(S1, S0)], M22, [(S1, S0)]),
+        # Another shape, the split dim as long: split alike (each rank allocates its rows), unevenly too (values
+        # only: the outputs do not depend on the input's).
+        (new_other_shapes, [rnd(4, 3)], [S0], R2, [S0, S0, S0], False),
+        (new_other_shapes, [rnd(5, 3)], [S0], R3, [S0, S0, S0], False),
+        (new_other_shapes, [rnd(4, 3)], [S1], R3, [B, B, B], False),  # the split dim's length changes
+        (new_other_shapes, [rnd(4, 3)], [P], R2, [B, B, B], False),
+        (new_other_rank, [rnd(4, 3)], [S0], R2, [B], False),
     ])
 
 
