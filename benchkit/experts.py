@@ -10,11 +10,10 @@ off (``output_router_logits`` false), and so is ours (``router_aux_loss_coef=0``
 """
 from __future__ import annotations
 
-import time
 
 import torch
 
-from benchkit.paired import balanced_orders
+from benchkit.paired import timed_steps
 
 ADAMW = dict(lr=1e-3, weight_decay=0.1)
 
@@ -97,19 +96,7 @@ def experts_worker(dims: dict, batch: int, seq: int, steps: int, warmup: int) ->
         dist.all_reduce(value)  # the batch's mean (halves of equal size), for the warm-up comparison only
         return value / n
 
-    ways = {"ours": ours_step, "peer": peer_step}
-    orders = balanced_orders(list(ways))
-    times, losses = {k: [] for k in ways}, {k: [] for k in ways}
-    for i in range(warmup + steps):
-        for name in orders[i % len(orders)]:
-            dist.barrier()
-            t0 = time.perf_counter()
-            loss = ways[name]()
-            elapsed = time.perf_counter() - t0
-            if i >= warmup:
-                times[name].append(elapsed)
-            else:
-                losses[name].append(float(loss))
+    times, losses = timed_steps({"ours": ours_step, "peer": peer_step}, steps, warmup, dist.barrier, float)
     with sc.comm_ledger() as ledger:
         ours_step(read=False)
     sent["peer"] = 0  # the hook counts gradient buckets only (not the loss read above)

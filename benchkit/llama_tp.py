@@ -13,13 +13,12 @@ blocks the activations are ``Replicate`` (torchtitan's plan without its sequence
 """
 from __future__ import annotations
 
-import time
 
 import torch
 import torch.nn.functional as F
 
 from benchkit.dtensor_gpt import collectives_of
-from benchkit.paired import balanced_orders
+from benchkit.paired import timed_steps
 
 ADAMW = dict(lr=1e-3, weight_decay=0.1)
 
@@ -98,18 +97,7 @@ def tp_worker(dims: dict, batch: int, seq: int, steps: int, warmup: int, sequenc
         peer_opt.zero_grad()
         return loss
 
-    ways = {"ours": ours_step, "dtensor": peer_step}
-    orders = balanced_orders(list(ways))
-    times, losses = {k: [] for k in ways}, {k: [] for k in ways}
-    for i in range(warmup + steps):
-        for name in orders[i % len(orders)]:
-            dist.barrier()
-            t0 = time.perf_counter()
-            loss = ways[name]()
-            elapsed = time.perf_counter() - t0
-            if i >= warmup:
-                times[name].append(elapsed)
-            else:  # outside the timed steps: the loss on every rank
-                losses[name].append(loss.full_tensor().item())
+    times, losses = timed_steps({"ours": ours_step, "dtensor": peer_step}, steps, warmup, dist.barrier,
+                                lambda loss: loss.full_tensor().item())  # the loss on every rank
     return {"times": times, "losses": losses, "params": sum(q.numel() for q in ours.parameters()),
             "collectives": collectives_of(ours_step, peer_step)}

@@ -11,6 +11,7 @@ is not resolved by that run.
 each way in each position equally often and right after each other way
 equally often, so neither a slot in the round nor the way before (a
 DataLoader's exiting workers, a peer's freed memory) favours one way.
+``timed_steps`` runs training steps in those orders and times them.
 """
 from __future__ import annotations
 
@@ -38,3 +39,26 @@ def balanced_orders(names: list) -> list:
     if n % 2:
         rows += [row[::-1] for row in rows]
     return [[names[k] for k in row] for row in rows]
+
+
+def timed_steps(ways: dict, steps: int, warmup: int, before, read) -> tuple:
+    """Each way's step ``warmup + steps`` times, round by round in ``balanced_orders``, ``before()`` ahead of
+    each (a barrier across ranks, so that no rank's wait counts in the next way's time).
+
+    Returns ``(times, values)``: per way, the seconds of the timed steps (after the warm-up), and ``read`` of
+    what each warm-up step returned (its loss, read outside the timed steps)."""
+    import time
+
+    orders = balanced_orders(list(ways))
+    times, values = {k: [] for k in ways}, {k: [] for k in ways}
+    for i in range(warmup + steps):
+        for name in orders[i % len(orders)]:
+            before()
+            t0 = time.perf_counter()
+            out = ways[name]()
+            elapsed = time.perf_counter() - t0
+            if i >= warmup:
+                times[name].append(elapsed)
+            else:
+                values[name].append(read(out))
+    return times, values

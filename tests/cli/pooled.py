@@ -44,3 +44,23 @@ def losses(run_dir) -> list:
     with open(os.path.join(str(run_dir), "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     return [r["loss"] for r in rows if "loss" in r]
+
+
+def assert_same_losses(got: list, want: list, *context) -> None:
+    """Every step's loss of ``got`` is ``want``'s within 1e-5 (relative): a layout trains as the reference does."""
+    assert len(got) == len(want), (context, got, want)
+    for a, b in zip(got, want):
+        assert abs(a - b) <= 1e-5 * abs(b), (context, got, want)
+
+
+def refusal(overrides: list, run_dir) -> str:
+    """The ``ConfigError`` that validating the job ``overrides`` composes raises, before any process starts."""
+    import pytest
+
+    from recipes.registry import get
+    from toolkit.config import ConfigError
+
+    cfg = compose(overrides, run_dir=str(run_dir))
+    with pytest.raises(ConfigError) as info:
+        validate(cfg, get(cfg.recipe.name), world_size=None)
+    return str(info.value)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from recipes.registry import get
-from tests.cli.pooled import train_pooled
+from tests.cli.pooled import assert_same_losses, refusal, train_pooled
 from toolkit.config import ConfigError, compose, validate
 
 TINY = ["recipe=llama", "model.num_hidden_layers=4", "model.hidden_size=64", "model.intermediate_size=96",
@@ -37,9 +37,8 @@ def single(single_llama):
 def test_layout_losses_equal_single(layout, single, sbp_cache, tmp_path):
     layout, *options = layout.split()
     losses = train_pooled([*TINY, f"parallel={layout}", *options], tmp_path, sbp_cache)
-    assert len(losses) == len(single) == 3
-    for a, b in zip(losses, single):
-        assert abs(a - b) <= 1e-5 * abs(b), (layout, losses, single)
+    assert len(single) == 3
+    assert_same_losses(losses, single, layout)
 
 
 @pytest.fixture(scope="module")
@@ -103,10 +102,7 @@ def test_resuming_a_tied_run_untied_is_refused_before_any_process_starts(single_
     (["data.seq_len=128"], "data.seq_len=128: exceeds model.max_position_embeddings=64"),
 ])
 def test_bad_dimensions_are_refused_before_any_process_starts(overrides, message, tmp_path):
-    cfg = compose([*TINY, *overrides], run_dir=str(tmp_path))
-    with pytest.raises(ConfigError) as info:
-        validate(cfg, get("llama"), world_size=None)
-    assert message in str(info.value)
+    assert message in refusal([*TINY, *overrides], tmp_path)
 
 
 def test_fine_tuning_from_a_hugging_face_directory_is_the_same_in_every_layout(single_llama, sbp_cache, tmp_path):
@@ -131,8 +127,7 @@ def test_fine_tuning_from_a_hugging_face_directory_is_the_same_in_every_layout(s
     alone = train_pooled([*tuned, "parallel=single"], tmp_path / "single", sbp_cache)
     split = train_pooled([*tuned, "parallel=dp2_tp2_pp2"], tmp_path / "split", sbp_cache)
     assert abs(alone[0] - single[0]) > 0.1, (alone, single)  # initializer_range 0.2: far from the seed's start
-    for a, b in zip(split, alone):
-        assert abs(a - b) <= 1e-5 * abs(b), (split, alone)
+    assert_same_losses(split, alone)
 
 
 @pytest.fixture(scope="module")
@@ -179,9 +174,10 @@ def test_generate_continues_a_prompt_from_a_llama_run(single_llama):
     assert text.startswith("def f(x):") and len(text) > len("def f(x):")
 
 
-def test_a_run_exports_as_a_directory_transformers_loads(single_llama, tmp_path):
-    """``convert_hf.py export``: the run's last checkpoint as a ``LlamaForCausalLM`` directory (with the run's
-    tokenizer), whose logits are our model's with the checkpoint's weights."""
+def exported(run, hf_dir, theirs_class: str, **model_changes) -> tuple:
+    """``convert_hf.py export`` of ``run``'s last checkpoint into ``hf_dir``, loaded by ``transformers``'
+    ``theirs_class``: ``(their model, our logits, theirs)`` on the same tokens, ours built from the run's
+    config with ``model_changes`` and the checkpoint's weights."""
     transformers = pytest.importorskip("transformers")
     import torch
 
@@ -189,18 +185,26 @@ def test_a_run_exports_as_a_directory_transformers_loads(single_llama, tmp_path)
     from toolkit import checkpoint as ckpt
     from toolkit.config import load_config
 
-    run = single_llama[0]
-    assert convert(["export", str(run), str(tmp_path / "hf")]) == 0
-    assert (tmp_path / "hf" / "tokenizer.json").is_file()
-    theirs = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    from recipes.gpt2.data.tokenizer import load_tokenizer
-
-    eos = load_tokenizer(run / "tokenizer.json").eos_id
-    assert eos is not None and theirs.config.eos_token_id == eos  # generate() stops where documents end
+    assert convert(["export", str(run), str(hf_dir)]) == 0
+    theirs = getattr(transformers, theirs_class).from_pretrained(hf_dir, experts_implementation="eager").eval()
     cfg = load_config(str(run))
+    for key, value in model_changes.items():
+        cfg.model[key] = value
     ours = get("llama").build_model(cfg.model).eval()
     ckpt.load(ckpt.latest(str(run / "checkpoints")), {"model": ours.state_dict()})
     ids = torch.randint(0, 512, (2, 16))
     with torch.no_grad():
-        a, b = ours(ids)[0], theirs(input_ids=ids).logits
+        return theirs, ours(ids)[0], theirs(input_ids=ids).logits
+
+
+def test_a_run_exports_as_a_directory_transformers_loads(single_llama, tmp_path):
+    """``convert_hf.py export``: the run's last checkpoint as a ``LlamaForCausalLM`` directory (with the run's
+    tokenizer), whose logits are our model's with the checkpoint's weights."""
+    from recipes.gpt2.data.tokenizer import load_tokenizer
+
+    run = single_llama[0]
+    theirs, a, b = exported(run, tmp_path / "hf", "LlamaForCausalLM")
+    assert (tmp_path / "hf" / "tokenizer.json").is_file()
+    eos = load_tokenizer(run / "tokenizer.json").eos_id
+    assert eos is not None and theirs.config.eos_token_id == eos  # generate() stops where documents end
     assert ((a - b).abs().max() / b.abs().max()).item() < 1e-5

@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from recipes.registry import get
-from tests.cli.pooled import train_pooled
-from tests.cli.test_llama_cli import TINY
-from toolkit.config import ConfigError, compose, validate
+from tests.cli.pooled import assert_same_losses, refusal, train_pooled
+from tests.cli.test_llama_cli import TINY, exported
 
 MIXTRAL = [*TINY, "model=mixtral-tiny", "model.capacity_factor=1.0", "model.router_aux_loss_coef=0.01"]
 
@@ -36,9 +34,8 @@ def single(single_mixtral):
 def test_layouts_train_like_one_device(layout, single, sbp_cache, tmp_path):
     layout, *options = layout.split()
     losses = train_pooled([*MIXTRAL, f"parallel={layout}", *options], tmp_path, sbp_cache)
-    assert len(losses) == len(single) == 3
-    for a, b in zip(losses, single):
-        assert abs(a - b) <= 1e-5 * abs(b), (layout, losses, single)
+    assert len(single) == 3
+    assert_same_losses(losses, single, layout)
 
 
 def test_fine_tuning_from_a_mixtral_directory_is_the_same_with_the_experts_split(single_mixtral, sbp_cache, tmp_path):
@@ -60,31 +57,14 @@ def test_fine_tuning_from_a_mixtral_directory_is_the_same_with_the_experts_split
     alone = train_pooled([*tuned, "parallel=single"], tmp_path / "single", sbp_cache)
     split = train_pooled([*tuned, "parallel=dp2_tp2"], tmp_path / "split", sbp_cache)
     assert abs(alone[0] - single_mixtral[1][0]) > 0.1, alone  # initializer_range 0.2: far from the seed's start
-    for a, b in zip(split, alone):
-        assert abs(a - b) <= 1e-5 * abs(b), (split, alone)
+    assert_same_losses(split, alone)
 
 
 def test_a_mixtral_run_exports_as_a_directory_transformers_loads(single_mixtral, tmp_path):
     """``convert_hf.py export``: a ``MixtralForCausalLM`` directory whose logits are our model's with the
     checkpoint's weights and no capacity (transformers' Mixtral drops no choice; the run trained with one)."""
-    transformers = pytest.importorskip("transformers")
-    import torch
-
-    from scripts.convert_hf import main as convert
-    from toolkit import checkpoint as ckpt
-    from toolkit.config import load_config
-
-    run = single_mixtral[0]
-    assert convert(["export", str(run), str(tmp_path / "hf")]) == 0
-    theirs = transformers.MixtralForCausalLM.from_pretrained(tmp_path / "hf", experts_implementation="eager").eval()
+    theirs, a, b = exported(single_mixtral[0], tmp_path / "hf", "MixtralForCausalLM", capacity_factor=0.0)
     assert theirs.config.num_local_experts == 4 and theirs.config.router_aux_loss_coef == 0.01
-    cfg = load_config(str(run))
-    cfg.model.capacity_factor = 0.0
-    ours = get("llama").build_model(cfg.model).eval()
-    ckpt.load(ckpt.latest(str(run / "checkpoints")), {"model": ours.state_dict()})
-    ids = torch.randint(0, 512, (2, 16))
-    with torch.no_grad():
-        a, b = ours(ids)[0], theirs(input_ids=ids).logits
     assert ((a - b).abs().max() / b.abs().max()).item() < 1e-5
 
 
@@ -95,7 +75,4 @@ def test_a_mixtral_run_exports_as_a_directory_transformers_loads(single_mixtral,
     (["parallel=cp2"], "parallel.cp=2 with model.num_local_experts=4"),
 ])
 def test_what_the_experts_cannot_do_is_refused_before_any_process_starts(overrides, message, tmp_path):
-    cfg = compose([*MIXTRAL, *overrides], run_dir=str(tmp_path))
-    with pytest.raises(ConfigError) as info:
-        validate(cfg, get("llama"), world_size=None)
-    assert message in str(info.value)
+    assert message in refusal([*MIXTRAL, *overrides], tmp_path)
