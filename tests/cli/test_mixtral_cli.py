@@ -27,8 +27,8 @@ def single(single_mixtral):
     return single_mixtral[1]
 
 
-# The trainer's side of what the float64 pipelines of tests/runtime/test_pipeline_schedules.py check (experts
-# split over dp and tp inside interleaved 1F1B): the load-balancing loss through a stage boundary the trainer
+# The trainer's side of what the float64 pipeline of tests/runtime/test_pipeline_schedules.py checks (experts
+# split over dp and tp under ZB-V): the load-balancing loss through a stage boundary the trainer
 # finds on meta tensors, and ZeRO-3 leaving the split experts' masters as they are.
 @pytest.mark.parametrize("layout", ["pp2", "dp2_zero3"])
 def test_layouts_train_like_one_device(layout, single, sbp_cache, tmp_path):
