@@ -146,6 +146,17 @@ def hf_dir_problems(path: str, model_cfg) -> list:
     return problems
 
 
+def file_names(name: str, experts: int) -> list:
+    """The Hugging Face files' tensors our parameter ``name`` is made of: itself; with ``experts``, the router
+    under Mixtral's ``block_sparse_moe``, and one per expert (in expert order) for a stacked expert tensor."""
+    layer, found, kind = name.partition(".mlp.experts.")
+    if found:
+        return [f"{layer}.block_sparse_moe.experts.{j}.{EXPERT_FILES[kind]}.weight" for j in range(experts)]
+    if experts and name.endswith(".mlp.gate.weight"):
+        return [name.replace(".mlp.gate.", ".block_sparse_moe.gate.")]
+    return [name]
+
+
 class ShardReader:
     """``read(name, box)``: the box ``((start, length), ...)`` of parameter ``name`` from a Hugging Face Llama,
     Mistral, Qwen2 or Mixtral directory, in the parameter's dtype: the ``init_shard`` that ``read_weights_from`` gives a
@@ -171,16 +182,10 @@ class ShardReader:
             raise ValueError(f"trainer.init_from={path}: other shapes than the model's: " + "; ".join(wrong[:3]))
 
     def _stored(self, name: str) -> list:
-        """The files' tensors parameter ``name`` is made of: itself, the embedding for a tied LM head, the router
-        under Mixtral's ``block_sparse_moe``, or one per expert for our stacked experts (in expert order)."""
+        """The files' tensors parameter ``name`` is made of (``file_names``; the embedding for a tied LM head)."""
         if name == "lm_head.weight" and self.tied:
             return ["model.embed_tokens.weight"]
-        layer, found, kind = name.partition(".mlp.experts.")
-        if found:
-            return [f"{layer}.block_sparse_moe.experts.{j}.{EXPERT_FILES[kind]}.weight" for j in range(self.experts)]
-        if self.experts and name.endswith(".mlp.gate.weight"):
-            return [name.replace(".mlp.gate.", ".block_sparse_moe.gate.")]
-        return [name]
+        return file_names(name, self.experts)
 
     def _piece_shape(self, name: str, param) -> tuple:
         return tuple(param.shape[1:] if ".mlp.experts." in name else param.shape)
@@ -259,12 +264,8 @@ def to_hf_files(state: dict, experts: int) -> dict:
     out = {}
     for name in list(state):
         value = state.pop(name)
-        layer, found, kind = name.partition(".mlp.experts.")
-        if found:
-            for j in range(experts):
-                out[f"{layer}.block_sparse_moe.experts.{j}.{EXPERT_FILES[kind]}.weight"] = value[j].clone()
-        elif name.endswith(".mlp.gate.weight"):
-            out[name.replace(".mlp.gate.", ".block_sparse_moe.gate.")] = value
+        if ".mlp.experts." in name:
+            out.update({piece: value[j].clone() for j, piece in enumerate(file_names(name, experts))})
         else:
-            out[name] = value
+            out[file_names(name, experts)[0]] = value
     return out

@@ -253,8 +253,6 @@ class LlamaForCausalLM(nn.Module):
                 if experts:
                     x, more = x
                     balance = more if balance is None else balance + more
-        if experts and balance is None:  # a first stage without layers
-            balance = torch.zeros_like(x[:, 0, 0], dtype=torch.promote_types(x.dtype, torch.float32))
         if self.lm_head is None:
             return ((x, balance) if experts else x), None
         logits = self.lm_head(m.norm(x))

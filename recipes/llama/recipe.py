@@ -70,8 +70,7 @@ class LlamaRecipe(GPT2Recipe):
         # A tied embedding is counted once in n_params, as the LM head's matmul.
         matmuls = n_params - (0 if m.get("tie_word_embeddings", False) else m.vocab_size * m.hidden_size)
         experts = m.get("num_local_experts", 0)
-        if experts:  # the routed work: num_experts_per_tok of each layer's experts per token (the model FLOPs'
-            # convention; the slots the experts compute beyond the routed tokens are not counted)
+        if experts:  # model FLOPs count the routed work (num_experts_per_tok experts per token), not the slots
             idle = experts - m.num_experts_per_tok
             matmuls -= m.num_hidden_layers * idle * 3 * m.intermediate_size * m.hidden_size
         return 6.0 * matmuls + 12.0 * m.num_hidden_layers * int(cfg.data.seq_len) * m.hidden_size

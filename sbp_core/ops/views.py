@@ -35,8 +35,8 @@ sum, max and min (offered only for inputs that are partial on the axis, see
   split (gather's backward makes ``self``'s gradient so from the output's:
   each rank allocates its own rows). A consumer that needs it whole then
   pays an all-gather where ``B`` was free, and one writing into it in place
-  along the split dim is refused: make such a buffer ``B`` explicitly. Autograd makes gradient buffers this
-  way (``new_empty_strided`` then ``copy_`` when a gradient's strides differ
+  along the split dim is refused: make such a buffer ``B`` explicitly.
+  Autograd makes gradient buffers this way (``new_empty_strided`` then ``copy_`` when a gradient's strides differ
   from its parameter's, e.g. a square ``nn.Linear`` weight's): a ``B``
   buffer would all-gather a split gradient into it, or all-reduce a partial
   one at once, outside the gradient buckets. Any other tensor is ``B``, which
@@ -217,11 +217,10 @@ def new_tensor(call):
     size = tuple(call.arg(1, "size"))
     here = call.actual(0)
     shape = tuple(call.metas[0].shape)
-    if size == shape and here is not None and (
-            here.is_split or (here.is_partial and call.func in _VALUELESS_UNDER_PARTIAL)):
-        return [Sig((here,), (here,)), Sig((None,), (B,))]
-    if here is not None and here.is_split and len(size) == len(shape) and size[here.axis] == shape[here.axis]:
-        # Another shape, the split dim's length unchanged (gather's and topk's backward make their gradient
-        # buffers so): split alike, so that a rank allocates its rows only, not every rank's.
+    # A split is kept wherever the split dim keeps its length (gather's and topk's backward make their gradient
+    # buffers in another shape so: each rank then allocates its own rows only, not every rank's).
+    if here is not None and (
+            (here.is_split and len(size) == len(shape) and size[here.axis] == shape[here.axis])
+            or (size == shape and here.is_partial and call.func in _VALUELESS_UNDER_PARTIAL)):
         return [Sig((here,), (here,)), Sig((None,), (B,))]
     return [Sig((None,), (B,))]

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from benchkit.experts import as_transformers
 from recipes.llama.model import LlamaConfig, LlamaForCausalLM
 from recipes.llama.moe import SparseMoE, capacity
 from sbp_core.sbp import Broadcast, Split
@@ -27,17 +28,6 @@ def _rel(a, b) -> float:
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
-def _as_transformers(state: dict) -> dict:
-    """Our state dict with transformers 5's fused experts: ``gate_up_proj`` is gate_proj and up_proj stacked."""
-    out = {}
-    for name, v in state.items():
-        if name.endswith("experts.gate_proj"):
-            out[name.replace("gate_proj", "gate_up_proj")] = torch.cat((v, state[name[:-9] + "up_proj"]), 1)
-        elif not name.endswith("experts.up_proj"):
-            out[name] = v
-    return out
-
-
 def test_without_drops_logits_and_gradients_match_transformers_mixtral():
     """No capacity (every choice kept): Hugging Face's Mixtral (its eager experts) with our weights gives our logits
     and, through the loss, our gradients. Its router computes in float32 (ours in float64 here), hence 1e-6."""
@@ -49,14 +39,14 @@ def test_without_drops_logits_and_gradients_match_transformers_mixtral():
         num_key_value_heads=2, max_position_embeddings=32, num_local_experts=4, num_experts_per_tok=2,
         rms_norm_eps=CFG.rms_norm_eps, rope_theta=CFG.rope_theta, sliding_window=None,
         attn_implementation="eager", experts_implementation="eager")).double()
-    theirs.load_state_dict(_as_transformers(ours.state_dict()), strict=True)
+    theirs.load_state_dict(as_transformers(ours.state_dict()), strict=True)
     ids = torch.randint(0, 128, (3, 16), generator=torch.Generator().manual_seed(1))
     logits, loss = ours(ids, ids)
     out = theirs(ids, labels=ids)
     assert _rel(logits, out.logits) < 1e-6
     loss.backward()
     F.cross_entropy(out.logits[:, :-1].reshape(-1, 128), ids[:, 1:].reshape(-1)).backward()
-    grads = _as_transformers({n: p.grad for n, p in ours.named_parameters()})
+    grads = as_transformers({n: p.grad for n, p in ours.named_parameters()})
     for name, p in theirs.named_parameters():
         assert _rel(grads[name], p.grad) < 1e-6, name
 
