@@ -3,7 +3,9 @@
 Each name here is read from torch when the running release has it, and
 otherwise computed from what 2.11 has, with the same meaning. One aten
 kernel, the backward of the value-selecting reductions, is replaced by 2.13's
-on releases whose kernel builds plain zeros (a probe at import says which).
+on releases whose kernel builds plain zeros (a probe at import says which;
+from 2.13 on it is not run, since the probe's backward under a dispatch mode
+imports ``torch._dynamo``, over a second of every process's start-up).
 """
 from __future__ import annotations
 
@@ -83,7 +85,8 @@ def _value_selecting_reduction_backward(grad, dim, indices, sizes, keepdim):
 
 
 _aten_overrides = None  # the Library that holds the kernels below, kept alive: its registrations end with it
-if not _selection_backward_uses_new_zeros():
+_RELEASE = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+if _RELEASE < (2, 13) and not _selection_backward_uses_new_zeros():
     import warnings
 
     _aten_overrides = torch.library.Library("aten", "IMPL")

@@ -6,7 +6,10 @@ raised out of this module would end the fork server, and every rank start with i
 """
 import importlib
 
-MODULES = ("torch", "torch.distributed", "sbp_core", "runtime.executor", "toolkit.trainer", "recipes.registry")
+# torch._dynamo: every rank imports it at its first optimizer step (torch's optimizers disable dynamo around
+# step), over a second each; the project's own modules import it only where they compile or split a backward.
+MODULES = ("torch", "torch.distributed", "torch._dynamo", "torch.distributed.pipelining", "sbp_core",
+           "runtime.executor", "toolkit.trainer", "recipes.registry")
 
 for _name in MODULES:
     try:

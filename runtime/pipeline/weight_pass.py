@@ -27,8 +27,6 @@ from __future__ import annotations
 
 from typing import Callable
 
-from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
-
 
 def input_first(outputs: list, grads, stage_inputs: list, weights) -> Callable[[], None]:
     """Backward of ``outputs`` (seeded with ``grads``; ``None`` for a scalar loss) into the ``stage_inputs``' ``.grad`` alone.
@@ -38,6 +36,10 @@ def input_first(outputs: list, grads, stage_inputs: list, weights) -> Callable[[
     grads)`` would have, and frees the graph. Until then the graph and each
     parameter group's incoming gradients stay alive.
     """
+    # Imported here: torch.distributed.pipelining imports torch._dynamo, over a second of start-up for every
+    # process that reads a config (toolkit.config) and never runs a split backward.
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
     weights = [w for w in weights if w.requires_grad]
     _, groups = stage_backward_input(list(outputs), None if grads is None else list(grads), list(stage_inputs),
                                      iter(weights))
