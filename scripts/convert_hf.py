@@ -140,7 +140,7 @@ def export_hf(src: str, hf_dir: str, n_head: int | None = None) -> str:
         tokenizer = tokenizer_of_weights(path)
         config = hf_llama.hf_config((state.get("extra") or {}).get("model_config") or {},
                                     load_tokenizer(tokenizer) if tokenizer else None)
-        model = hf_llama.to_hf_files(state["model"], int(config.get("num_local_experts", 0)))
+        model = hf_llama.to_hf_files(state["model"], config)
         if config["tie_word_embeddings"]:  # one tensor, saved under the embedding's name (as Hugging Face does)
             model.pop("lm_head.weight", None)
         hf_gpt2.write_hf_dir(hf_dir, config, model)

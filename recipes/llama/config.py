@@ -33,6 +33,10 @@ class ModelConfig:
     them per token, each of ``intermediate_size``; ``capacity_factor`` sets
     each expert's slots per sample (0: room for every token, none dropped),
     ``router_aux_loss_coef`` the load-balancing loss's weight in the loss.
+    ``norm_topk_prob``: the chosen experts' weights renormalised to sum to
+    1 (Mixtral's; Qwen2-MoE's are the probabilities as they are).
+    ``shared_expert_intermediate_size > 0``: Qwen2-MoE's gated shared
+    expert of that size beside the routed ones.
     ``name`` labels the preset (run names, W&B); the dimensions are what
     count.
     """
@@ -58,6 +62,8 @@ class ModelConfig:
     num_experts_per_tok: int = 2
     capacity_factor: float = 0.0
     router_aux_loss_coef: float = 0.001
+    norm_topk_prob: bool = True
+    shared_expert_intermediate_size: int = 0
 
 
 @dataclass
@@ -71,9 +77,13 @@ def llama_config_kwargs(model: Any) -> dict:
 
 
 def expert_problems(m, layout) -> list:
-    """Mixtral's keys: experts per token among the experts, whole experts per data-parallel rank (expert
-    parallelism splits them over dp), a capacity and a loss weight >= 0; no context parallelism."""
-    n = m.get("num_local_experts", 0)
+    """The experts' keys: experts per token among the experts, whole experts per data-parallel rank (expert
+    parallelism splits them over dp), a capacity and a loss weight >= 0, a shared expert only beside routed ones;
+    no context parallelism."""
+    n, shared = m.get("num_local_experts", 0), m.get("shared_expert_intermediate_size", 0)
+    if shared < 0 or (shared and n == 0):
+        return [f"model.shared_expert_intermediate_size={shared}: must be >= 0, and 0 without routed experts "
+                f"(model.num_local_experts={n}; a dense model's MLP is model.intermediate_size)"]
     if n == 0:
         return []
     if n < 0:
@@ -123,8 +133,9 @@ def problems(cfg, layout, trains_tokenizer: bool = True) -> list:
     p += expert_problems(m, layout)
     for key, what in (("num_key_value_heads", "whole key/value heads per rank"),
                       ("intermediate_size", "MLP columns per rank"),
+                      ("shared_expert_intermediate_size", "shared expert columns per rank"),
                       ("vocab_size", "vocab-parallel embedding and loss")):
-        if m[key] % tp:
+        if m.get(key, 0) % tp:
             p.append(f"model.{key}={m[key]}: must divide by parallel.tp={tp} ({what}); valid tp: "
                      f"{[d for d in range(1, min(m[key], 64) + 1) if m[key] % d == 0]}")
     return p + data_problems(cfg, layout, "max_position_embeddings", trains_tokenizer)

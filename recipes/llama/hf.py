@@ -1,4 +1,5 @@
-"""Hugging Face Llama, Mistral, Qwen2 and Mixtral directories as ``trainer.init_from`` of the LLaMA recipe, and back.
+"""Hugging Face Llama, Mistral, Qwen2, Mixtral and Qwen2-MoE directories as ``trainer.init_from`` of the LLaMA
+recipe, and back.
 
 Our model (``model.py``) has Hugging Face's parameter names, shapes and
 rotary convention (rotate-half), so its weights load by name, unchanged,
@@ -8,7 +9,11 @@ a checkpoint's ``model`` state is a Hugging Face state dict
 files keep each expert's ``w1``/``w3``/``w2`` (gate, up, down) apart under
 ``block_sparse_moe`` (so do ``transformers`` 5's ``save_pretrained`` and the
 hub's): a box of our stacked experts reads its experts' regions and stacks
-them, and export splits them back (``to_hf_files``).
+them, and export splits them back (``to_hf_files``). Qwen2-MoE's files keep
+them apart too, under ``mlp.experts.{j}.{gate,up,down}_proj``; its
+``num_experts`` and ``moe_intermediate_size`` are our
+``num_local_experts`` and ``intermediate_size`` (every layer sparse: its
+dense ``intermediate_size`` is unused).
 Rotary scaling of Llama 3.1's kind (``rope_scaling`` of type ``llama3``)
 maps to the model's ``rope_*`` keys; an LM head tied to the embedding (as
 Llama 3.2 1B/3B have it, with no ``lm_head.weight`` in their files) to
@@ -16,8 +21,9 @@ Llama 3.2 1B/3B have it, with no ``lm_head.weight`` in their files) to
 ``qkv_bias``. What our model does not implement is refused by name, before
 any process starts: other rotary scaling, other biases, a sliding window
 shorter than the context, attention dropout, another activation or head
-size, router jitter. A run exports as a Llama directory, a Qwen2 one with ``qkv_bias``, or a Mixtral one
-with experts.
+size, router jitter, Qwen2-MoE's dense layers. A run exports as a Llama directory, a Qwen2 one with
+``qkv_bias``, a Mixtral one with experts, or a Qwen2-MoE one with experts and a shared expert (or query,
+key and value biases, or unnormalised routing weights, which Mixtral lacks).
 """
 from __future__ import annotations
 
@@ -32,13 +38,21 @@ from recipes.hf_files import HFFiles, weight_files
 DIMS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
         "num_key_value_heads", "max_position_embeddings", "rms_norm_eps", "rope_theta", "rope_factor",
         "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_position_embeddings",
-        "tie_word_embeddings", "qkv_bias", "num_local_experts", "num_experts_per_tok")
+        "tie_word_embeddings", "qkv_bias", "num_local_experts", "num_experts_per_tok", "norm_topk_prob",
+        "shared_expert_intermediate_size")
 # Options of ours that a config.json states by default (``hf_config`` writes them; a missing one is False).
 FLAGS = ("tie_word_embeddings", "qkv_bias")
-# Mixtral's keys: a config.json of another model type has no experts (and then ``num_experts_per_tok`` is moot).
-EXPERT_KEYS = ("num_local_experts", "num_experts_per_tok")
-# Our stacked experts -> the per-expert linear weights Mixtral's files hold (``w1`` gate, ``w3`` up, ``w2`` down).
-EXPERT_FILES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+# The experts' keys: a config.json of a dense model type has none (and then the routing ones are moot).
+EXPERT_KEYS = ("num_local_experts", "num_experts_per_tok", "norm_topk_prob", "shared_expert_intermediate_size")
+ROUTING_KEYS = ("num_experts_per_tok", "norm_topk_prob")
+# Model types with experts -> their config.json's names of our keys, where they differ.
+EXPERT_NAMES = {"mixtral": {}, "qwen2_moe": {"num_local_experts": "num_experts",
+                                             "intermediate_size": "moe_intermediate_size"}}
+# Our stacked experts -> the per-expert linear weights each model type's files hold (Mixtral's ``w1`` gate,
+# ``w3`` up, ``w2`` down, under ``block_sparse_moe``; Qwen2-MoE's our names, under ``mlp``).
+EXPERT_FILES = {"mixtral": {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"},
+                "qwen2_moe": {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}}
+EXPERT_MODULE = {"mixtral": "block_sparse_moe", "qwen2_moe": "mlp"}
 # Ours -> Hugging Face's key inside rope_scaling (rope_type "llama3"); a config without one has a factor of 1.
 ROPE_SCALING = {"rope_factor": "factor", "rope_low_freq_factor": "low_freq_factor",
                 "rope_high_freq_factor": "high_freq_factor",
@@ -56,7 +70,12 @@ HF_DEFAULTS = {
     "qwen2": {**LLAMA_DEFAULTS, "vocab_size": 151936, "intermediate_size": 22016, "max_position_embeddings": 32768},
     "mixtral": {**LLAMA_DEFAULTS, "intermediate_size": 14336, "num_key_value_heads": 8,
                 "max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-5, "rope_theta": 1e6,
-                "num_local_experts": 8, "num_experts_per_tok": 2},
+                "num_local_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True,
+                "shared_expert_intermediate_size": 0},
+    "qwen2_moe": {**LLAMA_DEFAULTS, "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 1408,
+                  "num_hidden_layers": 24, "num_attention_heads": 16, "max_position_embeddings": 32768,
+                  "num_local_experts": 60, "num_experts_per_tok": 4, "norm_topk_prob": False,
+                  "shared_expert_intermediate_size": 5632, "qkv_bias": True},
 }
 
 
@@ -76,14 +95,15 @@ def _hf_value(hf: dict, key: str):
         return scaling.get(ROPE_SCALING[key])
     if key == "num_key_value_heads":
         return hf.get(key) or HF_DEFAULTS.get(hf.get("model_type"), {}).get(key) or _hf_value(hf, "num_attention_heads")
-    if key == "qkv_bias":  # Qwen2's attention always has them; Llama's, Mistral's and Mixtral's none (else refused)
-        return hf.get("model_type") == "qwen2"
-    if key in EXPERT_KEYS and hf.get("model_type") != "mixtral":  # a dense MLP
-        return 0 if key == "num_local_experts" else None
-    defaults = HF_DEFAULTS.get(hf.get("model_type"), LLAMA_DEFAULTS)
+    kind = hf.get("model_type")
+    if key == "qkv_bias":  # Qwen2's attention always has them, Qwen2-MoE's by default; Llama's, Mistral's and
+        return kind == "qwen2" or (kind == "qwen2_moe" and bool(hf.get(key, True)))  # Mixtral's none (else refused)
+    if key in EXPERT_KEYS and kind not in EXPERT_NAMES:  # a dense MLP
+        return 0 if key in ("num_local_experts", "shared_expert_intermediate_size") else None
+    defaults = HF_DEFAULTS.get(kind, LLAMA_DEFAULTS)
     if key == "rope_theta":  # transformers 5 keeps it under rope_parameters, which wins over a top-level copy
         return (hf.get("rope_parameters") or {}).get("rope_theta", hf.get(key, defaults[key]))
-    return hf.get(key, defaults.get(key))
+    return hf.get(EXPERT_NAMES.get(kind, {}).get(key, key), defaults.get(key))
 
 
 def unsupported(hf: dict) -> list:
@@ -100,7 +120,7 @@ def unsupported(hf: dict) -> list:
         if kind == "llama" and hf.get(key):
             bad.append(f"{key}=true (ours has no biases beyond Qwen2's on the query, key and value)")
     window = _hf_value(hf, "sliding_window")
-    if kind == "qwen2" and (hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or ())):
+    if kind in ("qwen2", "qwen2_moe") and (hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or ())):
         bad.append("use_sliding_window=true, or sliding_attention layers (ours attends to every earlier position)")
     if kind in ("mistral", "mixtral") and window is not None and window < _hf_value(hf, "max_position_embeddings"):
         bad.append(f"sliding_window={window} (ours attends to every earlier position: a window shorter than "
@@ -109,6 +129,9 @@ def unsupported(hf: dict) -> list:
         bad.append(f"hidden_act={hf.get('hidden_act')!r} (ours: SwiGLU with SiLU)")
     if kind == "mixtral" and hf.get("router_jitter_noise"):
         bad.append(f"router_jitter_noise={hf.get('router_jitter_noise')} (ours routes the hidden states as they are)")
+    if kind == "qwen2_moe" and (hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers")):
+        bad.append(f"decoder_sparse_step={hf.get('decoder_sparse_step', 1)}, mlp_only_layers="
+                   f"{hf.get('mlp_only_layers')} (ours: experts in every layer; valid: 1 and [])")
     if hf.get("attention_dropout"):
         bad.append(f"attention_dropout={hf.get('attention_dropout')} (ours has no attention dropout)")
     heads, hidden = _hf_value(hf, "num_attention_heads") or 1, _hf_value(hf, "hidden_size") or 0
@@ -130,7 +153,7 @@ def hf_dir_problems(path: str, model_cfg) -> list:
     scaled = bool(_scaling(hf)) or model_cfg.rope_factor != 1.0  # without scaling its other keys do not count
     experts = model_cfg.get("num_local_experts", 0) or _hf_value(hf, "num_local_experts")
     wrong = [k for k in DIMS if (scaled or k not in ROPE_SCALING or k == "rope_factor")
-             and (experts or k != "num_experts_per_tok")
+             and (experts or k not in ROUTING_KEYS)
              and _hf_value(hf, k) != type(model_cfg.get(k, 0))(model_cfg.get(k, 0))]
     if wrong:
         problems.append(f"its config.json has {', '.join(f'{k}={_hf_value(hf, k)}' for k in wrong)}, the model "
@@ -146,20 +169,21 @@ def hf_dir_problems(path: str, model_cfg) -> list:
     return problems
 
 
-def file_names(name: str, experts: int) -> list:
-    """The Hugging Face files' tensors our parameter ``name`` is made of: itself; with ``experts``, the router
-    under Mixtral's ``block_sparse_moe``, and one per expert (in expert order) for a stacked expert tensor."""
-    layer, found, kind = name.partition(".mlp.experts.")
+def file_names(name: str, experts: int, kind: str = "mixtral") -> list:
+    """The Hugging Face files' tensors our parameter ``name`` is made of: itself; with ``experts``, in the files
+    of model type ``kind``, the router under its experts' module (Mixtral's ``block_sparse_moe``), and one per
+    expert (in expert order) for a stacked expert tensor."""
+    layer, found, proj = name.partition(".mlp.experts.")
     if found:
-        return [f"{layer}.block_sparse_moe.experts.{j}.{EXPERT_FILES[kind]}.weight" for j in range(experts)]
+        return [f"{layer}.{EXPERT_MODULE[kind]}.experts.{j}.{EXPERT_FILES[kind][proj]}.weight" for j in range(experts)]
     if experts and name.endswith(".mlp.gate.weight"):
-        return [name.replace(".mlp.gate.", ".block_sparse_moe.gate.")]
+        return [name.replace(".mlp.gate.", f".{EXPERT_MODULE[kind]}.gate.")]
     return [name]
 
 
 class ShardReader:
     """``read(name, box)``: the box ``((start, length), ...)`` of parameter ``name`` from a Hugging Face Llama,
-    Mistral, Qwen2 or Mixtral directory, in the parameter's dtype: the ``init_shard`` that ``read_weights_from`` gives a
+    Mistral, Qwen2, Mixtral or Qwen2-MoE directory, in the parameter's dtype: the ``init_shard`` that ``read_weights_from`` gives a
     model (``recipes.hf_files``). An LM head tied to the embedding reads the embedding's rows, as transformers
     ties them, even where the files keep a copy under the head's name (a last stage reading that copy could
     start from other values than the first stage's embedding).
@@ -172,6 +196,8 @@ class ShardReader:
         self.files, self.model = HFFiles(path), model
         self.tied = bool(model_cfg.get("tie_word_embeddings", False))
         self.experts = int(model_cfg.get("num_local_experts", 0))
+        with open(os.path.join(path, "config.json")) as f:
+            self.kind = json.load(f).get("model_type")
         missing = [n for n, _ in model.named_parameters() if any(s not in self.files.names for s in self._stored(n))]
         if missing:
             raise ValueError(f"trainer.init_from={path}: no weights for {missing[:5]}")
@@ -185,7 +211,7 @@ class ShardReader:
         """The files' tensors parameter ``name`` is made of (``file_names``; the embedding for a tied LM head)."""
         if name == "lm_head.weight" and self.tied:
             return ["model.embed_tokens.weight"]
-        return file_names(name, self.experts)
+        return file_names(name, self.experts, self.kind)
 
     def _piece_shape(self, name: str, param) -> tuple:
         return tuple(param.shape[1:] if ".mlp.experts." in name else param.shape)
@@ -219,16 +245,19 @@ BOS_CANDIDATES = ("<s>", "<|begin_of_text|>", "<bos>")
 
 
 def hf_config(ours: dict, tokenizer=None) -> dict:
-    """A Hugging Face Llama ``config.json`` dict for our model config (``recipes.llama.model.LlamaConfig``'s
+    """A Hugging Face ``config.json`` dict (Llama, Qwen2, Mixtral or Qwen2-MoE, by what the model has) for our model config (``recipes.llama.model.LlamaConfig``'s
     fields, as a checkpoint's ``extra.model_config`` records them). ``tokenizer``: the run's ``TextTokenizer``,
     whose end-of-text (and beginning-of-text) ids the config names, so that ``generate`` stops where the
     corpus's documents end; without one they are ``None`` (transformers' own defaults, 1 and 2, are ordinary
     tokens of a tokenizer trained on the corpus)."""
     missing = [k for k in DIMS if k not in ours and k not in ROPE_SCALING and k not in FLAGS and k not in EXPERT_KEYS]
     experts = int(ours.get("num_local_experts", 0))
-    if experts and ours.get("qkv_bias", False):
-        raise ValueError("the checkpoint's model has experts and query/key/value biases: no Hugging Face model type "
-                         "has both (Mixtral: experts; Qwen2: biases)")
+    shared = int(ours.get("shared_expert_intermediate_size", 0))
+    qwen2_moe = experts and (shared or ours.get("qkv_bias", False) or not ours.get("norm_topk_prob", True))
+    if qwen2_moe and not shared:
+        raise ValueError("the checkpoint's model has experts, no shared expert, and query/key/value biases or "
+                         "unnormalised routing weights: no Hugging Face model type has that (Mixtral: experts with "
+                         "normalised weights; Qwen2-MoE: experts beside a shared expert)")
     if missing:
         raise ValueError(f"the checkpoint's extra.model_config lacks {missing}: not a LLaMA run's checkpoint")
     bos = None if tokenizer is None else next(
@@ -239,11 +268,17 @@ def hf_config(ours: dict, tokenizer=None) -> dict:
     kind = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "use_sliding_window": False,
             "sliding_window": None} if qwen2 else {"model_type": "llama", "architectures": ["LlamaForCausalLM"],
                                                    "attention_bias": False, "mlp_bias": False}
-    if experts:
+    routing = {"num_experts_per_tok": ours.get("num_experts_per_tok"), "output_router_logits": False,
+               "router_aux_loss_coef": ours.get("router_aux_loss_coef", 0.001)}
+    if qwen2_moe:  # its dense layers' intermediate_size is moot (every layer has experts): ours, as a placeholder
+        kind = {"model_type": "qwen2_moe", "architectures": ["Qwen2MoeForCausalLM"], **routing,
+                "num_experts": experts, "moe_intermediate_size": ours["intermediate_size"],
+                "shared_expert_intermediate_size": shared, "norm_topk_prob": bool(ours.get("norm_topk_prob", True)),
+                "qkv_bias": qwen2, "decoder_sparse_step": 1, "mlp_only_layers": [], "use_sliding_window": False,
+                "sliding_window": None}
+    elif experts:
         kind = {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "sliding_window": None,
-                "num_local_experts": experts, "num_experts_per_tok": ours["num_experts_per_tok"],
-                "router_aux_loss_coef": ours.get("router_aux_loss_coef", 0.001), "router_jitter_noise": 0.0,
-                "output_router_logits": False}
+                "num_local_experts": experts, **routing, "router_jitter_noise": 0.0}
     dims = [k for k in DIMS if k not in ROPE_SCALING and k not in FLAGS and k not in EXPERT_KEYS]
     return {**{k: ours[k] for k in dims}, **kind,
             "rope_scaling": scaling, "initializer_range": ours.get("initializer_range", 0.02), "hidden_act": "silu",
@@ -253,19 +288,23 @@ def hf_config(ours: dict, tokenizer=None) -> dict:
             "eos_token_id": None if tokenizer is None else tokenizer.eos_id}
 
 
-def to_hf_files(state: dict, experts: int) -> dict:
-    """A LLaMA run's ``model`` state as a Hugging Face directory's tensors: the same, but with experts in
-    Mixtral's files' form (each layer's router under ``block_sparse_moe``, each expert's ``w1``/``w3``/``w2``
-    a tensor of its own; what ``ShardReader`` reads back). With experts it empties ``state`` as it goes, so
-    that a stacked tensor is freed once its pieces are copied out (safetensors refuses views that share
-    storage): the export holds about one copy of the weights, not two."""
-    if not experts:
+def to_hf_files(state: dict, config: dict) -> dict:
+    """A LLaMA run's ``model`` state as the tensors of a Hugging Face directory whose ``config.json`` is
+    ``config`` (``hf_config``'s): the same, but with experts in the files' form of its model type (Mixtral's:
+    each layer's router under ``block_sparse_moe``, each expert's ``w1``/``w3``/``w2`` a tensor of its own;
+    Qwen2-MoE's: each expert's projections apart under ``mlp.experts.{j}``; what ``ShardReader`` reads back).
+    With experts it empties ``state`` as it goes, so that a stacked tensor is freed once its pieces are copied
+    out (safetensors refuses views that share storage): the export holds about one copy of the weights, not
+    two."""
+    kind = config["model_type"]
+    if kind not in EXPERT_NAMES:
         return dict(state)
+    experts = _hf_value(config, "num_local_experts")
     out = {}
     for name in list(state):
         value = state.pop(name)
         if ".mlp.experts." in name:
-            out.update({piece: value[j].clone() for j, piece in enumerate(file_names(name, experts))})
+            out.update({piece: value[j].clone() for j, piece in enumerate(file_names(name, experts, kind))})
         else:
-            out[file_names(name, experts)[0]] = value
+            out[file_names(name, experts, kind)[0]] = value
     return out

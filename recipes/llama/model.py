@@ -11,6 +11,8 @@ attention (``num_key_value_heads`` key/value heads, each shared by
 ``num_attention_heads / num_key_value_heads`` query heads) and a SwiGLU MLP.
 Mistral's decoder (without a sliding window) is this one, and Qwen2's is
 this one with ``qkv_bias``: biases on the query, key and value projections.
+With experts (``moe.py``) it is Mixtral's, or Qwen2-MoE's with a shared
+expert, unnormalised routing weights and ``qkv_bias``.
 
 No communication here: parallel layouts come from a plan (``plan.py``). A
 pipeline stage is this model with the modules of other stages set to
@@ -28,6 +30,7 @@ from torch import nn
 
 from recipes.gpt2.model import _generator, next_token_loss, normal_box
 
+from .mlp import MLP
 from .moe import SparseMoE
 
 
@@ -57,6 +60,10 @@ class LlamaConfig:
     num_experts_per_tok: int = 2
     capacity_factor: float = 0.0
     router_aux_loss_coef: float = 0.001
+    # Whether the chosen experts' weights are renormalised to sum to 1 (Mixtral's; Qwen2-MoE's default is not),
+    # and Qwen2-MoE's shared expert beside the routed ones: a SwiGLU MLP of this size, gated (0: none).
+    norm_topk_prob: bool = True
+    shared_expert_intermediate_size: int = 0
 
     @property
     def head_dim(self) -> int:
@@ -125,24 +132,13 @@ class Attention(nn.Module):
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
-class MLP(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = SparseMoE(cfg) if cfg.num_local_experts else MLP(cfg)
+        self.mlp = SparseMoE(cfg) if cfg.num_local_experts else MLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, x, cos, sin):
         """The layer's output; with experts, ``(output, each sample's load-balancing loss)``."""

@@ -1,4 +1,5 @@
-"""Mixtral's sparse MLP as plain torch: a top-k router and stacked SwiGLU experts, dispatched by static slots.
+"""Mixtral's and Qwen2-MoE's sparse MLP as plain torch: a top-k router and stacked SwiGLU experts, dispatched by
+static slots, and Qwen2-MoE's gated shared expert.
 
 Names and shapes follow ``transformers``' ``MixtralSparseMoeBlock``
 (version 5): ``mlp.gate.weight`` ``[E, hidden]`` is the router, and the
@@ -9,7 +10,12 @@ concatenation on dim 1); here they stay apart so that a tensor-parallel
 rank's share of ``F`` holds matching gate and up columns.
 
 Routing is Mixtral's: a softmax over the experts (in at least float32), the
-``k`` most probable, their weights renormalised to sum to 1. Dispatch is
+``k`` most probable, their weights renormalised to sum to 1 (with
+``norm_topk_prob`` false, Qwen2-MoE's default, the probabilities as they
+are). With ``shared_expert_intermediate_size > 0`` every token also goes
+through Qwen2-MoE's shared expert, a SwiGLU MLP (``mlp.shared_expert``)
+whose output is scaled by ``sigmoid(x @ shared_expert_gate.weight.T)``
+(``[1, hidden]``) and added to the routed experts'. Dispatch is
 GShard's, with static shapes so that boxing can plan it: every sample is a
 group whose experts have ``capacity`` slots each; the sample's tokens take
 slots in order, each token its choices most probable first, and a choice
@@ -42,6 +48,8 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .mlp import MLP
 
 
 def capacity(cfg, seq: int) -> int:
@@ -81,14 +89,17 @@ class Experts(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """``forward(x [b, t, hidden]) -> (y [b, t, hidden], balance [b])``: the experts' weighted outputs and each
-    sample's load-balancing loss (module docstring)."""
+    """``forward(x [b, t, hidden]) -> (y [b, t, hidden], balance [b])``: the experts' weighted outputs (plus the
+    gated shared expert's) and each sample's load-balancing loss (module docstring)."""
 
     def __init__(self, cfg):
         super().__init__()
         self.config = cfg
         self.gate = Router(cfg)
         self.experts = Experts(cfg)
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
     def forward(self, x):
         cfg = self.config
@@ -97,7 +108,8 @@ class SparseMoE(nn.Module):
         logits = self.gate(x)
         probs = torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
         weights, chosen = probs.topk(k, dim=-1)  # [b, t, k]
-        weights = weights / weights.sum(-1, keepdim=True)
+        if cfg.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
         # Token-major queues: choice j of token i at i * k + j. Whether a choice finds a free slot then depends
         # on earlier tokens alone, as a causal model's position must (GShard's choice-major order would let a
         # token's later neighbours, its own label among them, decide which of its second choices are dropped).
@@ -114,6 +126,8 @@ class SparseMoE(nn.Module):
         done = torch.cat((done.transpose(0, 1).reshape(b, n * c, h), spare), dim=1)
         picked = done.gather(1, where).reshape(b, t, k, h)
         y = (picked * weights.unsqueeze(-1).to(x.dtype)).sum(2)
+        if cfg.shared_expert_intermediate_size:
+            y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         share = hits.sum(1).to(probs.dtype) / t  # [b, E]: each expert's choices per token of the sample
         balance = n * (share * probs.mean(1)).sum(-1)
         return y, balance

@@ -1,7 +1,7 @@
 """The LLaMA recipe's parallel plan as data: Megatron's layout (torchtitan's for Llama) in SBP terms.
 
 On a stage's ``(dp, tp)`` mesh parameters are ``B`` on the dp axis (but
-Mixtral's experts: ``EXPERTS``, split over it) and, on
+routed experts: ``EXPERTS``, split over it) and, on
 the tp axis: the query, key, value, gate and up projections column-split
 (``nn.Linear`` weights are ``[out, in]``: ``S(0)``, whole heads per rank,
 and with grouped-query attention whole key/value heads, so their query
@@ -54,14 +54,20 @@ QKV_BIAS = {"*.self_attn.q_proj.bias": S0, "*.self_attn.k_proj.bias": S0, "*.sel
 EXPERTS = {"*.mlp.gate.weight": (B, B), "*.mlp.experts.gate_proj": (S0, S1), "*.mlp.experts.up_proj": (S0, S1),
            "*.mlp.experts.down_proj": (S0, Split(2)), "*.mlp.experts:input": (S0, B),
            "*.mlp.experts:output": (S1, Partial())}
+# Qwen2-MoE's shared expert: the dense MLP's layout (replicated over dp, Megatron's split on tp), so its output
+# is partial on tp as the routed experts' is, and the two are summed before tp's one all-reduce. Its gate
+# [1, hidden] is replicated.
+SHARED_EXPERT = {"*.mlp.shared_expert.gate_proj.weight": (B, S0), "*.mlp.shared_expert.up_proj.weight": (B, S0),
+                 "*.mlp.shared_expert.down_proj.weight": (B, S1), "*.mlp.shared_expert_gate.weight": (B, B)}
 
 
-def mesh_plan(sequence_parallel: bool = False, qkv_bias: bool = False, experts: bool = False) -> dict:
+def mesh_plan(sequence_parallel: bool = False, qkv_bias: bool = False, experts: bool = False,
+              shared_expert: bool = False) -> dict:
     """The plan on a ``(dp, tp)`` mesh: parameters ``(B, tp SBP)``; activation pins ``(S(0), tp SBP)``; with
-    ``experts``, ``EXPERTS`` in place of the dense MLP's entries."""
+    ``experts``, ``EXPERTS`` in place of the dense MLP's entries (and ``SHARED_EXPERT`` with a shared one)."""
     pins = SEQUENCE_PARALLEL if sequence_parallel else RESIDUAL_WHOLE
     params = {**TENSOR_PARALLEL, **(QKV_BIAS if qkv_bias else {})}
     if experts:
         params = {k: v for k, v in params.items() if ".mlp." not in k}
     return {**{k: (B, v) for k, v in params.items()}, **{k: (S0, v) for k, v in pins.items()},
-            **(EXPERTS if experts else {})}
+            **(EXPERTS if experts else {}), **(SHARED_EXPERT if experts and shared_expert else {})}

@@ -58,8 +58,9 @@ class LlamaRecipe(GPT2Recipe):
         return LlamaForCausalLM(LlamaConfig(**config.llama_config_kwargs(model_cfg)))
 
     def mesh_plan(self, cfg) -> dict:
-        return mesh_plan(bool(cfg.parallel.sequence_parallel), bool(cfg.model.get("qkv_bias", False)),
-                         int(cfg.model.get("num_local_experts", 0)) > 0)
+        m = cfg.model
+        return mesh_plan(bool(cfg.parallel.sequence_parallel), bool(m.get("qkv_bias", False)),
+                         int(m.get("num_local_experts", 0)) > 0, int(m.get("shared_expert_intermediate_size", 0)) > 0)
 
     def flops_per_item(self, cfg, n_params: int) -> float:
         """Training FLOPs per token: 6 per parameter of the matmuls a token runs (the embedding is a lookup; of

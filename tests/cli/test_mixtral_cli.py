@@ -1,6 +1,7 @@
 """``train.py recipe=llama model=mixtral-tiny``: Mixtral's sparse MLP trains like one device in a pipeline, with its
 experts split over the data-parallel ranks under ZeRO-3 and with tensor parallelism (fine-tuning from a Hugging
-Face directory); a run exports as one; what it does not do is refused before any process starts.
+Face directory, Mixtral's and Qwen2-MoE's); a run exports as one; what it does not do is refused before any
+process starts.
 
 The tiny LLaMA of ``test_llama_cli.py`` with 4 experts, 2 per token, a capacity that drops choices and a
 load-balancing weight of 0.01, 3 steps; the per-step losses equal one process's.
@@ -60,6 +61,39 @@ def test_fine_tuning_from_a_mixtral_directory_is_the_same_with_the_experts_split
     assert_same_losses(split, alone)
 
 
+def test_fine_tuning_from_a_qwen2_moe_directory_is_the_same_with_the_experts_split_and_exports_back(
+        single_mixtral, sbp_cache, tmp_path):
+    """``trainer.init_from=<a Qwen2MoeForCausalLM directory>``: a gated shared expert (split on tp like a dense
+    MLP), unnormalised routing weights and query/key/value biases. One process and dp2_tp2 log the same losses,
+    and the dp2_tp2 run exports as a Qwen2-MoE directory with our logits."""
+    import shutil
+
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(3)
+    hf = tmp_path / "hf"
+    model = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=96,
+        shared_expert_intermediate_size=80, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=64, rms_norm_eps=1e-5, num_experts=4, num_experts_per_tok=2, norm_topk_prob=False,
+        initializer_range=0.2))
+    with torch.no_grad():  # transformers starts them at zero: a value the layouts' biases could not get wrong
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(std=0.2)
+    model.save_pretrained(hf)
+    shutil.copyfile(single_mixtral[0] / "tokenizer.json", hf / "tokenizer.json")  # the corpus's token ids
+    tuned = [*MIXTRAL, f"trainer.init_from={hf}", "model.qkv_bias=true", "model.norm_topk_prob=false",
+             "model.shared_expert_intermediate_size=80"]
+    alone = train_pooled([*tuned, "parallel=single"], tmp_path / "single", sbp_cache)
+    split = train_pooled([*tuned, "parallel=dp2_tp2"], tmp_path / "split", sbp_cache)
+    assert abs(alone[0] - single_mixtral[1][0]) > 0.1, alone
+    assert_same_losses(split, alone)
+    theirs, a, b = exported(tmp_path / "split", tmp_path / "back", "Qwen2MoeForCausalLM", capacity_factor=0.0)
+    assert theirs.config.shared_expert_intermediate_size == 80 and not theirs.config.norm_topk_prob
+    assert ((a - b).abs().max() / b.abs().max()).item() < 1e-5
+
+
 def test_a_mixtral_run_exports_as_a_directory_transformers_loads(single_mixtral, tmp_path):
     """``convert_hf.py export``: a ``MixtralForCausalLM`` directory whose logits are our model's with the
     checkpoint's weights and no capacity (transformers' Mixtral drops no choice; the run trained with one)."""
@@ -73,6 +107,10 @@ def test_a_mixtral_run_exports_as_a_directory_transformers_loads(single_mixtral,
     (["parallel=dp8"], "model.num_local_experts=4: must divide by parallel.dp=8 (expert parallelism"),
     (["model.capacity_factor=-1"], "model.capacity_factor=-1.0, model.router_aux_loss_coef=0.01: both must be >= 0"),
     (["parallel=cp2"], "parallel.cp=2 with model.num_local_experts=4"),
+    (["model.shared_expert_intermediate_size=80", "parallel=tp3"],
+     "model.shared_expert_intermediate_size=80: must divide by parallel.tp=3 (shared expert columns per rank)"),
+    (["model.num_local_experts=0", "model.shared_expert_intermediate_size=80"],
+     "model.shared_expert_intermediate_size=80: must be >= 0, and 0 without routed experts"),
 ])
 def test_what_the_experts_cannot_do_is_refused_before_any_process_starts(overrides, message, tmp_path):
     assert message in refusal([*MIXTRAL, *overrides], tmp_path)

@@ -1,5 +1,6 @@
-"""Mixtral's sparse MLP in the LLaMA recipe: Hugging Face's outputs without drops, GShard's drops at a capacity,
-expert parallelism as all-to-alls, and the checks that refuse what it does not do.
+"""Mixtral's and Qwen2-MoE's sparse MLP in the LLaMA recipe: Hugging Face's outputs without drops, GShard's drops at
+a capacity, expert parallelism as all-to-alls, the shared expert split on tp, and the checks that refuse what it
+does not do.
 
 Layouts against one device: ``tests/runtime/test_pipeline_schedules.py``
 (losses, gradients and parameters, float64) and ``tests/cli/test_mixtral_cli.py``
@@ -49,6 +50,39 @@ def test_without_drops_logits_and_gradients_match_transformers_mixtral():
     grads = as_transformers({n: p.grad for n, p in ours.named_parameters()})
     for name, p in theirs.named_parameters():
         assert _rel(grads[name], p.grad) < 1e-6, name
+
+
+# Qwen2-MoE's differences from Mixtral: a gated shared expert, unnormalised routing weights, query/key/value biases.
+QWEN2_MOE = replace(CFG, shared_expert_intermediate_size=40, norm_topk_prob=False, qkv_bias=True, rms_norm_eps=1e-6)
+
+
+def test_without_drops_logits_and_gradients_match_transformers_qwen2_moe():
+    """As for Mixtral: Hugging Face's Qwen2-MoE with our weights (biases drawn, not transformers' zeros) gives our
+    logits and gradients, the shared expert's included (the project's 1e-5 for gradients: its router's float32
+    weights, no longer renormalised, carry their rounding into every gradient)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    ours = LlamaForCausalLM(QWEN2_MOE).double()
+    with torch.no_grad():
+        for name, p in ours.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(std=0.3)
+    theirs = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=48,
+        shared_expert_intermediate_size=40, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=32, num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, rms_norm_eps=1e-6,
+        rope_theta=CFG.rope_theta, attn_implementation="eager", experts_implementation="eager")).double()
+    theirs.load_state_dict(as_transformers(ours.state_dict()), strict=True)
+    ids = torch.randint(0, 128, (3, 16), generator=torch.Generator().manual_seed(1))
+    logits, loss = ours(ids, ids)
+    out = theirs(ids, labels=ids)
+    assert _rel(logits, out.logits) < 1e-6
+    loss.backward()
+    F.cross_entropy(out.logits[:, :-1].reshape(-1, 128), ids[:, 1:].reshape(-1)).backward()
+    grads = as_transformers({n: p.grad for n, p in ours.named_parameters()})
+    for name, p in theirs.named_parameters():  # their float32 routing weights, unnormalised: up to 1.6e-6 here
+        assert _rel(grads[name], p.grad) < 1e-5, name
+    assert any("shared_expert" in n for n in grads)
 
 
 def _by_loop(moe: SparseMoE, x: torch.Tensor):
@@ -182,6 +216,52 @@ def test_expert_parallelism_moves_tokens_by_all_to_all_and_keeps_expert_gradient
         assert _rel(grads[n], p.grad) < 1e-12, n
 
 
+def _shared_expert_on_tp():
+    """Rank side: one forward and backward of a float64 Qwen2-MoE sparse MLP on tp2 (the plan's EXPERTS and
+    SHARED_EXPERT); its output's SBP, the shared expert's local shapes, the collectives, output and gradients."""
+    import sbp_core as sc
+    from recipes.llama.plan import EXPERTS, SHARED_EXPERT
+    from toolkit.mesh import plan_for_module
+
+    torch.manual_seed(0)
+    moe = SparseMoE(replace(QWEN2_MOE, capacity_factor=1.0)).double()
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    placement = sc.placement("cpu", [[0, 1]])
+    plan = {k.replace("*.mlp.", ""): v for k, v in {**EXPERTS, **SHARED_EXPERT}.items()}
+    names = tuple(n for n, _ in moe.named_parameters()) + tuple(n for n, _ in moe.named_modules())
+    sc.distribute_module(moe, placement, plan_for_module(moe, plan, names))
+    x = torch.randn(4, 16, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    xg = sc.to_global(x, placement=placement, sbp=(Split(0), sc.sbp.broadcast)).requires_grad_()
+    with sc.comm_ledger() as ledger:
+        y, balance = moe(xg)
+    sbp = str(y.sbp)
+    (y.sum() + balance.sum()).backward()
+    shapes = {n: tuple(p.to_local().shape) for n, p in moe.named_parameters() if "shared" in n}
+    grads = {n: p.grad.full_tensor() for n, p in moe.named_parameters()}
+    return sbp, shapes, [r.op for r in ledger.records], y.full_tensor(), {**grads, "x": xg.grad.full_tensor()}
+
+
+def test_the_shared_expert_is_split_on_tp_and_summed_with_the_routed_experts_before_any_reduction():
+    """tp2: the shared expert's gate and up projections are column-split, its down projection row-split, so its
+    output is partial as the routed experts' is; the layer returns their sum still partial (the residual add reduces
+    it once) and its forward runs no collective. Values and gradients: one device's."""
+    sbp, shapes, ops, y, grads = get_pool(2).run(_shared_expert_on_tp)[0]
+    assert sbp == "(B, P(sum))" and ops == [], (sbp, ops)  # dp is one rank here: its axis reads B
+    assert shapes == {"shared_expert.gate_proj.weight": (20, 32), "shared_expert.up_proj.weight": (20, 32),
+                      "shared_expert.down_proj.weight": (32, 20), "shared_expert_gate.weight": (1, 32)}, shapes
+    torch.manual_seed(0)
+    ref = SparseMoE(replace(QWEN2_MOE, capacity_factor=1.0)).double()
+    for p in ref.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    x = torch.randn(4, 16, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(2)).requires_grad_()
+    want, balance = ref(x)
+    (want.sum() + balance.sum()).backward()
+    assert _rel(y, want) < 1e-12
+    for n, p in [*ref.named_parameters(), ("x", x)]:
+        assert _rel(grads[n], p.grad) < 1e-12, n
+
+
 def test_the_load_balancing_loss_joins_the_training_loss_and_not_evaluation():
     """With autograd recording, the loss is the next-token loss plus the weight times the mean balance per layer
     (about k = 2 each at initialisation); under no_grad, as evaluation runs, the next-token loss alone."""
@@ -205,21 +285,27 @@ def test_a_tensor_parallel_override_of_an_expert_keeps_it_split_over_dp():
     assert plan["model.layers.0.self_attn.q_proj.weight"] == (Broadcast(), Broadcast())
 
 
-def _mixtral_dir(path, **changes):
-    """A tiny ``transformers`` Mixtral saved as Hugging Face saves it (each expert's w1, w3, w2 apart)."""
+def _experts_dir(path, kind="mixtral", **changes):
+    """A tiny ``transformers`` Mixtral (or Qwen2-MoE: ``kind``) saved as Hugging Face saves it (each expert's
+    projections apart: Mixtral's w1, w3, w2)."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(1)
-    cfg = transformers.MixtralConfig(**{
-        "vocab_size": 128, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 32, "num_local_experts": 4,
-        "num_experts_per_tok": 2, "rms_norm_eps": CFG.rms_norm_eps, "rope_theta": CFG.rope_theta,
-        "experts_implementation": "eager", **changes})
-    model = transformers.MixtralForCausalLM(cfg)
+    dims = {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 32,
+            "num_experts_per_tok": 2, "rms_norm_eps": CFG.rms_norm_eps, "rope_theta": CFG.rope_theta,
+            "experts_implementation": "eager"}
+    if kind == "mixtral":
+        model = transformers.MixtralForCausalLM(transformers.MixtralConfig(**{**dims, "num_local_experts": 4,
+                                                                              **changes}))
+    else:
+        model = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(**{
+            **dims, "intermediate_size": 64, "moe_intermediate_size": 48, "num_experts": 4,
+            "shared_expert_intermediate_size": 40, "norm_topk_prob": False, **changes}))
     model.save_pretrained(path)
     return model
 
 
-def _mixtral_model_cfg(**changes):
+def _experts_model_cfg(**changes):
     from omegaconf import OmegaConf
 
     from recipes.llama.config import ModelConfig
@@ -230,14 +316,19 @@ def _mixtral_model_cfg(**changes):
     return OmegaConf.merge(OmegaConf.structured(ModelConfig), {**dims, **changes})
 
 
-def test_a_mixtral_directory_loads_box_by_box_and_exports_back(tmp_path):
+QWEN2_MOE_KEYS = {"shared_expert_intermediate_size": 40, "norm_topk_prob": False, "qkv_bias": True}
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
+def test_a_experts_directory_loads_box_by_box_and_exports_back(kind, tmp_path):
     """A box of our stacked experts reads its experts' regions of the per-expert files; the whole model then gives
-    transformers' logits; ``to_hf_files`` writes the files' names and tensors back."""
+    transformers' logits; ``to_hf_files`` writes the files' names and tensors back. Mixtral's and Qwen2-MoE's."""
     from recipes.llama import hf
 
-    theirs = _mixtral_dir(tmp_path)
-    ours = LlamaForCausalLM(CFG)
-    reader = hf.ShardReader(str(tmp_path), ours, _mixtral_model_cfg())
+    theirs = _experts_dir(tmp_path, kind)
+    keys = {} if kind == "mixtral" else QWEN2_MOE_KEYS
+    ours = LlamaForCausalLM(replace(CFG, **keys))
+    reader = hf.ShardReader(str(tmp_path), ours, _experts_model_cfg(**keys))
     box = reader.read("model.layers.1.mlp.experts.down_proj", ((1, 2), (8, 16), (0, 48)))
     want = torch.stack([theirs.model.layers[1].mlp.experts.down_proj[j, 8:24] for j in (1, 2)])
     assert torch.equal(box, want.detach())
@@ -250,7 +341,9 @@ def test_a_mixtral_directory_loads_box_by_box_and_exports_back(tmp_path):
     from safetensors.torch import load_file
 
     files = load_file(str(tmp_path / "model.safetensors"))
-    back = hf.to_hf_files(ours.state_dict(), CFG.num_local_experts)
+    config = hf.hf_config({**vars(replace(CFG, **keys))})
+    assert config["model_type"] == kind
+    back = hf.to_hf_files(ours.state_dict(), config)
     assert set(back) == set(files) and all(torch.equal(back[k], files[k]) for k in files)
 
 
@@ -259,10 +352,15 @@ def test_a_mixtral_directory_loads_box_by_box_and_exports_back(tmp_path):
     ({"sliding_window": 16}, {}, "sliding_window=16 (ours attends to every earlier position"),
     ({}, {"num_experts_per_tok": 1}, "num_experts_per_tok=2, the model num_experts_per_tok=1"),
     ({}, {"num_local_experts": 0}, "num_local_experts=4, the model num_local_experts=0"),
+    ({"kind": "qwen2_moe", "decoder_sparse_step": 2}, QWEN2_MOE_KEYS,
+     "decoder_sparse_step=2, mlp_only_layers=[] (ours: experts in every layer"),
+    ({"kind": "qwen2_moe"}, {**QWEN2_MOE_KEYS, "norm_topk_prob": True, "shared_expert_intermediate_size": 0},
+     "norm_topk_prob=False, shared_expert_intermediate_size=40, the model norm_topk_prob=True, "
+     "shared_expert_intermediate_size=0"),
 ])
-def test_what_a_mixtral_directory_has_and_the_model_lacks_is_refused(changes, model, message, tmp_path):
+def test_what_a_experts_directory_has_and_the_model_lacks_is_refused(changes, model, message, tmp_path):
     from recipes.llama import hf
 
-    _mixtral_dir(tmp_path, **changes)
-    assert any(message in p for p in hf.hf_dir_problems(str(tmp_path), _mixtral_model_cfg(**model))), \
-        hf.hf_dir_problems(str(tmp_path), _mixtral_model_cfg(**model))
+    _experts_dir(tmp_path, **changes)
+    assert any(message in p for p in hf.hf_dir_problems(str(tmp_path), _experts_model_cfg(**model))), \
+        hf.hf_dir_problems(str(tmp_path), _experts_model_cfg(**model))
