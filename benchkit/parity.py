@@ -94,6 +94,9 @@ def layouts():
     out["llama cp2, one head"] = ("llama-1h", stage_ranks(1, 1, 1, 2)[0], cp_plan, cp_data, 1)
     out["llama cp2 x tp2 sequence-parallel"] = ("llama", stage_ranks(1, 2, 1, 2)[0],
                                                 context_plan(llama_plan.mesh_plan(True), 2, 1), cp_data, 1)
+    # Qwen3's attention: each query and key head RMS-normalised, heads of 24 on a width of 64.
+    out["qwen3 cp2 x tp2 sequence-parallel"] = ("qwen3", stage_ranks(1, 2, 1, 2)[0],
+                                                context_plan(llama_plan.mesh_plan(True), 2, 1), cp_data, 1)
     out["gpt2 cp2 x tp2 sequence-parallel"] = ("gpt2", stage_ranks(1, 2, 1, 2)[0],
                                                context_plan(_on_axis({**GPT_TP, **GPT_SP_PINS}, B, 1, 2), 2, 1),
                                                cp_data, 1)
@@ -108,8 +111,10 @@ def _model_and_batches(kind, dtype=torch.float64, rows: int = 4):
     if kind == "mlp":
         model = MLP()
         batches = [(torch.randn(16, 32).to(dtype), torch.randint(0, 8, (16,))) for _ in range(STEPS)]
-    elif kind in ("llama", "llama-tied", "qwen2", "llama-1h"):  # Qwen2: query, key and value biases, tied head
-        heads = {"num_attention_heads": 1, "num_key_value_heads": 1} if kind == "llama-1h" else {}
+    elif kind in ("llama", "llama-tied", "qwen2", "llama-1h", "qwen3"):  # Qwen2: query, key and value biases, tied
+        heads = {"num_attention_heads": 1, "num_key_value_heads": 1} if kind == "llama-1h" else {}  # head
+        if kind == "qwen3":
+            heads = {"head_dim": 24, "qk_norm": True}
         model = LlamaForCausalLM(dataclasses.replace(LLAMA_CFG, tie_word_embeddings=kind in ("llama-tied", "qwen2"),
                                                      qkv_bias=kind == "qwen2", **heads))
         batches = [(ids, ids) for ids in (torch.randint(0, LLAMA_CFG.vocab_size, (rows, 16)) for _ in range(STEPS))]

@@ -85,8 +85,8 @@ def _value_selecting_reduction_backward(grad, dim, indices, sizes, keepdim):
 
 
 _aten_overrides = None  # the Library that holds the kernels below, kept alive: its registrations end with it
-_RELEASE = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
-if _RELEASE < (2, 13) and not _selection_backward_uses_new_zeros():
+# A pre-release of 2.13 (2.13.0a0+git...) sorts below 2.13.0 and is probed: it may predate the kernel's change.
+if torch.torch_version.TorchVersion(torch.__version__) < "2.13.0" and not _selection_backward_uses_new_zeros():
     import warnings
 
     _aten_overrides = torch.library.Library("aten", "IMPL")

@@ -22,13 +22,14 @@ run's ``config.yaml``, else from the weights' shapes plus ``--n-head``;
 rows of the embedding past the recorded ``vocab_size`` (padding) are
 dropped.
 A LLaMA run's checkpoint (``recipe=llama``) exports as a ``LlamaForCausalLM``
-directory (``Qwen2ForCausalLM`` with query/key/value biases): its tensors
-already have Hugging Face's names and shapes, and its
-``extra.model_config`` gives ``config.json`` (a LLaMA needs no ``import``:
-``trainer.init_from`` reads a Hugging Face directory itself). A run with
-experts exports as a ``MixtralForCausalLM`` directory, each stacked expert
-tensor split into Mixtral's per-expert ``w1``/``w3``/``w2``
-(``recipes.llama.hf.to_hf_files``).
+directory (``Qwen2ForCausalLM`` with query/key/value biases,
+``Qwen3ForCausalLM`` with query/key norms): its tensors already have
+Hugging Face's names and shapes, and its ``extra.model_config`` gives
+``config.json`` (a LLaMA needs no ``import``: ``trainer.init_from`` reads a
+Hugging Face directory itself). A run with experts exports as a
+``MixtralForCausalLM`` directory (``Qwen2MoeForCausalLM`` with a shared
+expert, ``Qwen3MoeForCausalLM`` with query/key norms), each stacked expert
+tensor split into per-expert tensors (``recipes.llama.hf.to_hf_files``).
 When the run directory above the checkpoint holds the run's tokenizer
 (``tokenizer.json``, which a GPT-2 run copies there), export copies it
 beside the weights: a ``tokenizers`` file that
@@ -128,7 +129,7 @@ def model_config(model: dict, extra: dict, ckpt_path: str, n_head: int | None) -
 
 
 def export_hf(src: str, hf_dir: str, n_head: int | None = None) -> str:
-    """Write the newest checkpoint under ``src`` as a ``transformers`` GPT-2 or Llama directory, with the run's
+    """Write the newest checkpoint under ``src`` as a ``transformers`` GPT-2 or LLaMA-family directory, with the run's
     ``tokenizer.json`` when there is one (``tokenizer_of_weights``); returns ``hf_dir``."""
     path = find_checkpoint(src)
     state = ckpt.load(path, {"model": None, "extra": None})

@@ -36,7 +36,10 @@ class ModelConfig:
     ``norm_topk_prob``: the chosen experts' weights renormalised to sum to
     1 (Mixtral's; Qwen2-MoE's are the probabilities as they are).
     ``shared_expert_intermediate_size > 0``: Qwen2-MoE's gated shared
-    expert of that size beside the routed ones.
+    expert of that size beside the routed ones. ``head_dim``: each
+    attention head's size (0: ``hidden_size / num_attention_heads``; Qwen3's
+    is 128 whatever the width). ``qk_norm``: Qwen3's RMSNorm of each query
+    and key head before the rotation.
     ``name`` labels the preset (run names, W&B); the dimensions are what
     count.
     """
@@ -64,6 +67,8 @@ class ModelConfig:
     router_aux_loss_coef: float = 0.001
     norm_topk_prob: bool = True
     shared_expert_intermediate_size: int = 0
+    head_dim: int = 0
+    qk_norm: bool = False
 
 
 @dataclass
@@ -115,10 +120,13 @@ def problems(cfg, layout, trains_tokenizer: bool = True) -> list:
     p += [f"model.{k}={m[k]!r}: must be >= 1" for k in bad]
     if bad:
         return p
-    heads, kv = m.num_attention_heads, m.num_key_value_heads
-    if m.hidden_size % heads or (m.hidden_size // heads) % 2:
+    heads, kv, head_dim = m.num_attention_heads, m.num_key_value_heads, m.get("head_dim", 0)
+    if head_dim and (head_dim < 0 or head_dim % 2):
+        p.append(f"model.head_dim={head_dim}: must be even and > 0 (rotary embeddings rotate pairs; 0: "
+                 "model.hidden_size / model.num_attention_heads)")
+    elif not head_dim and (m.hidden_size % heads or (m.hidden_size // heads) % 2):
         p.append(f"model.hidden_size={m.hidden_size}: must divide by model.num_attention_heads={heads} into an "
-                 "even head dim (rotary embeddings rotate pairs)")
+                 "even head dim (rotary embeddings rotate pairs), or set model.head_dim")
     if heads % kv:
         p.append(f"model.num_key_value_heads={kv}: must divide model.num_attention_heads={heads} (query heads per "
                  "key/value head)")

@@ -1,5 +1,5 @@
-"""Hugging Face Llama, Mistral, Qwen2, Mixtral and Qwen2-MoE directories as ``trainer.init_from`` of the LLaMA
-recipe, and back.
+"""Hugging Face Llama, Mistral, Qwen2, Mixtral, Qwen2-MoE, Qwen3 and Qwen3-MoE directories as ``trainer.init_from``
+of the LLaMA recipe, and back.
 
 Our model (``model.py``) has Hugging Face's parameter names, shapes and
 rotary convention (rotate-half), so its weights load by name, unchanged,
@@ -13,7 +13,8 @@ them, and export splits them back (``to_hf_files``). Qwen2-MoE's files keep
 them apart too, under ``mlp.experts.{j}.{gate,up,down}_proj``; its
 ``num_experts`` and ``moe_intermediate_size`` are our
 ``num_local_experts`` and ``intermediate_size`` (every layer sparse: its
-dense ``intermediate_size`` is unused).
+dense ``intermediate_size`` is unused); Qwen3-MoE's files are the same.
+Qwen3's query and key norms are ``qk_norm``, its ``head_dim`` ours.
 Rotary scaling of Llama 3.1's kind (``rope_scaling`` of type ``llama3``)
 maps to the model's ``rope_*`` keys; an LM head tied to the embedding (as
 Llama 3.2 1B/3B have it, with no ``lm_head.weight`` in their files) to
@@ -21,9 +22,10 @@ Llama 3.2 1B/3B have it, with no ``lm_head.weight`` in their files) to
 ``qkv_bias``. What our model does not implement is refused by name, before
 any process starts: other rotary scaling, other biases, a sliding window
 shorter than the context, attention dropout, another activation or head
-size, router jitter, Qwen2-MoE's dense layers. A run exports as a Llama directory, a Qwen2 one with
-``qkv_bias``, a Mixtral one with experts, or a Qwen2-MoE one with experts and a shared expert (or query,
-key and value biases, or unnormalised routing weights, which Mixtral lacks).
+size, router jitter, Qwen2-MoE's and Qwen3-MoE's dense layers. A run exports as a Llama directory, a Qwen2
+one with ``qkv_bias``, a Mixtral one with experts, a Qwen2-MoE one with experts and a shared expert (or
+query, key and value biases, or unnormalised routing weights, which Mixtral lacks), or with ``qk_norm`` a
+Qwen3 one (Qwen3-MoE with experts).
 """
 from __future__ import annotations
 
@@ -39,20 +41,22 @@ DIMS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "
         "num_key_value_heads", "max_position_embeddings", "rms_norm_eps", "rope_theta", "rope_factor",
         "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_position_embeddings",
         "tie_word_embeddings", "qkv_bias", "num_local_experts", "num_experts_per_tok", "norm_topk_prob",
-        "shared_expert_intermediate_size")
+        "shared_expert_intermediate_size", "head_dim", "qk_norm")
 # Options of ours that a config.json states by default (``hf_config`` writes them; a missing one is False).
-FLAGS = ("tie_word_embeddings", "qkv_bias")
+FLAGS = ("tie_word_embeddings", "qkv_bias", "qk_norm")
 # The experts' keys: a config.json of a dense model type has none (and then the routing ones are moot).
 EXPERT_KEYS = ("num_local_experts", "num_experts_per_tok", "norm_topk_prob", "shared_expert_intermediate_size")
 ROUTING_KEYS = ("num_experts_per_tok", "norm_topk_prob")
 # Model types with experts -> their config.json's names of our keys, where they differ.
-EXPERT_NAMES = {"mixtral": {}, "qwen2_moe": {"num_local_experts": "num_experts",
-                                             "intermediate_size": "moe_intermediate_size"}}
+QWEN_EXPERT_NAMES = {"num_local_experts": "num_experts", "intermediate_size": "moe_intermediate_size"}
+EXPERT_NAMES = {"mixtral": {}, "qwen2_moe": QWEN_EXPERT_NAMES, "qwen3_moe": QWEN_EXPERT_NAMES}
 # Our stacked experts -> the per-expert linear weights each model type's files hold (Mixtral's ``w1`` gate,
 # ``w3`` up, ``w2`` down, under ``block_sparse_moe``; Qwen2-MoE's our names, under ``mlp``).
+QWEN_EXPERT_FILES = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}
 EXPERT_FILES = {"mixtral": {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"},
-                "qwen2_moe": {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}}
-EXPERT_MODULE = {"mixtral": "block_sparse_moe", "qwen2_moe": "mlp"}
+                "qwen2_moe": QWEN_EXPERT_FILES, "qwen3_moe": QWEN_EXPERT_FILES}
+EXPERT_MODULE = {"mixtral": "block_sparse_moe", "qwen2_moe": "mlp", "qwen3_moe": "mlp"}
+QWEN3 = ("qwen3", "qwen3_moe")  # query and key norms, attention_bias (all four projections' biases) refused
 # Ours -> Hugging Face's key inside rope_scaling (rope_type "llama3"); a config without one has a factor of 1.
 ROPE_SCALING = {"rope_factor": "factor", "rope_low_freq_factor": "low_freq_factor",
                 "rope_high_freq_factor": "high_freq_factor",
@@ -75,7 +79,13 @@ HF_DEFAULTS = {
     "qwen2_moe": {**LLAMA_DEFAULTS, "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 1408,
                   "num_hidden_layers": 24, "num_attention_heads": 16, "max_position_embeddings": 32768,
                   "num_local_experts": 60, "num_experts_per_tok": 4, "norm_topk_prob": False,
-                  "shared_expert_intermediate_size": 5632, "qkv_bias": True},
+                  "shared_expert_intermediate_size": 5632, "qkv_bias": True, "num_key_value_heads": 16},
+    "qwen3": {**LLAMA_DEFAULTS, "vocab_size": 151936, "intermediate_size": 22016, "max_position_embeddings": 32768,
+              "head_dim": 128, "num_key_value_heads": 32},
+    "qwen3_moe": {**LLAMA_DEFAULTS, "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 768,
+                  "num_hidden_layers": 24, "num_key_value_heads": 4, "max_position_embeddings": 32768,
+                  "num_local_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": False,
+                  "shared_expert_intermediate_size": 0},
 }
 
 
@@ -96,19 +106,28 @@ def _hf_value(hf: dict, key: str):
     if key == "num_key_value_heads":
         return hf.get(key) or HF_DEFAULTS.get(hf.get("model_type"), {}).get(key) or _hf_value(hf, "num_attention_heads")
     kind = hf.get("model_type")
+    if key == "qk_norm":
+        return kind in QWEN3
+    if key == "head_dim":
+        return hf.get(key) or HF_DEFAULTS.get(kind, {}).get(key) or _hf_value(hf, "hidden_size") // (
+            _hf_value(hf, "num_attention_heads") or 1)
     if key == "qkv_bias":  # Qwen2's attention always has them, Qwen2-MoE's by default; Llama's, Mistral's and
         return kind == "qwen2" or (kind == "qwen2_moe" and bool(hf.get(key, True)))  # Mixtral's none (else refused)
     if key in EXPERT_KEYS and kind not in EXPERT_NAMES:  # a dense MLP
         return 0 if key in ("num_local_experts", "shared_expert_intermediate_size") else None
     defaults = HF_DEFAULTS.get(kind, LLAMA_DEFAULTS)
+    if kind == "mixtral" and key in ("norm_topk_prob", "shared_expert_intermediate_size"):
+        return defaults[key]  # transformers' Mixtral always renormalises and has no shared expert
     if key == "rope_theta":  # transformers 5 keeps it under rope_parameters, which wins over a top-level copy
         return (hf.get("rope_parameters") or {}).get("rope_theta", hf.get(key, defaults[key]))
+    if key == "num_local_experts" and kind in EXPERT_NAMES:  # the hub's Qwen files say num_experts, transformers
+        return hf.get("num_experts", hf.get(key, defaults[key]))  # 5's Qwen3-MoE writes num_local_experts
     return hf.get(EXPERT_NAMES.get(kind, {}).get(key, key), defaults.get(key))
 
 
 def unsupported(hf: dict) -> list:
-    """The options of a Hugging Face Llama, Mistral, Qwen2 or Mixtral ``config.json`` that our model does not
-    implement."""
+    """The options of a Hugging Face Llama, Mistral, Qwen2, Mixtral, Qwen2-MoE, Qwen3 or Qwen3-MoE ``config.json``
+    that our model does not implement."""
     bad = []
     kind = hf.get("model_type")
     if kind not in HF_DEFAULTS:
@@ -117,10 +136,10 @@ def unsupported(hf: dict) -> list:
     if scaling and scaling.get("rope_type", scaling.get("type")) != "llama3":
         bad.append(f"rope_scaling={scaling} (ours: plain rotary embeddings, or Llama 3.1's 'llama3' scaling)")
     for key in ("attention_bias", "mlp_bias"):
-        if kind == "llama" and hf.get(key):
+        if kind in ("llama", *QWEN3) and hf.get(key):
             bad.append(f"{key}=true (ours has no biases beyond Qwen2's on the query, key and value)")
     window = _hf_value(hf, "sliding_window")
-    if kind in ("qwen2", "qwen2_moe") and (hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or ())):
+    if kind in ("qwen2", "qwen2_moe", *QWEN3) and (hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or ())):
         bad.append("use_sliding_window=true, or sliding_attention layers (ours attends to every earlier position)")
     if kind in ("mistral", "mixtral") and window is not None and window < _hf_value(hf, "max_position_embeddings"):
         bad.append(f"sliding_window={window} (ours attends to every earlier position: a window shorter than "
@@ -129,14 +148,13 @@ def unsupported(hf: dict) -> list:
         bad.append(f"hidden_act={hf.get('hidden_act')!r} (ours: SwiGLU with SiLU)")
     if kind == "mixtral" and hf.get("router_jitter_noise"):
         bad.append(f"router_jitter_noise={hf.get('router_jitter_noise')} (ours routes the hidden states as they are)")
-    if kind == "qwen2_moe" and (hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers")):
+    if kind in ("qwen2_moe", "qwen3_moe") and (hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers")):
         bad.append(f"decoder_sparse_step={hf.get('decoder_sparse_step', 1)}, mlp_only_layers="
                    f"{hf.get('mlp_only_layers')} (ours: experts in every layer; valid: 1 and [])")
+    if kind in ("qwen2_moe", "qwen3_moe") and not _hf_value(hf, "num_local_experts"):
+        bad.append(f"{kind} with no experts (ours: experts in every layer; a dense model is a qwen2 or qwen3 one)")
     if hf.get("attention_dropout"):
         bad.append(f"attention_dropout={hf.get('attention_dropout')} (ours has no attention dropout)")
-    heads, hidden = _hf_value(hf, "num_attention_heads") or 1, _hf_value(hf, "hidden_size") or 0
-    if hf.get("head_dim") not in (None, hidden // heads):
-        bad.append(f"head_dim={hf.get('head_dim')} (ours: hidden_size / num_attention_heads = {hidden // heads})")
     return bad
 
 
@@ -153,12 +171,11 @@ def hf_dir_problems(path: str, model_cfg) -> list:
     scaled = bool(_scaling(hf)) or model_cfg.rope_factor != 1.0  # without scaling its other keys do not count
     experts = model_cfg.get("num_local_experts", 0) or _hf_value(hf, "num_local_experts")
     wrong = [k for k in DIMS if (scaled or k not in ROPE_SCALING or k == "rope_factor")
-             and (experts or k not in ROUTING_KEYS)
-             and _hf_value(hf, k) != type(model_cfg.get(k, 0))(model_cfg.get(k, 0))]
+             and (experts or k not in ROUTING_KEYS) and _hf_value(hf, k) != _ours(model_cfg, k)]
     if wrong:
         problems.append(f"its config.json has {', '.join(f'{k}={_hf_value(hf, k)}' for k in wrong)}, the model "
-                        f"{', '.join(f'{k}={model_cfg[k]}' for k in wrong)}; valid: the model settings that match "
-                        "it (model.hidden_size=..., or a preset)")
+                        f"{', '.join(f'{k}={_ours(model_cfg, k)}' for k in wrong)}; valid: the model settings that "
+                        "match it (model.hidden_size=..., or a preset)")
     try:
         files, index = weight_files(path)
     except (OSError, ValueError, KeyError) as err:
@@ -167,6 +184,13 @@ def hf_dir_problems(path: str, model_cfg) -> list:
     if absent:
         problems.append(f"{index} names {absent[:3]}, which are not in {path}")
     return problems
+
+
+def _ours(model_cfg, key: str):
+    """Our model config's value of ``key``, as ``_hf_value`` gives a config.json's (a head size of 0 resolved)."""
+    if key == "head_dim":
+        return model_cfg.get(key, 0) or model_cfg.hidden_size // model_cfg.num_attention_heads
+    return type(model_cfg.get(key, 0))(model_cfg.get(key, 0))
 
 
 def file_names(name: str, experts: int, kind: str = "mixtral") -> list:
@@ -183,7 +207,7 @@ def file_names(name: str, experts: int, kind: str = "mixtral") -> list:
 
 class ShardReader:
     """``read(name, box)``: the box ``((start, length), ...)`` of parameter ``name`` from a Hugging Face Llama,
-    Mistral, Qwen2, Mixtral or Qwen2-MoE directory, in the parameter's dtype: the ``init_shard`` that ``read_weights_from`` gives a
+    Mistral, Qwen2, Mixtral, Qwen2-MoE, Qwen3 or Qwen3-MoE directory, in the parameter's dtype: the ``init_shard`` that ``read_weights_from`` gives a
     model (``recipes.hf_files``). An LM head tied to the embedding reads the embedding's rows, as transformers
     ties them, even where the files keep a copy under the head's name (a last stage reading that copy could
     start from other values than the first stage's embedding).
@@ -245,15 +269,20 @@ BOS_CANDIDATES = ("<s>", "<|begin_of_text|>", "<bos>")
 
 
 def hf_config(ours: dict, tokenizer=None) -> dict:
-    """A Hugging Face ``config.json`` dict (Llama, Qwen2, Mixtral or Qwen2-MoE, by what the model has) for our model config (``recipes.llama.model.LlamaConfig``'s
+    """A Hugging Face ``config.json`` dict (Llama, Qwen2, Mixtral, Qwen2-MoE, Qwen3 or Qwen3-MoE, by what the model
+    has) for our model config (``recipes.llama.model.LlamaConfig``'s
     fields, as a checkpoint's ``extra.model_config`` records them). ``tokenizer``: the run's ``TextTokenizer``,
     whose end-of-text (and beginning-of-text) ids the config names, so that ``generate`` stops where the
     corpus's documents end; without one they are ``None`` (transformers' own defaults, 1 and 2, are ordinary
     tokens of a tokenizer trained on the corpus)."""
-    missing = [k for k in DIMS if k not in ours and k not in ROPE_SCALING and k not in FLAGS and k not in EXPERT_KEYS]
+    missing = [k for k in DIMS if k not in ours and k not in (*ROPE_SCALING, *FLAGS, *EXPERT_KEYS, "head_dim")]
     experts = int(ours.get("num_local_experts", 0))
     shared = int(ours.get("shared_expert_intermediate_size", 0))
-    qwen2_moe = experts and (shared or ours.get("qkv_bias", False) or not ours.get("norm_topk_prob", True))
+    qwen3 = bool(ours.get("qk_norm", False))
+    if qwen3 and (shared or ours.get("qkv_bias", False)):
+        raise ValueError("the checkpoint's model has query/key norms and a shared expert or query/key/value biases: no "
+                         "Hugging Face model type has that (Qwen3: norms, no biases; Qwen2-MoE: a shared expert)")
+    qwen2_moe = experts and not qwen3 and (shared or ours.get("qkv_bias", False) or not ours.get("norm_topk_prob", True))
     if qwen2_moe and not shared:
         raise ValueError("the checkpoint's model has experts, no shared expert, and query/key/value biases or "
                          "unnormalised routing weights: no Hugging Face model type has that (Mixtral: experts with "
@@ -270,7 +299,15 @@ def hf_config(ours: dict, tokenizer=None) -> dict:
                                                    "attention_bias": False, "mlp_bias": False}
     routing = {"num_experts_per_tok": ours.get("num_experts_per_tok"), "output_router_logits": False,
                "router_aux_loss_coef": ours.get("router_aux_loss_coef", 0.001)}
-    if qwen2_moe:  # its dense layers' intermediate_size is moot (every layer has experts): ours, as a placeholder
+    if qwen3:  # Qwen3-MoE's dense layers' intermediate_size is moot (every layer has experts): ours, a placeholder
+        kind = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "attention_bias": False,
+                "use_sliding_window": False, "sliding_window": None}
+        if experts:
+            kind = {**kind, "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], **routing,
+                    "num_experts": experts, "moe_intermediate_size": ours["intermediate_size"],
+                    "norm_topk_prob": bool(ours.get("norm_topk_prob", True)), "decoder_sparse_step": 1,
+                    "mlp_only_layers": []}
+    elif qwen2_moe:  # its dense layers' intermediate_size is moot (every layer has experts): ours, as a placeholder
         kind = {"model_type": "qwen2_moe", "architectures": ["Qwen2MoeForCausalLM"], **routing,
                 "num_experts": experts, "moe_intermediate_size": ours["intermediate_size"],
                 "shared_expert_intermediate_size": shared, "norm_topk_prob": bool(ours.get("norm_topk_prob", True)),
@@ -279,11 +316,11 @@ def hf_config(ours: dict, tokenizer=None) -> dict:
     elif experts:
         kind = {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "sliding_window": None,
                 "num_local_experts": experts, **routing, "router_jitter_noise": 0.0}
-    dims = [k for k in DIMS if k not in ROPE_SCALING and k not in FLAGS and k not in EXPERT_KEYS]
+    dims = [k for k in DIMS if k not in ROPE_SCALING and k not in FLAGS and k not in EXPERT_KEYS and k != "head_dim"]
     return {**{k: ours[k] for k in dims}, **kind,
             "rope_scaling": scaling, "initializer_range": ours.get("initializer_range", 0.02), "hidden_act": "silu",
             "tie_word_embeddings": bool(ours.get("tie_word_embeddings", False)), "attention_dropout": 0.0,
-            "head_dim": ours["hidden_size"] // ours["num_attention_heads"],
+            "head_dim": ours.get("head_dim", 0) or ours["hidden_size"] // ours["num_attention_heads"],
             "dtype": "float32", "bos_token_id": bos, "pad_token_id": None,
             "eos_token_id": None if tokenizer is None else tokenizer.eos_id}
 

@@ -12,7 +12,10 @@ attention (``num_key_value_heads`` key/value heads, each shared by
 Mistral's decoder (without a sliding window) is this one, and Qwen2's is
 this one with ``qkv_bias``: biases on the query, key and value projections.
 With experts (``moe.py``) it is Mixtral's, or Qwen2-MoE's with a shared
-expert, unnormalised routing weights and ``qkv_bias``.
+expert, unnormalised routing weights and ``qkv_bias``. Qwen3's is this one
+with ``qk_norm`` (an RMSNorm over each query and key head, ``q_norm`` and
+``k_norm``, before the rotation) and its own ``head_dim`` (heads of 128
+whatever the width); Qwen3-MoE's adds experts.
 
 No communication here: parallel layouts come from a plan (``plan.py``). A
 pipeline stage is this model with the modules of other stages set to
@@ -64,10 +67,14 @@ class LlamaConfig:
     # and Qwen2-MoE's shared expert beside the routed ones: a SwiGLU MLP of this size, gated (0: none).
     norm_topk_prob: bool = True
     shared_expert_intermediate_size: int = 0
+    # Each attention head's size; 0: hidden_size / num_attention_heads. Qwen3's RMSNorm of each query and key head.
+    head_dim: int = 0
+    qk_norm: bool = False
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+    def head_size(self) -> int:
+        """``head_dim``, or ``hidden_size / num_attention_heads`` where it is 0."""
+        return self.head_dim or self.hidden_size // self.num_attention_heads
 
 
 def llama3_scaled(inv_freq: torch.Tensor, cfg: LlamaConfig) -> torch.Tensor:
@@ -110,18 +117,24 @@ def rotate_half(x):
 class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
-        hd, nh, nkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+        hd, nh, nkv = cfg.head_size, cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim, self.groups = hd, nh // nkv
         self.q_proj = nn.Linear(cfg.hidden_size, nh * hd, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(cfg.hidden_size, nkv * hd, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, nkv * hd, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(nh * hd, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin):
         b, t, _ = x.shape
         # ``-1`` heads: a tensor-parallel rank's projections hold whole heads (plan.py), so the view is local.
-        q = self.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        q = self.q_proj(x).view(b, t, -1, self.head_dim)
+        k = self.k_proj(x).view(b, t, -1, self.head_dim)
+        if hasattr(self, "q_norm"):  # Qwen3: each head normalised over its own dims (its weights shared by heads)
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
@@ -180,7 +193,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
-        shape = (cfg.max_position_embeddings, cfg.head_dim)
+        shape = (cfg.max_position_embeddings, cfg.head_size)
         self.register_buffer("rope_cos", torch.empty(shape), persistent=False)
         self.register_buffer("rope_sin", torch.empty(shape), persistent=False)
         self.reset_parameters()
@@ -207,7 +220,7 @@ class LlamaForCausalLM(nn.Module):
         if self.rope_cos.is_meta:
             return
         cfg = self.config
-        exponents = torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim
+        exponents = torch.arange(0, cfg.head_size, 2, dtype=torch.int64).float() / cfg.head_size
         inv_freq = 1.0 / (cfg.rope_theta ** exponents)
         if cfg.rope_factor != 1.0:
             inv_freq = llama3_scaled(inv_freq, cfg)

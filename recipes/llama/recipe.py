@@ -65,7 +65,7 @@ class LlamaRecipe(GPT2Recipe):
     def flops_per_item(self, cfg, n_params: int) -> float:
         """Training FLOPs per token: 6 per parameter of the matmuls a token runs (the embedding is a lookup; of
         the experts, those it is routed to), plus
-        attention's scores and weighted sum, 6 * 2 * layers * seq * hidden (half of it under the causal
+        attention's scores and weighted sum, 6 * 2 * layers * seq * heads * head_dim (half of it under the causal
         mask is still computed)."""
         m = cfg.model
         # A tied embedding is counted once in n_params, as the LM head's matmul.
@@ -74,7 +74,8 @@ class LlamaRecipe(GPT2Recipe):
         if experts:  # model FLOPs count the routed work (num_experts_per_tok experts per token), not the slots
             idle = experts - m.num_experts_per_tok
             matmuls -= m.num_hidden_layers * idle * 3 * m.intermediate_size * m.hidden_size
-        return 6.0 * matmuls + 12.0 * m.num_hidden_layers * int(cfg.data.seq_len) * m.hidden_size
+        width = m.num_attention_heads * (m.get("head_dim", 0) or m.hidden_size // m.num_attention_heads)
+        return 6.0 * matmuls + 12.0 * m.num_hidden_layers * int(cfg.data.seq_len) * width
 
     def weights_path(self, init_from: str) -> str | None:
         """A path, or a Hugging Face model's name (``TinyLlama/TinyLlama_v1.1``) in the local hub cache."""

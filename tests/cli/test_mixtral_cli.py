@@ -1,7 +1,7 @@
 """``train.py recipe=llama model=mixtral-tiny``: Mixtral's sparse MLP trains like one device in a pipeline, with its
 experts split over the data-parallel ranks under ZeRO-3 and with tensor parallelism (fine-tuning from a Hugging
-Face directory, Mixtral's and Qwen2-MoE's); a run exports as one; what it does not do is refused before any
-process starts.
+Face directory: Mixtral's, Qwen2-MoE's, Qwen3-MoE's); a run exports as one; what it does not do is refused
+before any process starts.
 
 The tiny LLaMA of ``test_llama_cli.py`` with 4 experts, 2 per token, a capacity that drops choices and a
 load-balancing weight of 0.01, 3 steps; the per-step losses equal one process's.
@@ -39,66 +39,55 @@ def test_layouts_train_like_one_device(layout, single, sbp_cache, tmp_path):
     assert_same_losses(losses, single, layout)
 
 
-def test_fine_tuning_from_a_mixtral_directory_is_the_same_with_the_experts_split(single_mixtral, sbp_cache, tmp_path):
-    """``trainer.init_from=<a MixtralForCausalLM directory>`` (each expert's weights a tensor of their own): one
-    process and dp2_tp2 (each rank reading its two experts' halves) start from its weights and log the same
-    losses."""
+DIMS = dict(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=10000.0, num_experts_per_tok=2,
+            initializer_range=0.2)
+QWEN_EXPERTS = {"intermediate_size": 128, "moe_intermediate_size": 96, "num_experts": 4}
+# Each model type with experts: its config (what the export must say again) and our keys beyond the tiny Mixtral's.
+EXPERTS = {
+    # each expert's w1, w3, w2 apart under block_sparse_moe
+    "Mixtral": ({"intermediate_size": 96, "num_local_experts": 4, "router_aux_loss_coef": 0.01}, []),
+    # a gated shared expert (split on tp like a dense MLP), unnormalised routing weights, query/key/value biases
+    "Qwen2Moe": ({**QWEN_EXPERTS, "shared_expert_intermediate_size": 80, "norm_topk_prob": False},
+                 ["model.qkv_bias=true", "model.norm_topk_prob=false", "model.shared_expert_intermediate_size=80"]),
+    # query and key norms (replicated on tp), heads of 24 on a width of 64 (96 query columns, split by head)
+    "Qwen3Moe": ({**QWEN_EXPERTS, "head_dim": 24, "norm_topk_prob": True}, ["model.qk_norm=true", "model.head_dim=24"]),
+}
+
+
+@pytest.mark.parametrize("kind", list(EXPERTS))
+def test_fine_tuning_from_a_directory_is_the_same_with_the_experts_split_and_exports_back(
+        kind, single_mixtral, sbp_cache, tmp_path):
+    """``trainer.init_from=<a MixtralForCausalLM, Qwen2MoeForCausalLM or Qwen3MoeForCausalLM directory>`` (each
+    expert's weights tensors of their own): one process and dp2_tp2 (each rank reading its two experts' halves)
+    start from its weights and log the same losses, and the dp2_tp2 run exports (``convert_hf.py export``) as a
+    directory of the same type whose logits are our model's with the checkpoint's weights and no capacity
+    (transformers drops no choice; the run trained with one). Biases and norms are drawn (transformers starts
+    them at 0 and 1: values a layout could not get wrong)."""
     import shutil
 
     transformers = pytest.importorskip("transformers")
     torch = pytest.importorskip("torch")
+    theirs_cfg, ours_cfg = EXPERTS[kind]
     torch.manual_seed(3)
     hf = tmp_path / "hf"
-    transformers.MixtralForCausalLM(transformers.MixtralConfig(
-        vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=10000.0,
-        num_local_experts=4, num_experts_per_tok=2, initializer_range=0.2)).save_pretrained(hf)
-    shutil.copyfile(single_mixtral[0] / "tokenizer.json", hf / "tokenizer.json")  # the corpus's token ids
-    tuned = [*MIXTRAL, f"trainer.init_from={hf}"]
-    alone = train_pooled([*tuned, "parallel=single"], tmp_path / "single", sbp_cache)
-    split = train_pooled([*tuned, "parallel=dp2_tp2"], tmp_path / "split", sbp_cache)
-    assert abs(alone[0] - single_mixtral[1][0]) > 0.1, alone  # initializer_range 0.2: far from the seed's start
-    assert_same_losses(split, alone)
-
-
-def test_fine_tuning_from_a_qwen2_moe_directory_is_the_same_with_the_experts_split_and_exports_back(
-        single_mixtral, sbp_cache, tmp_path):
-    """``trainer.init_from=<a Qwen2MoeForCausalLM directory>``: a gated shared expert (split on tp like a dense
-    MLP), unnormalised routing weights and query/key/value biases. One process and dp2_tp2 log the same losses,
-    and the dp2_tp2 run exports as a Qwen2-MoE directory with our logits."""
-    import shutil
-
-    transformers = pytest.importorskip("transformers")
-    torch = pytest.importorskip("torch")
-    torch.manual_seed(3)
-    hf = tmp_path / "hf"
-    model = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
-        vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=96,
-        shared_expert_intermediate_size=80, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=64, rms_norm_eps=1e-5, num_experts=4, num_experts_per_tok=2, norm_topk_prob=False,
-        initializer_range=0.2))
-    with torch.no_grad():  # transformers starts them at zero: a value the layouts' biases could not get wrong
+    model = getattr(transformers, f"{kind}ForCausalLM")(getattr(transformers, f"{kind}Config")(
+        **DIMS, **theirs_cfg))
+    with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith(".bias"):
-                p.normal_(std=0.2)
+            if name.endswith((".bias", "q_norm.weight", "k_norm.weight")):
+                p.normal_(mean=0.0 if name.endswith(".bias") else 1.0, std=0.2)
     model.save_pretrained(hf)
     shutil.copyfile(single_mixtral[0] / "tokenizer.json", hf / "tokenizer.json")  # the corpus's token ids
-    tuned = [*MIXTRAL, f"trainer.init_from={hf}", "model.qkv_bias=true", "model.norm_topk_prob=false",
-             "model.shared_expert_intermediate_size=80"]
+    tuned = [*MIXTRAL, f"trainer.init_from={hf}", *ours_cfg]
     alone = train_pooled([*tuned, "parallel=single"], tmp_path / "single", sbp_cache)
     split = train_pooled([*tuned, "parallel=dp2_tp2"], tmp_path / "split", sbp_cache)
     assert abs(alone[0] - single_mixtral[1][0]) > 0.1, alone
     assert_same_losses(split, alone)
-    theirs, a, b = exported(tmp_path / "split", tmp_path / "back", "Qwen2MoeForCausalLM", capacity_factor=0.0)
-    assert theirs.config.shared_expert_intermediate_size == 80 and not theirs.config.norm_topk_prob
-    assert ((a - b).abs().max() / b.abs().max()).item() < 1e-5
-
-
-def test_a_mixtral_run_exports_as_a_directory_transformers_loads(single_mixtral, tmp_path):
-    """``convert_hf.py export``: a ``MixtralForCausalLM`` directory whose logits are our model's with the
-    checkpoint's weights and no capacity (transformers' Mixtral drops no choice; the run trained with one)."""
-    theirs, a, b = exported(single_mixtral[0], tmp_path / "hf", "MixtralForCausalLM", capacity_factor=0.0)
-    assert theirs.config.num_local_experts == 4 and theirs.config.router_aux_loss_coef == 0.01
+    theirs, a, b = exported(tmp_path / "split", tmp_path / "back", f"{kind}ForCausalLM", capacity_factor=0.0)
+    # A Qwen model's dense intermediate_size is moot with experts in every layer (the export writes ours there).
+    said = {k: v for k, v in theirs_cfg.items() if kind == "Mixtral" or k != "intermediate_size"}
+    assert all(getattr(theirs.config, k) == v for k, v in said.items()), theirs.config
     assert ((a - b).abs().max() / b.abs().max()).item() < 1e-5
 
 

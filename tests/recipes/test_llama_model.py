@@ -39,15 +39,17 @@ def _their_scaling(ours: dict) -> dict:
 
 TIED = dict(tie_word_embeddings=True)
 QWEN2 = dict(qkv_bias=True, tie_word_embeddings=True)  # Qwen2.5 0.5B's kind
+QWEN3 = dict(head_dim=24, qk_norm=True, tie_word_embeddings=True)  # Qwen3 0.6B's kind: heads wider than width / heads
 
 
 @pytest.mark.parametrize("kind, kv_heads, rope", [
     ("llama", 4, {}), ("llama", 2, {}), ("llama", 1, {}), ("llama", 2, LLAMA3_ROPE), ("llama", 2, TIED),
-    ("mistral", 2, {}), ("qwen2", 2, QWEN2)],
-    ids=["multi-head", "grouped-query", "multi-query", "llama3-rope", "tied-embeddings", "mistral", "qwen2"])
+    ("mistral", 2, {}), ("qwen2", 2, QWEN2), ("qwen3", 2, QWEN3)],
+    ids=["multi-head", "grouped-query", "multi-query", "llama3-rope", "tied-embeddings", "mistral", "qwen2", "qwen3"])
 def test_logits_loss_and_gradients_match_transformers(kind, kv_heads, rope):
-    """Against transformers' Llama, Mistral (no sliding window) and Qwen2 (query, key and value biases, here
-    drawn from N(0, 0.1) so that each bias counts). With tied embeddings the one weight's gradient sums the
+    """Against transformers' Llama, Mistral (no sliding window), Qwen2 (query, key and value biases, here drawn
+    from N(0, 0.1) so that each bias counts) and Qwen3 (heads of 24 on a width of 64, each query and key head
+    RMS-normalised, those norms' weights drawn likewise). With tied embeddings the one weight's gradient sums the
     embedding's and the LM head's."""
     torch.manual_seed(0)
     ours = LlamaForCausalLM(LlamaConfig(**DIMS, num_key_value_heads=kv_heads, **rope))
@@ -56,10 +58,13 @@ def test_logits_loss_and_gradients_match_transformers(kind, kv_heads, rope):
         for name, p in ours.named_parameters():
             if name.endswith(".bias"):
                 p.normal_(0.0, 0.1)
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.normal_(1.0, 0.1)
     config_class, model_class = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
                                  "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
-                                 "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[kind]
-    window = {"sliding_window": None} if kind == "mistral" else {}
+                                 "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+                                 "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[kind]
+    window = {"sliding_window": None} if kind == "mistral" else {"head_dim": 24} if kind == "qwen3" else {}
     theirs = model_class(config_class(
         **DIMS, num_key_value_heads=kv_heads, tie_word_embeddings=tied, attn_implementation="eager", **window,
         **(_their_scaling(rope) if "rope_factor" in rope else {})))
@@ -259,6 +264,44 @@ def test_qwen2_and_mistral_directories_load_and_a_qwen2_model_exports_as_one(tmp
         assert _rel(ours(ids)[0], back(input_ids=ids).logits) < 1e-5
 
 
+def test_a_qwen3_directory_loads_into_a_model_with_its_norms_and_heads_and_exports_as_one(tmp_path):
+    """A Qwen3 directory (heads of 24 on a width of 64) loads into a model with ``qk_norm`` and ``head_dim=24`` and
+    is refused, naming both, into one without; ``hf_config`` of such a model writes a Qwen3 directory whose logits
+    transformers computes as ours. Its ``attention_bias`` (biases on all four projections) is refused."""
+    from omegaconf import OmegaConf
+
+    from recipes.gpt2.hf import write_hf_dir
+    from recipes.llama.hf import hf_config, hf_dir_problems
+    from recipes.llama.recipe import RECIPE
+
+    torch.manual_seed(1)
+    theirs = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**DIMS, num_key_value_heads=2, head_dim=24,
+                                                                    tie_word_embeddings=True))
+    with torch.no_grad():
+        for name, p in theirs.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.normal_(1.0, 0.1)
+    theirs.save_pretrained(tmp_path / "qwen3")
+    cfg = OmegaConf.create({"model": _model_cfg(**QWEN3)})
+    assert hf_dir_problems(str(tmp_path / "qwen3"), cfg.model) == []
+    assert any("head_dim=24, qk_norm=True, the model head_dim=16, qk_norm=False" in p
+               for p in hf_dir_problems(str(tmp_path / "qwen3"), _model_cfg(**TIED)))
+    whole = RECIPE.build_stage(cfg.model, lambda m: m)
+    assert RECIPE.init_weights(whole, str(tmp_path / "qwen3"), cfg)
+    ids = torch.randint(0, DIMS["vocab_size"], (2, 12))
+    with torch.no_grad():
+        assert _rel(materialized(whole)(ids)[0], theirs.eval()(input_ids=ids).logits) < 1e-5
+    state = {k: v for k, v in whole.state_dict().items() if k != "lm_head.weight"}  # tied: the embedding alone
+    write_hf_dir(str(tmp_path / "out"), hf_config(dict(whole.config.__dict__)), state)
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert isinstance(back, transformers.Qwen3ForCausalLM) and back.config.head_dim == 24
+    with torch.no_grad():
+        assert _rel(whole(ids)[0], back(input_ids=ids).logits) < 1e-5
+    transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**DIMS, num_key_value_heads=2, head_dim=24,
+                                                           attention_bias=True)).save_pretrained(tmp_path / "biased")
+    assert any("attention_bias=true" in p for p in hf_dir_problems(str(tmp_path / "biased"), cfg.model))
+
+
 def test_keys_a_config_leaves_out_take_transformers_defaults():
     from recipes.llama.hf import _hf_value, unsupported
 
@@ -281,6 +324,39 @@ def test_keys_a_config_leaves_out_take_transformers_defaults():
         assert _hf_value({"model_type": "mixtral"}, key) == getattr(mixtral, key), key
     assert _hf_value({"model_type": "mixtral"}, "rope_theta") == mixtral.rope_parameters["rope_theta"]
     assert _hf_value({"model_type": "llama"}, "num_local_experts") == 0  # a dense MLP
+    for key in ("vocab_size", "intermediate_size", "num_key_value_heads", "max_position_embeddings", "head_dim"):
+        assert _hf_value({"model_type": "qwen3", "num_attention_heads": 16}, key) == getattr(
+            transformers.Qwen3Config(num_attention_heads=16), key), key
+    assert _hf_value({"model_type": "qwen3"}, "qk_norm") and not _hf_value({"model_type": "qwen2"}, "qk_norm")
+    for kind, config in (("qwen2_moe", transformers.Qwen2MoeConfig(num_attention_heads=8)),
+                         ("qwen3_moe", transformers.Qwen3MoeConfig(num_attention_heads=8))):
+        minimal = {"model_type": kind, "num_attention_heads": 8}  # other heads than the default
+        for ours, theirs in (("intermediate_size", "moe_intermediate_size"), ("num_local_experts", "num_experts"),
+                             ("num_experts_per_tok", "num_experts_per_tok"), ("norm_topk_prob", "norm_topk_prob"),
+                             ("num_key_value_heads", "num_key_value_heads"), ("hidden_size", "hidden_size"),
+                             ("num_hidden_layers", "num_hidden_layers"), ("vocab_size", "vocab_size"),
+                             ("max_position_embeddings", "max_position_embeddings"), ("rms_norm_eps", "rms_norm_eps")):
+            assert _hf_value(minimal, ours) == getattr(config, theirs), (kind, ours)
+        assert _hf_value(minimal, "head_dim") == config.hidden_size // 8
+        assert _hf_value(minimal, "qkv_bias") == (kind == "qwen2_moe")  # Qwen2-MoE's by default; Qwen3's refused
+    assert _hf_value({"model_type": "qwen2_moe"}, "shared_expert_intermediate_size") == \
+        transformers.Qwen2MoeConfig().shared_expert_intermediate_size
+    # Mixtral's renormalisation and lack of a shared expert are its model's, whatever a config.json says
+    assert _hf_value({"model_type": "mixtral", "norm_topk_prob": False}, "norm_topk_prob") is True
+    assert unsupported({"model_type": "qwen2_moe", "num_experts": 0}) != []
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"qk_norm": True, "qkv_bias": True}, "query/key norms and a shared expert or query/key/value biases"),
+    ({"num_local_experts": 4, "norm_topk_prob": False}, "experts, no shared expert, and query/key/value biases or "
+                                                        "unnormalised routing weights"),
+    ({"num_local_experts": 4, "qkv_bias": True}, "experts, no shared expert, and query/key/value biases"),
+])
+def test_a_model_no_hugging_face_type_has_is_refused_on_export(changes, message):
+    from recipes.llama.hf import hf_config
+
+    with pytest.raises(ValueError, match=message):
+        hf_config(vars(LlamaConfig(**DIMS, **changes)))
 
 
 def test_llama3_rotary_scaling_loads_when_the_model_has_it_and_exports_back(tmp_path):

@@ -294,13 +294,16 @@ def _experts_dir(path, kind="mixtral", **changes):
             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 32,
             "num_experts_per_tok": 2, "rms_norm_eps": CFG.rms_norm_eps, "rope_theta": CFG.rope_theta,
             "experts_implementation": "eager"}
+    qwen = {"intermediate_size": 64, "moe_intermediate_size": 48, "num_experts": 4}
     if kind == "mixtral":
         model = transformers.MixtralForCausalLM(transformers.MixtralConfig(**{**dims, "num_local_experts": 4,
                                                                               **changes}))
-    else:
+    elif kind == "qwen2_moe":
         model = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(**{
-            **dims, "intermediate_size": 64, "moe_intermediate_size": 48, "num_experts": 4,
-            "shared_expert_intermediate_size": 40, "norm_topk_prob": False, **changes}))
+            **dims, **qwen, "shared_expert_intermediate_size": 40, "norm_topk_prob": False, **changes}))
+    else:
+        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**{
+            **dims, **qwen, "head_dim": 16, "norm_topk_prob": True, **changes}))
     model.save_pretrained(path)
     return model
 
@@ -317,16 +320,18 @@ def _experts_model_cfg(**changes):
 
 
 QWEN2_MOE_KEYS = {"shared_expert_intermediate_size": 40, "norm_topk_prob": False, "qkv_bias": True}
+KEYS = {"mixtral": {}, "qwen2_moe": QWEN2_MOE_KEYS, "qwen3_moe": {"head_dim": 16, "qk_norm": True}}
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
-def test_a_experts_directory_loads_box_by_box_and_exports_back(kind, tmp_path):
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_an_experts_directory_loads_box_by_box_and_exports_back(kind, tmp_path):
     """A box of our stacked experts reads its experts' regions of the per-expert files; the whole model then gives
-    transformers' logits; ``to_hf_files`` writes the files' names and tensors back. Mixtral's and Qwen2-MoE's."""
+    transformers' logits; ``to_hf_files`` writes the files' names and tensors back. Mixtral's, Qwen2-MoE's and
+    Qwen3-MoE's (query and key norms, heads of 16 on a width of 32)."""
     from recipes.llama import hf
 
     theirs = _experts_dir(tmp_path, kind)
-    keys = {} if kind == "mixtral" else QWEN2_MOE_KEYS
+    keys = KEYS[kind]
     ours = LlamaForCausalLM(replace(CFG, **keys))
     reader = hf.ShardReader(str(tmp_path), ours, _experts_model_cfg(**keys))
     box = reader.read("model.layers.1.mlp.experts.down_proj", ((1, 2), (8, 16), (0, 48)))
@@ -358,7 +363,7 @@ def test_a_experts_directory_loads_box_by_box_and_exports_back(kind, tmp_path):
      "norm_topk_prob=False, shared_expert_intermediate_size=40, the model norm_topk_prob=True, "
      "shared_expert_intermediate_size=0"),
 ])
-def test_what_a_experts_directory_has_and_the_model_lacks_is_refused(changes, model, message, tmp_path):
+def test_what_an_experts_directory_has_and_the_model_lacks_is_refused(changes, model, message, tmp_path):
     from recipes.llama import hf
 
     _experts_dir(tmp_path, **changes)
