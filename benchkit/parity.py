@@ -111,9 +111,9 @@ def _model_and_batches(kind, dtype=torch.float64, rows: int = 4):
     if kind == "mlp":
         model = MLP()
         batches = [(torch.randn(16, 32).to(dtype), torch.randint(0, 8, (16,))) for _ in range(STEPS)]
-    elif kind in ("llama", "llama-tied", "qwen2", "llama-1h", "qwen3"):  # Qwen2: query, key and value biases, tied
-        heads = {"num_attention_heads": 1, "num_key_value_heads": 1} if kind == "llama-1h" else {}  # head
-        if kind == "qwen3":
+    elif kind in ("llama", "llama-tied", "qwen2", "llama-1h", "qwen3"):  # Qwen2: q/k/v biases and a tied head
+        heads = {"num_attention_heads": 1, "num_key_value_heads": 1} if kind == "llama-1h" else {}
+        if kind == "qwen3":  # each query and key head normalised, heads of 24 on a width of 64
             heads = {"head_dim": 24, "qk_norm": True}
         model = LlamaForCausalLM(dataclasses.replace(LLAMA_CFG, tie_word_embeddings=kind in ("llama-tied", "qwen2"),
                                                      qkv_bias=kind == "qwen2", **heads))

@@ -139,7 +139,8 @@ def unsupported(hf: dict) -> list:
         if kind in ("llama", *QWEN3) and hf.get(key):
             bad.append(f"{key}=true (ours has no biases beyond Qwen2's on the query, key and value)")
     window = _hf_value(hf, "sliding_window")
-    if kind in ("qwen2", "qwen2_moe", *QWEN3) and (hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or ())):
+    windowed = hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or ())
+    if kind in ("qwen2", "qwen2_moe", *QWEN3) and windowed:
         bad.append("use_sliding_window=true, or sliding_attention layers (ours attends to every earlier position)")
     if kind in ("mistral", "mixtral") and window is not None and window < _hf_value(hf, "max_position_embeddings"):
         bad.append(f"sliding_window={window} (ours attends to every earlier position: a window shorter than "
@@ -207,10 +208,11 @@ def file_names(name: str, experts: int, kind: str = "mixtral") -> list:
 
 class ShardReader:
     """``read(name, box)``: the box ``((start, length), ...)`` of parameter ``name`` from a Hugging Face Llama,
-    Mistral, Qwen2, Mixtral, Qwen2-MoE, Qwen3 or Qwen3-MoE directory, in the parameter's dtype: the ``init_shard`` that ``read_weights_from`` gives a
-    model (``recipes.hf_files``). An LM head tied to the embedding reads the embedding's rows, as transformers
-    ties them, even where the files keep a copy under the head's name (a last stage reading that copy could
-    start from other values than the first stage's embedding).
+    Mistral, Qwen2, Mixtral, Qwen2-MoE, Qwen3 or Qwen3-MoE directory, in the parameter's dtype: the
+    ``init_shard`` that ``read_weights_from`` gives a model (``recipes.hf_files``). An LM head tied to the
+    embedding reads the embedding's rows, as transformers ties them, even where the files keep a copy under the
+    head's name (a last stage reading that copy could start from other values than the first stage's
+    embedding).
     """
 
     def __init__(self, path: str, model, model_cfg):
@@ -282,7 +284,8 @@ def hf_config(ours: dict, tokenizer=None) -> dict:
     if qwen3 and (shared or ours.get("qkv_bias", False)):
         raise ValueError("the checkpoint's model has query/key norms and a shared expert or query/key/value biases: no "
                          "Hugging Face model type has that (Qwen3: norms, no biases; Qwen2-MoE: a shared expert)")
-    qwen2_moe = experts and not qwen3 and (shared or ours.get("qkv_bias", False) or not ours.get("norm_topk_prob", True))
+    qwen2_moe = experts and not qwen3 and (
+        shared or ours.get("qkv_bias", False) or not ours.get("norm_topk_prob", True))
     if qwen2_moe and not shared:
         raise ValueError("the checkpoint's model has experts, no shared expert, and query/key/value biases or "
                          "unnormalised routing weights: no Hugging Face model type has that (Mixtral: experts with "
