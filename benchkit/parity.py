@@ -135,23 +135,27 @@ def _rel(a, b) -> float:
 
 def run_layout(name, dtype: str = "float64"):
     """Worker: train ``name`` and, on its own, the single-device reference; the max relative differences
-    ``(loss, gradients, final parameters)`` on the layout's ranks (``None`` elsewhere)."""
+    ``(loss, gradients, final parameters)`` on the layout's first rank (``None`` elsewhere). Every rank of the
+    layout gathers the same whole values, so one of them trains the reference and compares (on a CPU host the
+    ranks share its cores: a reference per rank would cost the layout's ranks times one device's run)."""
     kind, ranks, plan, in_sbp, *rest = layouts()[name]
     rows = rest[0] if rest else 4
     dt = getattr(torch, dtype)
+    p = sc.placement("cpu", ranks)
+    me = torch.distributed.get_rank()
+    leader = me == p.ranks[0]
     ref, batches = _model_and_batches(kind, dt, rows)
     ref_opt = torch.optim.AdamW(ref.parameters(), **ADAMW)
     model, _ = _model_and_batches(kind, dt, rows)
-    p = sc.placement("cpu", ranks)
     sc.distribute_module(model, p, plan)
     opt = torch.optim.AdamW(model.parameters(), **ADAMW)
-    me = torch.distributed.get_rank()
     worst_loss = worst_grad = 0.0
     for x, y in batches:
         rng = torch.get_rng_state()  # both runs draw their dropout masks from one state
-        ref_loss = _loss(kind, ref, x, y)
-        ref_loss.backward()
-        torch.set_rng_state(rng)
+        if leader:
+            ref_loss = _loss(kind, ref, x, y)
+            ref_loss.backward()
+            torch.set_rng_state(rng)
         gx = sc.distribute(x, p, in_sbp)
         gy = sc.distribute(y, p, in_sbp)
         loss = _loss(kind, model, gx, gy)
@@ -160,14 +164,14 @@ def run_layout(name, dtype: str = "float64"):
         grads = {n: q.grad.full_tensor() for n, q in model.named_parameters()}
         opt.step()
         opt.zero_grad()
-        if me in p:
+        if leader:
             worst_loss = max(worst_loss, _rel(value, ref_loss.detach()))
             for n, q in ref.named_parameters():
                 worst_grad = max(worst_grad, _rel(grads[n], q.grad))
-        ref_opt.step()  # the reference's own gradients, its own step
-        ref_opt.zero_grad()
+            ref_opt.step()  # the reference's own gradients, its own step
+            ref_opt.zero_grad()
     params = {n: q.full_tensor() for n, q in model.named_parameters()}
-    if me not in p:
+    if not leader:
         return None
     worst_param = max(_rel(params[n], q.detach()) for n, q in ref.named_parameters())
     return worst_loss, worst_grad, worst_param, _floor(kind, ref, rows) if dt != torch.float64 else 0.0

@@ -176,7 +176,8 @@ def _join(kind: str, **init) -> None:
     receives (``batch_isend_irecv``), as a world group's first boxing may be.
     """
     import torch
-    import torch.distributed as dist
+    import torch._dynamo  # noqa: F401  (a rank imports it at its first optimizer step, a second or more of CPU:
+    import torch.distributed as dist  # here, before the rendezvous, it keeps that out of any timed wait)
 
     dist.init_process_group("nccl" if kind == "cuda" else "gloo", **init)
     if kind == "cuda":

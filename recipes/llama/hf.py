@@ -21,11 +21,10 @@ Llama 3.2 1B/3B have it, with no ``lm_head.weight`` in their files) to
 ``tie_word_embeddings``; Qwen2's query, key and value biases to
 ``qkv_bias``. What our model does not implement is refused by name, before
 any process starts: other rotary scaling, other biases, a sliding window
-shorter than the context, attention dropout, another activation or head
-size, router jitter, Qwen2-MoE's and Qwen3-MoE's dense layers. A run exports as a Llama directory, a Qwen2
-one with ``qkv_bias``, a Mixtral one with experts, a Qwen2-MoE one with experts and a shared expert (or
-query, key and value biases, or unnormalised routing weights, which Mixtral lacks), or with ``qk_norm`` a
-Qwen3 one (Qwen3-MoE with experts).
+shorter than the context, attention dropout, another activation, router
+jitter, Qwen2-MoE's and Qwen3-MoE's dense layers (a head size is a dimension like the others). A run
+exports as a Llama directory, a Qwen2 one with ``qkv_bias``, a Mixtral one with experts, a Qwen2-MoE one
+with experts and a shared expert, or with ``qk_norm`` a Qwen3 one (Qwen3-MoE with experts).
 """
 from __future__ import annotations
 
@@ -116,12 +115,13 @@ def _hf_value(hf: dict, key: str):
     if key in EXPERT_KEYS and kind not in EXPERT_NAMES:  # a dense MLP
         return 0 if key in ("num_local_experts", "shared_expert_intermediate_size") else None
     defaults = HF_DEFAULTS.get(kind, LLAMA_DEFAULTS)
-    if kind == "mixtral" and key in ("norm_topk_prob", "shared_expert_intermediate_size"):
-        return defaults[key]  # transformers' Mixtral always renormalises and has no shared expert
+    if (kind == "mixtral" and key in ("norm_topk_prob", "shared_expert_intermediate_size")) or (
+            kind == "qwen3_moe" and key == "shared_expert_intermediate_size"):
+        return defaults[key]  # transformers' Mixtral always renormalises; neither it nor Qwen3-MoE has a shared expert
     if key == "rope_theta":  # transformers 5 keeps it under rope_parameters, which wins over a top-level copy
         return (hf.get("rope_parameters") or {}).get("rope_theta", hf.get(key, defaults[key]))
-    if key == "num_local_experts" and kind in EXPERT_NAMES:  # the hub's Qwen files say num_experts, transformers
-        return hf.get("num_experts", hf.get(key, defaults[key]))  # 5's Qwen3-MoE writes num_local_experts
+    if key == "num_local_experts" and kind == "qwen3_moe":  # the hub's files say num_experts, transformers 5's
+        return hf.get("num_experts", hf.get(key, defaults[key]))  # save_pretrained num_local_experts (its alias)
     return hf.get(EXPERT_NAMES.get(kind, {}).get(key, key), defaults.get(key))
 
 
@@ -190,7 +190,7 @@ def hf_dir_problems(path: str, model_cfg) -> list:
 def _ours(model_cfg, key: str):
     """Our model config's value of ``key``, as ``_hf_value`` gives a config.json's (a head size of 0 resolved)."""
     if key == "head_dim":
-        return model_cfg.get(key, 0) or model_cfg.hidden_size // model_cfg.num_attention_heads
+        return model_cfg.get(key, 0) or model_cfg.hidden_size // (model_cfg.num_attention_heads or 1)
     return type(model_cfg.get(key, 0))(model_cfg.get(key, 0))
 
 

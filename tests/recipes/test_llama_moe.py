@@ -359,6 +359,8 @@ def test_an_experts_directory_loads_box_by_box_and_exports_back(kind, tmp_path):
     ({}, {"num_local_experts": 0}, "num_local_experts=4, the model num_local_experts=0"),
     ({"kind": "qwen2_moe", "decoder_sparse_step": 2}, QWEN2_MOE_KEYS,
      "decoder_sparse_step=2, mlp_only_layers=[] (ours: experts in every layer"),
+    ({"kind": "qwen3_moe", "mlp_only_layers": [1]}, KEYS["qwen3_moe"],
+     "decoder_sparse_step=1, mlp_only_layers=[1] (ours: experts in every layer"),
     ({"kind": "qwen2_moe"}, {**QWEN2_MOE_KEYS, "norm_topk_prob": True, "shared_expert_intermediate_size": 0},
      "norm_topk_prob=False, shared_expert_intermediate_size=40, the model norm_topk_prob=True, "
      "shared_expert_intermediate_size=0"),

@@ -427,6 +427,8 @@ def test_bad_pipeline_input_is_refused_before_anything_runs():
 def _joined(rank, world, port, timeout: float, init_timeout: float):
     """Join a fresh gloo world whose groups wait ``timeout`` s (``init_timeout`` s in a plan's first runs);
     returns ``benchkit.pipeline_parity``, which builds the pipelines."""
+    import torch._dynamo  # noqa: F401  (as toolkit.launcher's ranks: imported before the timed waits, not in them)
+
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     from sbp_core import process_groups
