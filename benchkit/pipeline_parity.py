@@ -30,11 +30,17 @@ ADAMW = dict(lr=1e-3, weight_decay=0.1)
 CFG = GPT2Config(vocab_size=256, n_positions=32, n_embd=64, n_layer=4, n_head=4,
                  embd_pdrop=0.0, resid_pdrop=0.0, attn_pdrop=0.0)
 # scripts/verify_parity.py's LLaMA (grouped-query attention) with 4 layers; "llama-tied" ties its LM head;
-# "mixtral" has 4 experts, 2 per token, a capacity that drops choices, and a load-balancing weight of 0.01.
+# "mixtral" has 4 experts, 2 per token, a capacity that drops choices, and a load-balancing weight of 0.01;
+# "qwen-moe" adds every other option of the LLaMA recipe's experts and attention: Qwen2-MoE's gated shared expert,
+# unnormalised routing weights and query/key/value biases, Qwen3's per-head query/key norms and heads of 24 on a
+# width of 64 (no Hugging Face model has all of them; the reference is our own model on one device).
 LLAMA_CFG = replace(parity.LLAMA_CFG, num_hidden_layers=4)
+MIXTRAL_CFG = replace(LLAMA_CFG, num_local_experts=4, num_experts_per_tok=2, capacity_factor=1.0,
+                      router_aux_loss_coef=0.01)
 MODELS = {"gpt2": CFG, "llama": LLAMA_CFG, "llama-tied": replace(LLAMA_CFG, tie_word_embeddings=True),
-          "mixtral": replace(LLAMA_CFG, num_local_experts=4, num_experts_per_tok=2, capacity_factor=1.0,
-                             router_aux_loss_coef=0.01)}
+          "mixtral": MIXTRAL_CFG,
+          "qwen-moe": replace(MIXTRAL_CFG, shared_expert_intermediate_size=48, norm_topk_prob=False, qkv_bias=True,
+                              qk_norm=True, head_dim=24)}
 LAYOUTS = {"pp2": (1, 1, 2), "pp4": (1, 1, 4), "dp2_pp2": (2, 1, 2), "tp2_pp2": (1, 2, 2), "dp2_tp2_pp2": (2, 2, 2)}
 
 
@@ -52,8 +58,9 @@ def _recipe_parts(cfg) -> tuple:
     if isinstance(cfg, GPT2Config):
         return GPT2LMHeadModel, gpt2_plan.PIPELINE, gpt2_plan.TIED, gpt2_plan.mesh_plan(), cfg.n_layer, cfg.n_embd
     tied = llama_plan.TIED if cfg.tie_word_embeddings else ()
-    return (LlamaForCausalLM, llama_plan.PIPELINE, tied, llama_plan.mesh_plan(experts=cfg.num_local_experts > 0),
-            cfg.num_hidden_layers, cfg.hidden_size)
+    plan = llama_plan.mesh_plan(qkv_bias=cfg.qkv_bias, experts=cfg.num_local_experts > 0,
+                                shared_expert=cfg.shared_expert_intermediate_size > 0)
+    return LlamaForCausalLM, llama_plan.PIPELINE, tied, plan, cfg.num_hidden_layers, cfg.hidden_size
 
 
 def global_batch(step: int) -> torch.Tensor:

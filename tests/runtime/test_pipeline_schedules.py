@@ -63,12 +63,14 @@ def test_zbv_clips_by_the_global_norm_with_both_tied_copies_on_one_rank():
 
 @pytest.mark.parametrize("model,name,schedule,virtual", [("llama-tied", "tp2_pp2", "zbv", 2),
                                                          ("llama-tied", "dp2_tp2_pp2", "1f1b", 2),
-                                                         ("mixtral", "dp2_tp2_pp2", "zbv", 2)])
+                                                         ("qwen-moe", "dp2_tp2_pp2", "zbv", 2)])
 def test_llama_pipelines_match_one_device(model, name, schedule, virtual):
     """LLaMA (grouped-query attention, rotary tables in every stage), its LM head tied to the embedding: under
     ZB-V both tied copies sit on rank 0; under interleaved 1F1B on the first and last pipeline rank (untied
-    LLaMA pipelines: ``tests/cli/test_llama_cli.py``). Mixtral's sparse MLP (choices dropped at capacity, the
+    LLaMA pipelines: ``tests/cli/test_llama_cli.py``). A sparse MLP (choices dropped at capacity, the
     load-balancing loss crossing every stage boundary with the hidden states), its experts split over dp and tp,
-    under ZB-V (split backward passes)."""
+    under ZB-V (split backward passes), with every option the recipe's experts and attention have: a gated
+    shared expert, unnormalised routing weights, query/key/value biases, per-head query/key norms, heads of
+    their own size (``benchkit.pipeline_parity``'s "qwen-moe")."""
     res = get_pool(8).run(run_pipeline, name, 3, schedule, MICRO, None, None, "float64", virtual, 4, model)
     _check(res, name, schedule, virtual, 4, "float64", model=model)
