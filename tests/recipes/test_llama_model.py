@@ -206,6 +206,18 @@ def test_a_rank_reads_only_the_boxes_it_keeps(fmt, tmp_path):
         ShardReader(str(tmp_path), deeper, _model_cfg())
 
 
+def _loaded(path, cfg):
+    """The whole model of ``cfg.model`` with the Hugging Face directory ``path``'s weights, which it accepts
+    (``trainer.init_from``'s path: checked, then read as ``distribute_module`` would)."""
+    from recipes.llama.hf import hf_dir_problems
+    from recipes.llama.recipe import RECIPE
+
+    assert hf_dir_problems(str(path), cfg.model) == []
+    whole = RECIPE.build_stage(cfg.model, lambda m: m)
+    assert RECIPE.init_weights(whole, str(path), cfg)
+    return materialized(whole)
+
+
 def test_qwen2_and_mistral_directories_load_and_a_qwen2_model_exports_as_one(tmp_path):
     """A Qwen2 directory loads into a model with ``qkv_bias`` (and is refused, naming the key, into one without),
     unless it uses a sliding window; a Mistral one without a window shorter than its context loads as Llama's
@@ -225,14 +237,11 @@ def test_qwen2_and_mistral_directories_load_and_a_qwen2_model_exports_as_one(tmp
 
     qwen2 = saved(tmp_path / "qwen2", transformers.Qwen2Config, transformers.Qwen2ForCausalLM, **TIED)
     cfg = OmegaConf.create({"model": _model_cfg(**QWEN2)})
-    assert hf_dir_problems(str(tmp_path / "qwen2"), cfg.model) == []
     assert any("qkv_bias=True, the model qkv_bias=False" in p
                for p in hf_dir_problems(str(tmp_path / "qwen2"), _model_cfg(**TIED)))
-    whole = RECIPE.build_stage(cfg.model, lambda m: m)
-    assert RECIPE.init_weights(whole, str(tmp_path / "qwen2"), cfg)
     ids = torch.randint(0, DIMS["vocab_size"], (2, 12))
     with torch.no_grad():
-        assert _rel(materialized(whole)(ids)[0], qwen2(input_ids=ids).logits) < 1e-5
+        assert _rel(_loaded(tmp_path / "qwen2", cfg)(ids)[0], qwen2(input_ids=ids).logits) < 1e-5
     saved(tmp_path / "windowed", transformers.Qwen2Config, transformers.Qwen2ForCausalLM, use_sliding_window=True,
           sliding_window=8)
     assert any("use_sliding_window=true" in p for p in hf_dir_problems(str(tmp_path / "windowed"), cfg.model))
@@ -272,7 +281,6 @@ def test_a_qwen3_directory_loads_into_a_model_with_its_norms_and_heads_and_expor
 
     from recipes.gpt2.hf import write_hf_dir
     from recipes.llama.hf import hf_config, hf_dir_problems
-    from recipes.llama.recipe import RECIPE
 
     torch.manual_seed(1)
     theirs = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**DIMS, num_key_value_heads=2, head_dim=24,
@@ -282,15 +290,13 @@ def test_a_qwen3_directory_loads_into_a_model_with_its_norms_and_heads_and_expor
             if name.endswith(("q_norm.weight", "k_norm.weight")):
                 p.normal_(1.0, 0.1)
     theirs.save_pretrained(tmp_path / "qwen3")
-    cfg = OmegaConf.create({"model": _model_cfg(**QWEN3)})
-    assert hf_dir_problems(str(tmp_path / "qwen3"), cfg.model) == []
     assert any("head_dim=24, qk_norm=True, the model head_dim=16, qk_norm=False" in p
                for p in hf_dir_problems(str(tmp_path / "qwen3"), _model_cfg(**TIED)))
-    whole = RECIPE.build_stage(cfg.model, lambda m: m)
-    assert RECIPE.init_weights(whole, str(tmp_path / "qwen3"), cfg)
+    cfg = OmegaConf.create({"model": _model_cfg(**QWEN3)})
+    whole = _loaded(tmp_path / "qwen3", cfg)
     ids = torch.randint(0, DIMS["vocab_size"], (2, 12))
     with torch.no_grad():
-        assert _rel(materialized(whole)(ids)[0], theirs.eval()(input_ids=ids).logits) < 1e-5
+        assert _rel(whole(ids)[0], theirs.eval()(input_ids=ids).logits) < 1e-5
     state = {k: v for k, v in whole.state_dict().items() if k != "lm_head.weight"}  # tied: the embedding alone
     write_hf_dir(str(tmp_path / "out"), hf_config(dict(whole.config.__dict__)), state)
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()

@@ -40,6 +40,12 @@ def test_without_drops_logits_and_gradients_match_transformers_mixtral():
         num_key_value_heads=2, max_position_embeddings=32, num_local_experts=4, num_experts_per_tok=2,
         rms_norm_eps=CFG.rms_norm_eps, rope_theta=CFG.rope_theta, sliding_window=None,
         attn_implementation="eager", experts_implementation="eager")).double()
+    _assert_matches_transformers(ours, theirs, 1e-6)
+
+
+def _assert_matches_transformers(ours, theirs, grad_bar: float) -> dict:
+    """``theirs`` (a ``transformers`` model) with ``ours``' weights gives our logits within 1e-6 and, through the
+    next-token loss, every gradient within ``grad_bar``; returns our gradients by their names."""
     theirs.load_state_dict(as_transformers(ours.state_dict()), strict=True)
     ids = torch.randint(0, 128, (3, 16), generator=torch.Generator().manual_seed(1))
     logits, loss = ours(ids, ids)
@@ -49,7 +55,8 @@ def test_without_drops_logits_and_gradients_match_transformers_mixtral():
     F.cross_entropy(out.logits[:, :-1].reshape(-1, 128), ids[:, 1:].reshape(-1)).backward()
     grads = as_transformers({n: p.grad for n, p in ours.named_parameters()})
     for name, p in theirs.named_parameters():
-        assert _rel(grads[name], p.grad) < 1e-6, name
+        assert _rel(grads[name], p.grad) < grad_bar, name
+    return grads
 
 
 # Qwen2-MoE's differences from Mixtral: a gated shared expert, unnormalised routing weights, query/key/value biases.
@@ -72,16 +79,7 @@ def test_without_drops_logits_and_gradients_match_transformers_qwen2_moe():
         shared_expert_intermediate_size=40, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         max_position_embeddings=32, num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, rms_norm_eps=1e-6,
         rope_theta=CFG.rope_theta, attn_implementation="eager", experts_implementation="eager")).double()
-    theirs.load_state_dict(as_transformers(ours.state_dict()), strict=True)
-    ids = torch.randint(0, 128, (3, 16), generator=torch.Generator().manual_seed(1))
-    logits, loss = ours(ids, ids)
-    out = theirs(ids, labels=ids)
-    assert _rel(logits, out.logits) < 1e-6
-    loss.backward()
-    F.cross_entropy(out.logits[:, :-1].reshape(-1, 128), ids[:, 1:].reshape(-1)).backward()
-    grads = as_transformers({n: p.grad for n, p in ours.named_parameters()})
-    for name, p in theirs.named_parameters():  # their float32 routing weights, unnormalised: up to 1.6e-6 here
-        assert _rel(grads[name], p.grad) < 1e-5, name
+    grads = _assert_matches_transformers(ours, theirs, 1e-5)  # their float32 weights, unnormalised: 1.6e-6 here
     assert any("shared_expert" in n for n in grads)
 
 
@@ -204,8 +202,14 @@ def test_expert_parallelism_moves_tokens_by_all_to_all_and_keeps_expert_gradient
     reduced = [n for op, n in ops if op == "all_reduce"]
     assert reduced == [CFG.num_local_experts * h * 8 * 2 * (2 - 1) // 2], ops  # ring: 2(p-1)/p of the router
     assert sbps["experts.gate_proj"][0] == Split(0) and sbps["gate.weight"][0].is_broadcast
+    _assert_one_devices(CFG, y, grads)
+
+
+def _assert_one_devices(cfg, y, grads):
+    """``y`` and ``grads`` (by parameter name, and ``"x"``) are one device's: the float64 sparse MLP of ``cfg`` at
+    capacity 1.0, seeded and drawn as the rank sides draw it, forward and backward on the same input."""
     torch.manual_seed(0)
-    ref = SparseMoE(replace(CFG, capacity_factor=1.0)).double()
+    ref = SparseMoE(replace(cfg, capacity_factor=1.0)).double()
     for p in ref.parameters():
         torch.nn.init.normal_(p, std=0.3)
     x = torch.randn(4, 16, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(2)).requires_grad_()
@@ -250,16 +254,7 @@ def test_the_shared_expert_is_split_on_tp_and_summed_with_the_routed_experts_bef
     assert sbp == "(B, P(sum))" and ops == [], (sbp, ops)  # dp is one rank here: its axis reads B
     assert shapes == {"shared_expert.gate_proj.weight": (20, 32), "shared_expert.up_proj.weight": (20, 32),
                       "shared_expert.down_proj.weight": (32, 20), "shared_expert_gate.weight": (1, 32)}, shapes
-    torch.manual_seed(0)
-    ref = SparseMoE(replace(QWEN2_MOE, capacity_factor=1.0)).double()
-    for p in ref.parameters():
-        torch.nn.init.normal_(p, std=0.3)
-    x = torch.randn(4, 16, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(2)).requires_grad_()
-    want, balance = ref(x)
-    (want.sum() + balance.sum()).backward()
-    assert _rel(y, want) < 1e-12
-    for n, p in [*ref.named_parameters(), ("x", x)]:
-        assert _rel(grads[n], p.grad) < 1e-12, n
+    _assert_one_devices(QWEN2_MOE, y, grads)
 
 
 def test_the_load_balancing_loss_joins_the_training_loss_and_not_evaluation():
