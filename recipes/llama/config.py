@@ -38,8 +38,9 @@ class ModelConfig:
     ``shared_expert_intermediate_size > 0``: Qwen2-MoE's gated shared
     expert of that size beside the routed ones. ``head_dim``: each
     attention head's size (0: ``hidden_size / num_attention_heads``; Qwen3's
-    is 128 whatever the width). ``qk_norm``: Qwen3's RMSNorm of each query
-    and key head before the rotation.
+    is 128 whatever the width). ``qk_norm``: an RMSNorm of the queries and
+    keys before the rotation, over each head (``qk_norm_over="head"``,
+    Qwen3's) or over the whole projection (``"projection"``, OLMoE's).
     ``name`` labels the preset (run names, W&B); the dimensions are what
     count.
     """
@@ -69,6 +70,7 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0
     head_dim: int = 0
     qk_norm: bool = False
+    qk_norm_over: str = "head"
 
 
 @dataclass
@@ -130,6 +132,9 @@ def problems(cfg, layout, trains_tokenizer: bool = True) -> list:
     if heads % kv:
         p.append(f"model.num_key_value_heads={kv}: must divide model.num_attention_heads={heads} (query heads per "
                  "key/value head)")
+    if m.get("qk_norm_over", "head") not in ("head", "projection"):
+        p.append(f"model.qk_norm_over={m.qk_norm_over!r}: valid: 'head' (Qwen3's norm of each query and key head) or "
+                 "'projection' (OLMoE's, of the whole query and key projections)")
     if not m.rms_norm_eps > 0 or not m.rope_theta > 0:
         p.append(f"model.rms_norm_eps={m.rms_norm_eps}, model.rope_theta={m.rope_theta}: both must be > 0")
     if m.rope_factor != 1.0 and not (m.rope_factor > 0 and 0 < m.rope_low_freq_factor < m.rope_high_freq_factor

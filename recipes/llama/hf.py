@@ -1,5 +1,5 @@
-"""Hugging Face Llama, Mistral, Qwen2, Mixtral, Qwen2-MoE, Qwen3 and Qwen3-MoE directories as ``trainer.init_from``
-of the LLaMA recipe, and back.
+"""Hugging Face Llama, Mistral, Qwen2, Mixtral, Qwen2-MoE, Qwen3, Qwen3-MoE and OLMoE directories as
+``trainer.init_from`` of the LLaMA recipe, and back.
 
 Our model (``model.py``) has Hugging Face's parameter names, shapes and
 rotary convention (rotate-half), so its weights load by name, unchanged,
@@ -13,8 +13,10 @@ them, and export splits them back (``to_hf_files``). Qwen2-MoE's files keep
 them apart too, under ``mlp.experts.{j}.{gate,up,down}_proj``; its
 ``num_experts`` and ``moe_intermediate_size`` are our
 ``num_local_experts`` and ``intermediate_size`` (every layer sparse: its
-dense ``intermediate_size`` is unused); Qwen3-MoE's files are the same.
-Qwen3's query and key norms are ``qk_norm``, its ``head_dim`` ours.
+dense ``intermediate_size`` is unused); Qwen3-MoE's and OLMoE's files are
+the same (OLMoE's ``intermediate_size`` is the experts'). Qwen3's query and
+key norms are ``qk_norm``, its ``head_dim`` ours; OLMoE's are ``qk_norm``
+over the whole projection (``qk_norm_over="projection"``).
 Rotary scaling of Llama 3.1's kind (``rope_scaling`` of type ``llama3``)
 maps to the model's ``rope_*`` keys; an LM head tied to the embedding (as
 Llama 3.2 1B/3B have it, with no ``lm_head.weight`` in their files) to
@@ -24,7 +26,8 @@ any process starts: other rotary scaling, other biases, a sliding window
 shorter than the context, attention dropout, another activation, router
 jitter, Qwen2-MoE's and Qwen3-MoE's dense layers (a head size is a dimension like the others). A run
 exports as a Llama directory, a Qwen2 one with ``qkv_bias``, a Mixtral one with experts, a Qwen2-MoE one
-with experts and a shared expert, or with ``qk_norm`` a Qwen3 one (Qwen3-MoE with experts).
+with experts and a shared expert, or with ``qk_norm`` a Qwen3 one (Qwen3-MoE with experts; OLMoE with experts
+and norms over the projections).
 """
 from __future__ import annotations
 
@@ -40,7 +43,7 @@ DIMS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "
         "num_key_value_heads", "max_position_embeddings", "rms_norm_eps", "rope_theta", "rope_factor",
         "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_position_embeddings",
         "tie_word_embeddings", "qkv_bias", "num_local_experts", "num_experts_per_tok", "norm_topk_prob",
-        "shared_expert_intermediate_size", "head_dim", "qk_norm")
+        "shared_expert_intermediate_size", "head_dim", "qk_norm", "qk_norm_over")
 # Options of ours that a config.json states by default (``hf_config`` writes them; a missing one is False).
 FLAGS = ("tie_word_embeddings", "qkv_bias", "qk_norm")
 # The experts' keys: a config.json of a dense model type has none (and then the routing ones are moot).
@@ -48,14 +51,19 @@ EXPERT_KEYS = ("num_local_experts", "num_experts_per_tok", "norm_topk_prob", "sh
 ROUTING_KEYS = ("num_experts_per_tok", "norm_topk_prob")
 # Model types with experts -> their config.json's names of our keys, where they differ.
 QWEN_EXPERT_NAMES = {"num_local_experts": "num_experts", "intermediate_size": "moe_intermediate_size"}
-EXPERT_NAMES = {"mixtral": {}, "qwen2_moe": QWEN_EXPERT_NAMES, "qwen3_moe": QWEN_EXPERT_NAMES}
+EXPERT_NAMES = {"mixtral": {}, "qwen2_moe": QWEN_EXPERT_NAMES, "qwen3_moe": QWEN_EXPERT_NAMES,
+                "olmoe": {"num_local_experts": "num_experts"}}
 # Our stacked experts -> the per-expert linear weights each model type's files hold (Mixtral's ``w1`` gate,
 # ``w3`` up, ``w2`` down, under ``block_sparse_moe``; Qwen2-MoE's our names, under ``mlp``).
 QWEN_EXPERT_FILES = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}
 EXPERT_FILES = {"mixtral": {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"},
-                "qwen2_moe": QWEN_EXPERT_FILES, "qwen3_moe": QWEN_EXPERT_FILES}
-EXPERT_MODULE = {"mixtral": "block_sparse_moe", "qwen2_moe": "mlp", "qwen3_moe": "mlp"}
+                "qwen2_moe": QWEN_EXPERT_FILES, "qwen3_moe": QWEN_EXPERT_FILES, "olmoe": QWEN_EXPERT_FILES}
+EXPERT_MODULE = {"mixtral": "block_sparse_moe", "qwen2_moe": "mlp", "qwen3_moe": "mlp", "olmoe": "mlp"}
+# Model types whose config.json may say num_experts or (transformers 5's save_pretrained) num_local_experts.
+EXPERTS_ALIASED = ("qwen3_moe", "olmoe")
 QWEN3 = ("qwen3", "qwen3_moe")  # query and key norms, attention_bias (all four projections' biases) refused
+# Our keys a LLaMA run's checkpoint may lack (recorded before they existed), and which hf_config writes its own way.
+OPTIONAL = ("head_dim", "qk_norm_over")
 # Ours -> Hugging Face's key inside rope_scaling (rope_type "llama3"); a config without one has a factor of 1.
 ROPE_SCALING = {"rope_factor": "factor", "rope_low_freq_factor": "low_freq_factor",
                 "rope_high_freq_factor": "high_freq_factor",
@@ -85,6 +93,10 @@ HF_DEFAULTS = {
                   "num_hidden_layers": 24, "num_key_value_heads": 4, "max_position_embeddings": 32768,
                   "num_local_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": False,
                   "shared_expert_intermediate_size": 0},
+    "olmoe": {**LLAMA_DEFAULTS, "vocab_size": 50304, "hidden_size": 2048, "intermediate_size": 2048,
+              "num_hidden_layers": 16, "num_attention_heads": 16, "max_position_embeddings": 4096,
+              "rms_norm_eps": 1e-5, "num_local_experts": 64, "num_experts_per_tok": 8, "norm_topk_prob": False,
+              "shared_expert_intermediate_size": 0},
 }
 
 
@@ -106,7 +118,9 @@ def _hf_value(hf: dict, key: str):
         return hf.get(key) or HF_DEFAULTS.get(hf.get("model_type"), {}).get(key) or _hf_value(hf, "num_attention_heads")
     kind = hf.get("model_type")
     if key == "qk_norm":
-        return kind in QWEN3
+        return kind in (*QWEN3, "olmoe")
+    if key == "qk_norm_over":
+        return "projection" if kind == "olmoe" else "head"
     if key == "head_dim":
         return hf.get(key) or HF_DEFAULTS.get(kind, {}).get(key) or _hf_value(hf, "hidden_size") // (
             _hf_value(hf, "num_attention_heads") or 1)
@@ -116,12 +130,12 @@ def _hf_value(hf: dict, key: str):
         return 0 if key in ("num_local_experts", "shared_expert_intermediate_size") else None
     defaults = HF_DEFAULTS.get(kind, LLAMA_DEFAULTS)
     if (kind == "mixtral" and key in ("norm_topk_prob", "shared_expert_intermediate_size")) or (
-            kind == "qwen3_moe" and key == "shared_expert_intermediate_size"):
-        return defaults[key]  # transformers' Mixtral always renormalises; neither it nor Qwen3-MoE has a shared expert
+            kind in ("qwen3_moe", "olmoe") and key == "shared_expert_intermediate_size"):
+        return defaults[key]  # transformers' Mixtral always renormalises; only Qwen2-MoE has a shared expert
     if key == "rope_theta":  # transformers 5 keeps it under rope_parameters, which wins over a top-level copy
         return (hf.get("rope_parameters") or {}).get("rope_theta", hf.get(key, defaults[key]))
-    if key == "num_local_experts" and kind == "qwen3_moe":  # the hub's files say num_experts, transformers 5's
-        return hf.get("num_experts", hf.get(key, defaults[key]))  # save_pretrained num_local_experts (its alias)
+    if key == "num_local_experts" and kind in EXPERTS_ALIASED:  # the hub's files say num_experts, transformers 5's
+        return hf.get("num_experts", hf.get(key, defaults[key]))  # save_pretrained may write its alias
     return hf.get(EXPERT_NAMES.get(kind, {}).get(key, key), defaults.get(key))
 
 
@@ -136,7 +150,7 @@ def unsupported(hf: dict) -> list:
     if scaling and scaling.get("rope_type", scaling.get("type")) != "llama3":
         bad.append(f"rope_scaling={scaling} (ours: plain rotary embeddings, or Llama 3.1's 'llama3' scaling)")
     for key in ("attention_bias", "mlp_bias"):
-        if kind in ("llama", *QWEN3) and hf.get(key):
+        if kind in ("llama", *QWEN3, "olmoe") and hf.get(key):
             bad.append(f"{key}=true (ours has no biases beyond Qwen2's on the query, key and value)")
     window = _hf_value(hf, "sliding_window")
     windowed = hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or ())
@@ -152,7 +166,13 @@ def unsupported(hf: dict) -> list:
     if kind in ("qwen2_moe", "qwen3_moe") and (hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers")):
         bad.append(f"decoder_sparse_step={hf.get('decoder_sparse_step', 1)}, mlp_only_layers="
                    f"{hf.get('mlp_only_layers')} (ours: experts in every layer; valid: 1 and [])")
-    if kind in ("qwen2_moe", "qwen3_moe") and not _hf_value(hf, "num_local_experts"):
+    if kind == "olmoe" and hf.get("clip_qkv") is not None:
+        bad.append(f"clip_qkv={hf.get('clip_qkv')} (ours does not clamp the queries, keys and values)")
+    heads = _hf_value(hf, "num_attention_heads") or 1
+    if kind == "olmoe" and _hf_value(hf, "head_dim") * heads != _hf_value(hf, "hidden_size"):
+        bad.append(f"head_dim={_hf_value(hf, 'head_dim')} with {heads} heads (OLMoE's query norm is hidden_size wide: "
+                   "heads x head_dim must be hidden_size)")
+    if kind in ("qwen2_moe", "qwen3_moe", "olmoe") and not _hf_value(hf, "num_local_experts"):
         bad.append(f"{kind} with no experts (ours: experts in every layer; a dense model is a qwen2 or qwen3 one)")
     if hf.get("attention_dropout"):
         bad.append(f"attention_dropout={hf.get('attention_dropout')} (ours has no attention dropout)")
@@ -171,8 +191,10 @@ def hf_dir_problems(path: str, model_cfg) -> list:
     problems = [f"its config.json has {b}" for b in unsupported(hf)]
     scaled = bool(_scaling(hf)) or model_cfg.rope_factor != 1.0  # without scaling its other keys do not count
     experts = model_cfg.get("num_local_experts", 0) or _hf_value(hf, "num_local_experts")
+    normed = model_cfg.get("qk_norm", False) or _hf_value(hf, "qk_norm")  # else where the norms go is moot
     wrong = [k for k in DIMS if (scaled or k not in ROPE_SCALING or k == "rope_factor")
-             and (experts or k not in ROUTING_KEYS) and _hf_value(hf, k) != _ours(model_cfg, k)]
+             and (experts or k not in ROUTING_KEYS) and (normed or k != "qk_norm_over")
+             and _hf_value(hf, k) != _ours(model_cfg, k)]
     if wrong:
         problems.append(f"its config.json has {', '.join(f'{k}={_hf_value(hf, k)}' for k in wrong)}, the model "
                         f"{', '.join(f'{k}={_ours(model_cfg, k)}' for k in wrong)}; valid: the model settings that "
@@ -191,6 +213,8 @@ def _ours(model_cfg, key: str):
     """Our model config's value of ``key``, as ``_hf_value`` gives a config.json's (a head size of 0 resolved)."""
     if key == "head_dim":
         return model_cfg.get(key, 0) or model_cfg.hidden_size // (model_cfg.num_attention_heads or 1)
+    if key == "qk_norm_over":
+        return model_cfg.get(key, "head")
     return type(model_cfg.get(key, 0))(model_cfg.get(key, 0))
 
 
@@ -271,27 +295,33 @@ BOS_CANDIDATES = ("<s>", "<|begin_of_text|>", "<bos>")
 
 
 def hf_config(ours: dict, tokenizer=None) -> dict:
-    """A Hugging Face ``config.json`` dict (Llama, Qwen2, Mixtral, Qwen2-MoE, Qwen3 or Qwen3-MoE, by what the model
-    has) for our model config (``recipes.llama.model.LlamaConfig``'s
+    """A Hugging Face ``config.json`` dict (Llama, Qwen2, Mixtral, Qwen2-MoE, Qwen3, Qwen3-MoE or OLMoE, by what the
+    model has) for our model config (``recipes.llama.model.LlamaConfig``'s
     fields, as a checkpoint's ``extra.model_config`` records them). ``tokenizer``: the run's ``TextTokenizer``,
     whose end-of-text (and beginning-of-text) ids the config names, so that ``generate`` stops where the
     corpus's documents end; without one they are ``None`` (transformers' own defaults, 1 and 2, are ordinary
     tokens of a tokenizer trained on the corpus)."""
-    missing = [k for k in DIMS if k not in ours and k not in (*ROPE_SCALING, *FLAGS, *EXPERT_KEYS, "head_dim")]
+    missing = [k for k in DIMS if k not in ours and k not in (*ROPE_SCALING, *FLAGS, *EXPERT_KEYS, *OPTIONAL)]
+    if missing:
+        raise ValueError(f"the checkpoint's extra.model_config lacks {missing}: not a LLaMA run's checkpoint")
     experts = int(ours.get("num_local_experts", 0))
     shared = int(ours.get("shared_expert_intermediate_size", 0))
     qwen3 = bool(ours.get("qk_norm", False))
     if qwen3 and (shared or ours.get("qkv_bias", False)):
         raise ValueError("the checkpoint's model has query/key norms and a shared expert or query/key/value biases: no "
                          "Hugging Face model type has that (Qwen3: norms, no biases; Qwen2-MoE: a shared expert)")
+    olmoe = qwen3 and ours.get("qk_norm_over", "head") == "projection"
+    head_dim = ours.get("head_dim", 0) or ours["hidden_size"] // ours["num_attention_heads"]
+    if olmoe and (not experts or head_dim * ours["num_attention_heads"] != ours["hidden_size"]):
+        raise ValueError("the checkpoint's model has query/key norms over the whole projections but no experts, or "
+                         "heads x head_dim other than hidden_size: no Hugging Face model type has that (OLMoE: "
+                         "experts, heads x head_dim = hidden_size)")
     qwen2_moe = experts and not qwen3 and (
         shared or ours.get("qkv_bias", False) or not ours.get("norm_topk_prob", True))
     if qwen2_moe and not shared:
         raise ValueError("the checkpoint's model has experts, no shared expert, and query/key/value biases or "
                          "unnormalised routing weights: no Hugging Face model type has that (Mixtral: experts with "
                          "normalised weights; Qwen2-MoE: experts beside a shared expert)")
-    if missing:
-        raise ValueError(f"the checkpoint's extra.model_config lacks {missing}: not a LLaMA run's checkpoint")
     bos = None if tokenizer is None else next(
         (i for i in map(tokenizer.tokenizer.token_to_id, BOS_CANDIDATES) if i is not None), None)
     scaling = None if ours.get("rope_factor", 1.0) == 1.0 else {
@@ -302,7 +332,10 @@ def hf_config(ours: dict, tokenizer=None) -> dict:
                                                    "attention_bias": False, "mlp_bias": False}
     routing = {"num_experts_per_tok": ours.get("num_experts_per_tok"), "output_router_logits": False,
                "router_aux_loss_coef": ours.get("router_aux_loss_coef", 0.001)}
-    if qwen3:  # Qwen3-MoE's dense layers' intermediate_size is moot (every layer has experts): ours, a placeholder
+    if olmoe:  # OLMoE's intermediate_size is its experts'
+        kind = {"model_type": "olmoe", "architectures": ["OlmoeForCausalLM"], **routing, "num_experts": experts,
+                "norm_topk_prob": bool(ours.get("norm_topk_prob", True)), "clip_qkv": None, "attention_bias": False}
+    elif qwen3:  # Qwen3-MoE's dense layers' intermediate_size is moot (every layer has experts): ours, a placeholder
         kind = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "attention_bias": False,
                 "use_sliding_window": False, "sliding_window": None}
         if experts:
@@ -319,11 +352,11 @@ def hf_config(ours: dict, tokenizer=None) -> dict:
     elif experts:
         kind = {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "sliding_window": None,
                 "num_local_experts": experts, **routing, "router_jitter_noise": 0.0}
-    dims = [k for k in DIMS if k not in ROPE_SCALING and k not in FLAGS and k not in EXPERT_KEYS and k != "head_dim"]
+    dims = [k for k in DIMS if k not in (*ROPE_SCALING, *FLAGS, *EXPERT_KEYS, *OPTIONAL)]
     return {**{k: ours[k] for k in dims}, **kind,
             "rope_scaling": scaling, "initializer_range": ours.get("initializer_range", 0.02), "hidden_act": "silu",
             "tie_word_embeddings": bool(ours.get("tie_word_embeddings", False)), "attention_dropout": 0.0,
-            "head_dim": ours.get("head_dim", 0) or ours["hidden_size"] // ours["num_attention_heads"],
+            "head_dim": head_dim,
             "dtype": "float32", "bos_token_id": bos, "pad_token_id": None,
             "eos_token_id": None if tokenizer is None else tokenizer.eos_id}
 

@@ -15,7 +15,9 @@ With experts (``moe.py``) it is Mixtral's, or Qwen2-MoE's with a shared
 expert, unnormalised routing weights and ``qkv_bias``. Qwen3's is this one
 with ``qk_norm`` (an RMSNorm over each query and key head, ``q_norm`` and
 ``k_norm``, before the rotation) and its own ``head_dim`` (heads of 128
-whatever the width); Qwen3-MoE's adds experts.
+whatever the width); Qwen3-MoE's adds experts. OLMoE's has experts and
+``qk_norm`` with ``qk_norm_over="projection"``: one RMSNorm over the whole
+query projection and one over the whole key projection.
 
 No communication here: parallel layouts come from a plan (``plan.py``). A
 pipeline stage is this model with the modules of other stages set to
@@ -67,9 +69,11 @@ class LlamaConfig:
     # and Qwen2-MoE's shared expert beside the routed ones: a SwiGLU MLP of this size, gated (0: none).
     norm_topk_prob: bool = True
     shared_expert_intermediate_size: int = 0
-    # Each attention head's size; 0: hidden_size / num_attention_heads. Qwen3's RMSNorm of each query and key head.
+    # Each attention head's size; 0: hidden_size / num_attention_heads. An RMSNorm of the queries and keys before
+    # the rotation, over each head ("head", Qwen3's) or over the whole projection ("projection", OLMoE's).
     head_dim: int = 0
     qk_norm: bool = False
+    qk_norm_over: str = "head"
 
     @property
     def head_size(self) -> int:
@@ -123,16 +127,20 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, nkv * hd, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, nkv * hd, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(nh * hd, cfg.hidden_size, bias=False)
+        self.per_head = cfg.qk_norm_over == "head"
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+            self.q_norm = RMSNorm(hd if self.per_head else nh * hd, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(hd if self.per_head else nkv * hd, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin):
         b, t, _ = x.shape
+        normed = hasattr(self, "q_norm")
+        q, k = self.q_proj(x), self.k_proj(x)
+        if normed and not self.per_head:  # OLMoE: over the whole projection (split on tp: its sum is reduced there)
+            q, k = self.q_norm(q), self.k_norm(k)
         # ``-1`` heads: a tensor-parallel rank's projections hold whole heads (plan.py), so the view is local.
-        q = self.q_proj(x).view(b, t, -1, self.head_dim)
-        k = self.k_proj(x).view(b, t, -1, self.head_dim)
-        if hasattr(self, "q_norm"):  # Qwen3: each head normalised over its own dims (its weights shared by heads)
+        q, k = q.view(b, t, -1, self.head_dim), k.view(b, t, -1, self.head_dim)
+        if normed and self.per_head:  # Qwen3: each head over its own dims (one weight shared by the heads)
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)

@@ -61,12 +61,18 @@ SHARED_EXPERT = {"*.mlp.shared_expert.gate_proj.weight": (B, S0), "*.mlp.shared_
                  "*.mlp.shared_expert.down_proj.weight": (B, S1), "*.mlp.shared_expert_gate.weight": (B, B)}
 
 
+# OLMoE's query and key norms over the whole projections: their weights split with the projections' columns (a
+# rank's heads), so each rank scales its own heads; the mean of squares over the split columns is a partial sum
+# that boxing reduces on tp, [batch, seq, 1] per norm.
+QK_NORM_PROJECTION = {"*.self_attn.q_norm.weight": S0, "*.self_attn.k_norm.weight": S0}
+
+
 def mesh_plan(sequence_parallel: bool = False, qkv_bias: bool = False, experts: bool = False,
-              shared_expert: bool = False) -> dict:
+              shared_expert: bool = False, qk_norm_projection: bool = False) -> dict:
     """The plan on a ``(dp, tp)`` mesh: parameters ``(B, tp SBP)``; activation pins ``(S(0), tp SBP)``; with
     ``experts``, ``EXPERTS`` in place of the dense MLP's entries (and ``SHARED_EXPERT`` with a shared one)."""
     pins = SEQUENCE_PARALLEL if sequence_parallel else RESIDUAL_WHOLE
-    params = {**TENSOR_PARALLEL, **(QKV_BIAS if qkv_bias else {})}
+    params = {**TENSOR_PARALLEL, **(QKV_BIAS if qkv_bias else {}), **(QK_NORM_PROJECTION if qk_norm_projection else {})}
     if experts:
         params = {k: v for k, v in params.items() if ".mlp." not in k}
     return {**{k: (B, v) for k, v in params.items()}, **{k: (S0, v) for k, v in pins.items()},

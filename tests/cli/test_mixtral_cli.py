@@ -1,6 +1,6 @@
 """``train.py recipe=llama model=mixtral-tiny``: Mixtral's sparse MLP trains like one device in a pipeline, with its
 experts split over the data-parallel ranks under ZeRO-3 and with tensor parallelism (fine-tuning from a Hugging
-Face directory: Mixtral's, Qwen2-MoE's, Qwen3-MoE's); a run exports as one; what it does not do is refused
+Face directory: Mixtral's, Qwen2-MoE's, Qwen3-MoE's, OLMoE's); a run exports as one; what it does not do is refused
 before any process starts.
 
 The tiny LLaMA of ``test_llama_cli.py`` with 4 experts, 2 per token, a capacity that drops choices and a
@@ -52,13 +52,17 @@ EXPERTS = {
                  ["model.qkv_bias=true", "model.norm_topk_prob=false", "model.shared_expert_intermediate_size=80"]),
     # query and key norms (replicated on tp), heads of 24 on a width of 64 (96 query columns, split by head)
     "Qwen3Moe": ({**QWEN_EXPERTS, "head_dim": 24, "norm_topk_prob": True}, ["model.qk_norm=true", "model.head_dim=24"]),
+    # norms over the whole query and key projections, split on tp with the heads (their sums of squares reduced)
+    "Olmoe": ({"intermediate_size": 96, "num_experts": 4, "norm_topk_prob": False},
+              ["model.qk_norm=true", "model.qk_norm_over=projection", "model.norm_topk_prob=false"]),
 }
 
 
 @pytest.mark.parametrize("kind", list(EXPERTS))
 def test_fine_tuning_from_a_directory_is_the_same_with_the_experts_split_and_exports_back(
         kind, single_mixtral, sbp_cache, tmp_path):
-    """``trainer.init_from=<a MixtralForCausalLM, Qwen2MoeForCausalLM or Qwen3MoeForCausalLM directory>`` (each
+    """``trainer.init_from=<a MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM or OlmoeForCausalLM
+    directory>`` (each
     expert's weights tensors of their own): one process and dp2_tp2 (each rank reading its two experts' halves)
     start from its weights and log the same losses, and the dp2_tp2 run exports (``convert_hf.py export``) as a
     directory of the same type whose logits are our model's with the checkpoint's weights and no capacity

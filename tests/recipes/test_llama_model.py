@@ -308,6 +308,58 @@ def test_a_qwen3_directory_loads_into_a_model_with_its_norms_and_heads_and_expor
     assert any("attention_bias=true" in p for p in hf_dir_problems(str(tmp_path / "biased"), cfg.model))
 
 
+def _olmoe_attention_on_tp2():
+    """Rank side: OLMoE's attention (norms over the whole query and key projections, their weights drawn) on tp2
+    with the recipe's plan, float64; the collectives of its forward, its output's SBP, output and gradients."""
+    import sbp_core as sc
+    from recipes.llama.plan import QK_NORM_PROJECTION, TENSOR_PARALLEL
+    from sbp_core.sbp import Broadcast
+
+    att, x, cos, sin = _olmoe_attention()
+    p = sc.placement("cpu", [0, 1])
+    plan = {k.replace("*.self_attn.", ""): v for k, v in {**TENSOR_PARALLEL, **QK_NORM_PROJECTION}.items()
+            if k.startswith("*.self_attn.")}
+    sc.distribute_module(att, p, plan)
+    xg, cos, sin = (sc.distribute(t, p, (Broadcast(),)) for t in (x, cos, sin))
+    xg.requires_grad_()
+    with sc.comm_ledger() as ledger:
+        y = att(xg, cos, sin)
+    sbp = str(y.sbp)
+    y.sum().backward()
+    grads = {n: q.grad.full_tensor() for n, q in att.named_parameters()}
+    return [(r.op, r.bytes) for r in ledger.records], sbp, y.full_tensor(), {**grads, "x": xg.grad.full_tensor()}
+
+
+def _olmoe_attention():
+    from recipes.llama.model import Attention
+
+    torch.manual_seed(0)
+    att = Attention(LlamaConfig(**DIMS, num_key_value_heads=2, qk_norm=True, qk_norm_over="projection")).double()
+    with torch.no_grad():
+        att.q_norm.weight.normal_(1.0, 0.3)
+        att.k_norm.weight.normal_(1.0, 0.3)
+    x = torch.randn(2, 8, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    angles = torch.outer(torch.arange(8.0), torch.rand(8, generator=torch.Generator().manual_seed(2))).double()
+    return att, x, torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+
+
+def test_olmoe_norms_over_tp_split_projections_reduce_one_value_per_position():
+    """OLMoE's query and key norms over projections split by head on tp2: each norm's mean of squares is reduced
+    across the ranks, [2, 8, 1] float64 (a reduce-scatter and an all-gather of 64 bytes each), and nothing else
+    moves in forward (the output stays partial for the residual add). Values and gradients: one device's."""
+    from toolkit.rank_pool import get_pool
+
+    ops, sbp, y, grads = get_pool(2).run(_olmoe_attention_on_tp2)[0]
+    assert ops == [("reduce_scatter", 64), ("all_gather", 64)] * 2 and sbp == "(P(sum),)", (ops, sbp)
+    att, x, cos, sin = _olmoe_attention()
+    x.requires_grad_()
+    want = att(x, cos, sin)
+    want.sum().backward()
+    assert _rel(y, want) < 1e-12
+    for n, q in [*att.named_parameters(), ("x", x)]:
+        assert _rel(grads[n], q.grad) < 1e-12, n
+
+
 def test_keys_a_config_leaves_out_take_transformers_defaults():
     from recipes.llama.hf import _hf_value, unsupported
 
@@ -345,6 +397,12 @@ def test_keys_a_config_leaves_out_take_transformers_defaults():
             assert _hf_value(minimal, ours) == getattr(config, theirs), (kind, ours)
         assert _hf_value(minimal, "head_dim") == config.hidden_size // 8
         assert _hf_value(minimal, "qkv_bias") == (kind == "qwen2_moe")  # Qwen2-MoE's by default; Qwen3's refused
+    olmoe = transformers.OlmoeConfig()
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_key_value_heads",
+                "max_position_embeddings", "rms_norm_eps", "num_experts_per_tok", "norm_topk_prob"):
+        assert _hf_value({"model_type": "olmoe"}, key) == getattr(olmoe, key), key
+    assert _hf_value({"model_type": "olmoe"}, "num_local_experts") == olmoe.num_experts
+    assert _hf_value({"model_type": "olmoe"}, "qk_norm_over") == "projection"
     assert _hf_value({"model_type": "qwen2_moe"}, "shared_expert_intermediate_size") == \
         transformers.Qwen2MoeConfig().shared_expert_intermediate_size
     # Mixtral's renormalisation and lack of a shared expert are its model's, whatever a config.json says
@@ -357,6 +415,7 @@ def test_keys_a_config_leaves_out_take_transformers_defaults():
     ({"num_local_experts": 4, "norm_topk_prob": False}, "experts, no shared expert, and query/key/value biases or "
                                                         "unnormalised routing weights"),
     ({"num_local_experts": 4, "qkv_bias": True}, "experts, no shared expert, and query/key/value biases"),
+    ({"qk_norm": True, "qk_norm_over": "projection"}, "query/key norms over the whole projections but no experts"),
 ])
 def test_a_model_no_hugging_face_type_has_is_refused_on_export(changes, message):
     from recipes.llama.hf import hf_config

@@ -61,6 +61,8 @@ def _assert_matches_transformers(ours, theirs, grad_bar: float) -> dict:
 
 # Qwen2-MoE's differences from Mixtral: a gated shared expert, unnormalised routing weights, query/key/value biases.
 QWEN2_MOE = replace(CFG, shared_expert_intermediate_size=40, norm_topk_prob=False, qkv_bias=True, rms_norm_eps=1e-6)
+# OLMoE's: norms over the whole query and key projections, unnormalised routing weights.
+OLMOE_KEYS = {"qk_norm": True, "qk_norm_over": "projection", "norm_topk_prob": False}
 
 
 def test_without_drops_logits_and_gradients_match_transformers_qwen2_moe():
@@ -81,6 +83,25 @@ def test_without_drops_logits_and_gradients_match_transformers_qwen2_moe():
         rope_theta=CFG.rope_theta, attn_implementation="eager", experts_implementation="eager")).double()
     grads = _assert_matches_transformers(ours, theirs, 1e-5)  # their float32 weights, unnormalised: 1.6e-6 here
     assert any("shared_expert" in n for n in grads)
+
+
+def test_without_drops_logits_and_gradients_match_transformers_olmoe():
+    """OLMoE: an RMSNorm over the whole query projection and one over the whole key projection (their weights
+    drawn), unnormalised routing weights. Its norms compute in float32 (ours in float64 here): 1e-5."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    ours = LlamaForCausalLM(replace(CFG, **OLMOE_KEYS)).double()
+    with torch.no_grad():
+        for name, p in ours.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.normal_(1.0, 0.3)
+    theirs = transformers.OlmoeForCausalLM(transformers.OlmoeConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, num_experts=4, num_experts_per_tok=2, norm_topk_prob=False,
+        rms_norm_eps=CFG.rms_norm_eps, rope_theta=CFG.rope_theta, eos_token_id=None, pad_token_id=None,
+        attn_implementation="eager", experts_implementation="eager")).double()
+    grads = _assert_matches_transformers(ours, theirs, 1e-5)
+    assert grads["model.layers.0.self_attn.q_norm.weight"].shape == (32,)  # the projection's width, not a head's
 
 
 def _by_loop(moe: SparseMoE, x: torch.Tensor):
@@ -296,9 +317,13 @@ def _experts_dir(path, kind="mixtral", **changes):
     elif kind == "qwen2_moe":
         model = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(**{
             **dims, **qwen, "shared_expert_intermediate_size": 40, "norm_topk_prob": False, **changes}))
-    else:
+    elif kind == "qwen3_moe":
         model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**{
             **dims, **qwen, "head_dim": 16, "norm_topk_prob": True, **changes}))
+    else:
+        model = transformers.OlmoeForCausalLM(transformers.OlmoeConfig(**{
+            **dims, "num_experts": 4, "norm_topk_prob": False, "eos_token_id": None, "pad_token_id": None,
+            **changes}))
     model.save_pretrained(path)
     return model
 
@@ -315,14 +340,14 @@ def _experts_model_cfg(**changes):
 
 
 QWEN2_MOE_KEYS = {"shared_expert_intermediate_size": 40, "norm_topk_prob": False, "qkv_bias": True}
-KEYS = {"mixtral": {}, "qwen2_moe": QWEN2_MOE_KEYS, "qwen3_moe": {"head_dim": 16, "qk_norm": True}}
+KEYS = {"mixtral": {}, "qwen2_moe": QWEN2_MOE_KEYS, "qwen3_moe": {"head_dim": 16, "qk_norm": True}, "olmoe": OLMOE_KEYS}
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe"])
+@pytest.mark.parametrize("kind", list(KEYS))
 def test_an_experts_directory_loads_box_by_box_and_exports_back(kind, tmp_path):
     """A box of our stacked experts reads its experts' regions of the per-expert files; the whole model then gives
-    transformers' logits; ``to_hf_files`` writes the files' names and tensors back. Mixtral's, Qwen2-MoE's and
-    Qwen3-MoE's (query and key norms, heads of 16 on a width of 32)."""
+    transformers' logits; ``to_hf_files`` writes the files' names and tensors back. Mixtral's, Qwen2-MoE's,
+    Qwen3-MoE's (query and key norms, heads of 16 on a width of 32) and OLMoE's (norms over the projections)."""
     from recipes.llama import hf
 
     theirs = _experts_dir(tmp_path, kind)
@@ -356,6 +381,9 @@ def test_an_experts_directory_loads_box_by_box_and_exports_back(kind, tmp_path):
      "decoder_sparse_step=2, mlp_only_layers=[] (ours: experts in every layer"),
     ({"kind": "qwen3_moe", "mlp_only_layers": [1]}, KEYS["qwen3_moe"],
      "decoder_sparse_step=1, mlp_only_layers=[1] (ours: experts in every layer"),
+    ({"kind": "olmoe", "clip_qkv": 8.0}, OLMOE_KEYS, "clip_qkv=8.0 (ours does not clamp"),
+    ({"kind": "olmoe"}, {**OLMOE_KEYS, "qk_norm_over": "head"},
+     "qk_norm_over=projection, the model qk_norm_over=head"),
     ({"kind": "qwen2_moe"}, {**QWEN2_MOE_KEYS, "norm_topk_prob": True, "shared_expert_intermediate_size": 0},
      "norm_topk_prob=False, shared_expert_intermediate_size=40, the model norm_topk_prob=True, "
      "shared_expert_intermediate_size=0"),
