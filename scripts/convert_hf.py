@@ -28,7 +28,8 @@ Hugging Face's names and shapes, and its ``extra.model_config`` gives
 ``config.json`` (a LLaMA needs no ``import``: ``trainer.init_from`` reads a
 Hugging Face directory itself). A run with experts exports as a
 ``MixtralForCausalLM`` directory (``Qwen2MoeForCausalLM`` with a shared
-expert, ``Qwen3MoeForCausalLM`` with query/key norms), each stacked expert
+expert, ``Qwen3MoeForCausalLM`` with query/key norms, ``OlmoeForCausalLM``
+with norms over the projections), each stacked expert
 tensor split into per-expert tensors (``recipes.llama.hf.to_hf_files``).
 When the run directory above the checkpoint holds the run's tokenizer
 (``tokenizer.json``, which a GPT-2 run copies there), export copies it

@@ -24,7 +24,8 @@ Llama 3.2 1B/3B have it, with no ``lm_head.weight`` in their files) to
 ``qkv_bias``. What our model does not implement is refused by name, before
 any process starts: other rotary scaling, other biases, a sliding window
 shorter than the context, attention dropout, another activation, router
-jitter, Qwen2-MoE's and Qwen3-MoE's dense layers (a head size is a dimension like the others). A run
+jitter, Qwen2-MoE's and Qwen3-MoE's dense layers, OLMoE's ``clip_qkv`` and heads other than
+``hidden_size`` wide in all (its query norm's width); a head size is otherwise a dimension like the others. A run
 exports as a Llama directory, a Qwen2 one with ``qkv_bias``, a Mixtral one with experts, a Qwen2-MoE one
 with experts and a shared expert, or with ``qk_norm`` a Qwen3 one (Qwen3-MoE with experts; OLMoE with experts
 and norms over the projections).
@@ -140,8 +141,8 @@ def _hf_value(hf: dict, key: str):
 
 
 def unsupported(hf: dict) -> list:
-    """The options of a Hugging Face Llama, Mistral, Qwen2, Mixtral, Qwen2-MoE, Qwen3 or Qwen3-MoE ``config.json``
-    that our model does not implement."""
+    """The options of a Hugging Face Llama, Mistral, Qwen2, Mixtral, Qwen2-MoE, Qwen3, Qwen3-MoE or OLMoE
+    ``config.json`` that our model does not implement."""
     bad = []
     kind = hf.get("model_type")
     if kind not in HF_DEFAULTS:
@@ -173,7 +174,7 @@ def unsupported(hf: dict) -> list:
         bad.append(f"head_dim={_hf_value(hf, 'head_dim')} with {heads} heads (OLMoE's query norm is hidden_size wide: "
                    "heads x head_dim must be hidden_size)")
     if kind in ("qwen2_moe", "qwen3_moe", "olmoe") and not _hf_value(hf, "num_local_experts"):
-        bad.append(f"{kind} with no experts (ours: experts in every layer; a dense model is a qwen2 or qwen3 one)")
+        bad.append(f"{kind} with no experts (ours: {kind}'s experts in every layer)")
     if hf.get("attention_dropout"):
         bad.append(f"attention_dropout={hf.get('attention_dropout')} (ours has no attention dropout)")
     return bad
@@ -232,7 +233,7 @@ def file_names(name: str, experts: int, kind: str = "mixtral") -> list:
 
 class ShardReader:
     """``read(name, box)``: the box ``((start, length), ...)`` of parameter ``name`` from a Hugging Face Llama,
-    Mistral, Qwen2, Mixtral, Qwen2-MoE, Qwen3 or Qwen3-MoE directory, in the parameter's dtype: the
+    Mistral, Qwen2, Mixtral, Qwen2-MoE, Qwen3, Qwen3-MoE or OLMoE directory, in the parameter's dtype: the
     ``init_shard`` that ``read_weights_from`` gives a model (``recipes.hf_files``). An LM head tied to the
     embedding reads the embedding's rows, as transformers ties them, even where the files keep a copy under the
     head's name (a last stage reading that copy could start from other values than the first stage's

@@ -127,6 +127,8 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, nkv * hd, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, nkv * hd, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(nh * hd, cfg.hidden_size, bias=False)
+        if cfg.qk_norm_over not in ("head", "projection"):
+            raise ValueError(f"qk_norm_over={cfg.qk_norm_over!r}: 'head' or 'projection'")
         self.per_head = cfg.qk_norm_over == "head"
         if cfg.qk_norm:
             self.q_norm = RMSNorm(hd if self.per_head else nh * hd, cfg.rms_norm_eps)

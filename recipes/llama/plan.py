@@ -8,7 +8,8 @@ and with grouped-query attention whole key/value heads, so their query
 heads stay on the same rank; Qwen2's query, key and value biases ``S(0)``
 with them), the output and down projections row-split
 ``S(1)``, the token embedding and the LM head vocabulary-split ``S(0)``,
-norms ``B``. Activations: ``S(0)`` batch on dp, and ``B`` on tp at RMSNorm
+norms ``B`` (but OLMoE's query and key norms over the whole projections:
+``QK_NORM_PROJECTION``, split with the heads). Activations: ``S(0)`` batch on dp, and ``B`` on tp at RMSNorm
 inputs (the residual stream whole), or ``S(1)`` there with
 ``sequence_parallel``, which then gathers the attention's and the MLP's
 input once each (``B`` pins). With ``tie_word_embeddings`` the LM head is
@@ -70,7 +71,8 @@ QK_NORM_PROJECTION = {"*.self_attn.q_norm.weight": S0, "*.self_attn.k_norm.weigh
 def mesh_plan(sequence_parallel: bool = False, qkv_bias: bool = False, experts: bool = False,
               shared_expert: bool = False, qk_norm_projection: bool = False) -> dict:
     """The plan on a ``(dp, tp)`` mesh: parameters ``(B, tp SBP)``; activation pins ``(S(0), tp SBP)``; with
-    ``experts``, ``EXPERTS`` in place of the dense MLP's entries (and ``SHARED_EXPERT`` with a shared one)."""
+    ``experts``, ``EXPERTS`` in place of the dense MLP's entries (and ``SHARED_EXPERT`` with a shared one); with
+    ``qk_norm_projection``, ``QK_NORM_PROJECTION``."""
     pins = SEQUENCE_PARALLEL if sequence_parallel else RESIDUAL_WHOLE
     params = {**TENSOR_PARALLEL, **(QKV_BIAS if qkv_bias else {}), **(QK_NORM_PROJECTION if qk_norm_projection else {})}
     if experts:

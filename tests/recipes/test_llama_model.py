@@ -360,6 +360,25 @@ def test_olmoe_norms_over_tp_split_projections_reduce_one_value_per_position():
         assert _rel(grads[n], q.grad) < 1e-12, n
 
 
+def test_the_recipe_splits_norms_over_the_projections_with_the_heads_and_not_per_head_norms():
+    """The recipe's plan (what ``train.py`` lays out): OLMoE's norms ``(B, S(0))`` on ``(dp, tp)``, Qwen3's per-head
+    norms left to the default ``B`` (their weight is one head's)."""
+    from omegaconf import OmegaConf
+
+    from recipes.llama.recipe import RECIPE
+
+    def plan(over):
+        cfg = OmegaConf.create({"model": _model_cfg(qk_norm=True, qk_norm_over=over),
+                                "parallel": {"sequence_parallel": False}})
+        return RECIPE.mesh_plan(cfg)
+
+    from sbp_core.sbp import Broadcast, Split
+
+    split = ("*.self_attn.q_norm.weight", "*.self_attn.k_norm.weight")
+    assert all(plan("projection")[k] == (Broadcast(), Split(0)) for k in split), plan("projection")
+    assert not any(k in plan("head") for k in split)
+
+
 def test_keys_a_config_leaves_out_take_transformers_defaults():
     from recipes.llama.hf import _hf_value, unsupported
 

@@ -382,6 +382,7 @@ def test_an_experts_directory_loads_box_by_box_and_exports_back(kind, tmp_path):
     ({"kind": "qwen3_moe", "mlp_only_layers": [1]}, KEYS["qwen3_moe"],
      "decoder_sparse_step=1, mlp_only_layers=[1] (ours: experts in every layer"),
     ({"kind": "olmoe", "clip_qkv": 8.0}, OLMOE_KEYS, "clip_qkv=8.0 (ours does not clamp"),
+    ({"kind": "olmoe", "head_dim": 16}, OLMOE_KEYS, "head_dim=16 with 4 heads (OLMoE's query norm is hidden_size"),
     ({"kind": "olmoe"}, {**OLMOE_KEYS, "qk_norm_over": "head"},
      "qk_norm_over=projection, the model qk_norm_over=head"),
     ({"kind": "qwen2_moe"}, {**QWEN2_MOE_KEYS, "norm_topk_prob": True, "shared_expert_intermediate_size": 0},
