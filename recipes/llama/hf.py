@@ -54,12 +54,9 @@ ROUTING_KEYS = ("num_experts_per_tok", "norm_topk_prob")
 QWEN_EXPERT_NAMES = {"num_local_experts": "num_experts", "intermediate_size": "moe_intermediate_size"}
 EXPERT_NAMES = {"mixtral": {}, "qwen2_moe": QWEN_EXPERT_NAMES, "qwen3_moe": QWEN_EXPERT_NAMES,
                 "olmoe": {"num_local_experts": "num_experts"}}
-# Our stacked experts -> the per-expert linear weights each model type's files hold (Mixtral's ``w1`` gate,
-# ``w3`` up, ``w2`` down, under ``block_sparse_moe``; Qwen2-MoE's our names, under ``mlp``).
-QWEN_EXPERT_FILES = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}
-EXPERT_FILES = {"mixtral": {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"},
-                "qwen2_moe": QWEN_EXPERT_FILES, "qwen3_moe": QWEN_EXPERT_FILES, "olmoe": QWEN_EXPERT_FILES}
-EXPERT_MODULE = {"mixtral": "block_sparse_moe", "qwen2_moe": "mlp", "qwen3_moe": "mlp", "olmoe": "mlp"}
+# Our stacked experts -> the per-expert linear weights Mixtral's files hold under ``block_sparse_moe`` (``w1``
+# gate, ``w3`` up, ``w2`` down); the other model types' files keep our names, under ``mlp``.
+MIXTRAL_FILES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 # Model types whose config.json may say num_experts or (transformers 5's save_pretrained) num_local_experts.
 EXPERTS_ALIASED = ("qwen3_moe", "olmoe")
 QWEN3 = ("qwen3", "qwen3_moe")  # query and key norms, attention_bias (all four projections' biases) refused
@@ -224,10 +221,12 @@ def file_names(name: str, experts: int, kind: str = "mixtral") -> list:
     of model type ``kind``, the router under its experts' module (Mixtral's ``block_sparse_moe``), and one per
     expert (in expert order) for a stacked expert tensor."""
     layer, found, proj = name.partition(".mlp.experts.")
+    mixtral = kind == "mixtral"
     if found:
-        return [f"{layer}.{EXPERT_MODULE[kind]}.experts.{j}.{EXPERT_FILES[kind][proj]}.weight" for j in range(experts)]
-    if experts and name.endswith(".mlp.gate.weight"):
-        return [name.replace(".mlp.gate.", f".{EXPERT_MODULE[kind]}.gate.")]
+        module, piece = ("block_sparse_moe", MIXTRAL_FILES[proj]) if mixtral else ("mlp", proj)
+        return [f"{layer}.{module}.experts.{j}.{piece}.weight" for j in range(experts)]
+    if experts and mixtral and name.endswith(".mlp.gate.weight"):
+        return [name.replace(".mlp.gate.", ".block_sparse_moe.gate.")]
     return [name]
 
 

@@ -36,8 +36,9 @@ sum, max and min (offered only for inputs that are partial on the axis, see
   each rank allocates its own rows). A consumer that needs it whole then
   pays an all-gather where ``B`` was free, and one writing into it in place
   along the split dim is refused: make such a buffer ``B`` explicitly.
-  Autograd makes gradient buffers this way (``new_empty_strided`` then ``copy_`` when a gradient's strides differ
-  from its parameter's, e.g. a square ``nn.Linear`` weight's): a ``B``
+  Autograd makes gradient buffers this way (``new_empty_strided`` then
+  ``copy_`` when a gradient's strides differ from its parameter's, e.g. a
+  square ``nn.Linear`` weight's): a ``B``
   buffer would all-gather a split gradient into it, or all-reduce a partial
   one at once, outside the gradient buckets. Any other tensor is ``B``, which
   every layout boxes from for free.

@@ -39,6 +39,13 @@ def train_pooled(overrides: list, run_dir, cache: str, timeout: float = 900.0) -
     return losses(run_dir)
 
 
+def one_process_run(tmp_path_factory, cache: str, name: str, overrides: list) -> tuple:
+    """``(run directory, per-step losses)`` of the job ``overrides`` on one process, in a fresh directory named
+    ``name`` (it ends with a checkpoint): a test module's reference run."""
+    run = tmp_path_factory.mktemp(name)
+    return run, train_pooled([*overrides, "parallel=single"], run, cache)
+
+
 def losses(run_dir) -> list:
     """The ``loss`` of every training row of ``<run_dir>/metrics.jsonl``."""
     with open(os.path.join(str(run_dir), "metrics.jsonl")) as f:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from recipes.registry import get
-from tests.cli.pooled import assert_same_losses, refusal, train_pooled
+from tests.cli.pooled import assert_same_losses, one_process_run, refusal, train_pooled
 from toolkit.config import ConfigError, compose, validate
 
 TINY = ["recipe=llama", "model.num_hidden_layers=4", "model.hidden_size=64", "model.intermediate_size=96",
@@ -23,8 +23,7 @@ TINY = ["recipe=llama", "model.num_hidden_layers=4", "model.hidden_size=64", "mo
 @pytest.fixture(scope="module")
 def single_llama(tmp_path_factory, sbp_cache):
     """``(run directory, per-step losses)`` of the one-process run (it ends with a checkpoint)."""
-    run = tmp_path_factory.mktemp("llama-single")
-    return run, train_pooled([*TINY, "parallel=single"], run, sbp_cache)
+    return one_process_run(tmp_path_factory, sbp_cache, "llama-single", TINY)
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +43,7 @@ def test_layout_losses_equal_single(layout, single, sbp_cache, tmp_path):
 @pytest.fixture(scope="module")
 def single_tied(tmp_path_factory, sbp_cache):
     """``(run directory, per-step losses)`` of one process with the LM head tied to the embedding."""
-    run = tmp_path_factory.mktemp("llama-tied")
-    return run, train_pooled([*TINY, "model.tie_word_embeddings=true", "parallel=single"], run, sbp_cache)
+    return one_process_run(tmp_path_factory, sbp_cache, "llama-tied", [*TINY, "model.tie_word_embeddings=true"])
 
 
 def test_tied_embeddings_train_like_one_device(single_tied, single, sbp_cache, tmp_path):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.cli.pooled import assert_same_losses, refusal, train_pooled
+from tests.cli.pooled import assert_same_losses, one_process_run, refusal, train_pooled
 from tests.cli.test_llama_cli import TINY, exported
 
 MIXTRAL = [*TINY, "model=mixtral-tiny", "model.capacity_factor=1.0", "model.router_aux_loss_coef=0.01"]
@@ -19,24 +19,18 @@ MIXTRAL = [*TINY, "model=mixtral-tiny", "model.capacity_factor=1.0", "model.rout
 @pytest.fixture(scope="module")
 def single_mixtral(tmp_path_factory, sbp_cache):
     """``(run directory, per-step losses)`` of the one-process run (it ends with a checkpoint)."""
-    run = tmp_path_factory.mktemp("mixtral-single")
-    return run, train_pooled([*MIXTRAL, "parallel=single"], run, sbp_cache)
-
-
-@pytest.fixture(scope="module")
-def single(single_mixtral):
-    return single_mixtral[1]
+    return one_process_run(tmp_path_factory, sbp_cache, "mixtral-single", MIXTRAL)
 
 
 # The trainer's side of what the float64 pipeline of tests/runtime/test_pipeline_schedules.py checks (experts
 # split over dp and tp under ZB-V): the load-balancing loss through a stage boundary the trainer
 # finds on meta tensors, and ZeRO-3 leaving the split experts' masters as they are.
 @pytest.mark.parametrize("layout", ["pp2", "dp2_zero3"])
-def test_layouts_train_like_one_device(layout, single, sbp_cache, tmp_path):
+def test_layouts_train_like_one_device(layout, single_mixtral, sbp_cache, tmp_path):
     layout, *options = layout.split()
     losses = train_pooled([*MIXTRAL, f"parallel={layout}", *options], tmp_path, sbp_cache)
-    assert len(single) == 3
-    assert_same_losses(losses, single, layout)
+    assert len(single_mixtral[1]) == 3
+    assert_same_losses(losses, single_mixtral[1], layout)
 
 
 DIMS = dict(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
