@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 
 import pytest
@@ -148,7 +147,9 @@ def _prepare_in_child(barrier, cache, queue):
 
 
 def test_two_processes_build_once(tmp_path):
-    ctx = multiprocessing.get_context("spawn")
+    from toolkit.child import host_rank_context
+
+    ctx = host_rank_context()  # forked from the ranks' fork server, as training ranks are
     barrier, queue = ctx.Barrier(2), ctx.Queue()
     procs = [ctx.Process(target=_prepare_in_child, args=(barrier, str(tmp_path), queue)) for _ in range(2)]
     for proc in procs:

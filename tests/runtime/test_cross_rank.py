@@ -75,8 +75,8 @@ def _failing(timeout):
 
 
 def test_an_error_on_one_rank_ends_every_rank():
-    pool = get_pool(2, timeout=5.0)
-    outs = pool.outcomes(_failing, 5.0)
+    pool = get_pool(2, timeout=3.0)
+    outs = pool.outcomes(_failing, 3.0)
     assert not outs[1].ok and "actor 'step' failed on piece 2: ValueError: bad piece" in outs[1].message
     assert not outs[0].ok and outs[0].exc_type == "RuntimeFailure"
 
@@ -108,7 +108,7 @@ def _sends_per_value(shape, declared):
 
 
 def test_a_channel_from_an_actor_declaring_its_out_sends_the_data_alone():
-    pool = get_pool(2, timeout=5.0)
+    pool = get_pool(2, timeout=3.0)
     sends, got = zip(*pool.run(_sends_per_value, (2, 3), (2, 3)))
     assert sends[0] == 4 and got[1] == [6.0 * k for k in range(4)]  # one transfer per value, no header
     untyped = pool.run(_sends_per_value, (2, 3), None)

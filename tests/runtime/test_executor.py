@@ -315,7 +315,7 @@ def _send_transposed():
 
 
 def test_a_declared_channel_refuses_a_non_contiguous_value():
-    outs = get_pool(2, timeout=5.0).outcomes(_send_transposed)
+    outs = get_pool(2, timeout=3.0).outcomes(_send_transposed)
     assert not outs[0].ok and "not contiguous" in outs[0].message, outs[0].message
 
 

@@ -469,16 +469,16 @@ def _dies_mid_step(rank, world, port, out_dir):
 
 
 def _spawn(target, world: int, out_dir) -> list:
-    """``target(rank, world, port, out_dir)`` in ``world`` fresh processes (groups with this test's timeout);
-    the processes, joined (killed after 120 s)."""
+    """``target(rank, world, port, out_dir)`` in ``world`` fresh processes (groups with this test's timeout),
+    forked as the launcher's ranks are; the processes, joined (killed after 120 s)."""
     import socket
 
-    import torch.multiprocessing as mp
+    from toolkit.child import host_rank_context
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
+    ctx = host_rank_context()
     procs = [ctx.Process(target=target, args=(r, world, port, str(out_dir))) for r in range(world)]
     for p in procs:
         p.start()
@@ -499,7 +499,7 @@ def test_a_rank_that_dies_mid_step_ends_every_rank_with_an_error(tmp_path):
         assert msg != "finished" and ("Failure" in msg or "Error" in msg), (r, msg)
 
 
-SLOW_FORWARD_S, TIMEOUT_S = 0.6, 3.0  # MICRO slow forwards take longer than the timeout, one does not
+SLOW_FORWARD_S, TIMEOUT_S = 0.4, 2.0  # MICRO slow forwards take longer than the timeout, one does not
 
 
 def _runs_behind_a_slow_last_stage(rank, world, port, out_dir):
@@ -526,7 +526,7 @@ def _runs_behind_a_slow_last_stage(rank, world, port, out_dir):
 
 
 def test_no_receive_on_rank_0_waits_for_a_whole_step_or_evaluation(tmp_path):
-    """pp2, rank 0 on the first stage, the groups' timeout 3 s and the last stage's forwards 0.6 s each (8
+    """pp2, rank 0 on the first stage, the groups' timeout 2 s and the last stage's forwards 0.4 s each (8
     micro-batches): a training step and an evaluation both take longer than the timeout, and end with their
     losses, equal on both ranks, because rank 0 receives the step's loss once its own reduce ran and the
     evaluation's micro-batch by micro-batch."""
@@ -537,14 +537,14 @@ def test_no_receive_on_rank_0_waits_for_a_whole_step_or_evaluation(tmp_path):
     assert got[0] == got[1] and min(eval(got[0])) > 0, got
 
 
-LATE_S = 5.0  # the last stage's one slow forward: over SBP_TIMEOUT (3 s), under SBP_INIT_TIMEOUT
+LATE_S = 3.5  # the last stage's one slow forward: over SBP_TIMEOUT (2 s), under SBP_INIT_TIMEOUT
 
 
 def _slow_first_and_third_step(rank, world, port, out_dir):
-    """pp2, timeout 3 s, init timeout 60 s: the last stage's first forward of steps 0 and 2 takes ``LATE_S``
+    """pp2, timeout 2 s, init timeout 60 s: the last stage's first forward of steps 0 and 2 takes ``LATE_S``
     (a stage compiling its forward; a hang later). What each rank got from steps 0, 1, 2 (the plan's first
     two runs wait under the init timeout, ``runtime.pipeline.step.FIRST_RUNS``)."""
-    vp = _joined(rank, world, port, 3.0, 60.0)
+    vp = _joined(rank, world, port, 2.0, 60.0)
     from sbp_core import process_groups
 
     got = []
@@ -582,4 +582,4 @@ def test_a_plans_first_runs_wait_under_the_init_timeout_and_later_runs_under_the
         got = (tmp_path / f"rank{r}").read_text().split("\n")
         assert len(got) == 3 and float(got[0]) > 0 and float(got[1]) > 0, (r, got)
         assert "Error" in got[2] or "Failure" in got[2], (r, got)
-    assert "timeout 3 s" in (tmp_path / "rank0").read_text(), (tmp_path / "rank0").read_text()
+    assert "timeout 2 s" in (tmp_path / "rank0").read_text(), (tmp_path / "rank0").read_text()

@@ -7,7 +7,7 @@ import contextlib
 import pytest
 import torch
 
-LATE_S, TIMEOUT_S, INIT_TIMEOUT_S = 3.0, 1.5, 30.0
+LATE_S, TIMEOUT_S, INIT_TIMEOUT_S = 2.0, 1.0, 30.0
 
 
 @contextlib.contextmanager

@@ -14,3 +14,23 @@ def run_script(name: str, args: list, tmp_path, timeout: float = 600) -> subproc
     env = {**os.environ, "SBP_CACHE_DIR": str(tmp_path), "PYTHONUNBUFFERED": "1"}
     return subprocess.run([sys.executable, os.path.join(ROOT, "scripts", name), *args], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout)
+
+
+def run_main(name: str, args: list, tmp_path, monkeypatch, capsys) -> tuple:
+    """``scripts/<name>.py``'s ``main(args)`` in this process: ``(exit status, stdout)``.
+
+    What the script runs is the same; what is saved is a fresh interpreter importing torch and, where the
+    script starts ranks, a fresh fork server doing so again (seconds each on 2 cores): its ranks fork from
+    this process's server, or run on its rank pool. Each script keeps a test through :func:`run_script` for
+    its command line."""
+    import importlib
+
+    import torch
+
+    monkeypatch.setenv("SBP_CACHE_DIR", str(tmp_path))
+    threads = torch.get_num_threads()  # a script may set this process's threads
+    try:
+        code = importlib.import_module(f"scripts.{name}").main(args)
+    finally:
+        torch.set_num_threads(threads)
+    return code, capsys.readouterr().out

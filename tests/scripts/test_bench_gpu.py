@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 
-from .running import run_script
+from .running import run_main, run_script
 
 
 def _run(args, tmp_path):
@@ -19,19 +19,20 @@ def test_without_a_gpu_it_says_so_and_exits_2(tmp_path):
     assert out.returncode == 2 and "no CUDA device" in out.stdout, out.stdout + out.stderr
 
 
-def test_the_host_only_proxy_runs_every_case_and_prints_the_summary(tmp_path):
+def test_the_host_only_proxy_runs_every_case_and_prints_the_summary(tmp_path, monkeypatch, capsys):
     """Every eager case, briefly (``trainer.compile`` runs in ``tests/cli/test_train_cli.py``), each way
     profiled for one step with its trace kept."""
     traces = tmp_path / "traces"
-    out = _run(["--host-only", "--rounds", "2", "--steps", "1", "--warmup", "1", "--no-compile",
-                "--profile", "1", "--trace-dir", str(traces)], tmp_path)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    code, stdout = run_main("bench_gpu", ["--host-only", "--rounds", "2", "--steps", "1", "--warmup", "1",
+                                          "--no-compile", "--profile", "1", "--trace-dir", str(traces)],
+                            tmp_path, monkeypatch, capsys)
+    assert code == 0, stdout[-3000:]
     cases = ("gpt2", "insightface", "wide_deep_512", "wide_deep_16384")
     for way in ("ours", "plain"):
-        assert len(re.findall(rf"^  {way} +profile of 1 steps: ", out.stdout, re.M)) == 4, out.stdout
+        assert len(re.findall(rf"^  {way} +profile of 1 steps: ", stdout, re.M)) == 4, stdout
     assert sorted(p.name for p in traces.iterdir()) == sorted(f"{c}-{w}.json.gz" for c in cases
                                                               for w in ("ours", "plain"))
-    last = out.stdout.strip().splitlines()[-1]
+    last = stdout.strip().splitlines()[-1]
     x = r"\d+\.\d\dx"
     assert re.fullmatch(rf"gpu bench: gpt2 {x} eager, - compiled; insightface {x}; "
                         rf"wide_deep {x} \(512\), {x} \(16384\)", last), last

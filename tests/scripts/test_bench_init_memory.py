@@ -12,7 +12,7 @@ if not hasattr(pytest.importorskip("torch.distributed.checkpoint"), "HuggingFace
 def test_every_side_loads_the_files_values_and_the_summary_prints(mode, capsys):
     from scripts.bench_init_memory import SIDES, main
 
-    text = main(["--tp", "2", "--rounds", "1", "--layers", "2", "--hidden", "512", *mode])  # exits if values differ
+    text = main(["--tp", "2", "--rounds", "1", "--layers", "1", "--hidden", "512", *mode])  # exits if values differ
     assert capsys.readouterr().out.strip() == text.strip()
     for side in SIDES:
         assert re.search(rf"^{re.escape(side)}\s+held\s+\d+\s+peak\s+\d+", text, re.M), f"no row for {side}"

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from .running import run_script
+from .running import run_main, run_script
 
 
 def _run(args, tmp_path):
@@ -17,10 +17,10 @@ def test_without_a_gpu_it_says_so_and_exits_2(tmp_path):
     assert out.returncode == 2 and "no CUDA device" in out.stdout, out.stdout + out.stderr
 
 
-def test_every_recipe_matches_a_plain_loop_on_cpu(tmp_path):
-    out = _run(["--device", "cpu", "--tiny", "--steps", "4"], tmp_path)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    last = out.stdout.strip().splitlines()[-1]
+def test_every_recipe_matches_a_plain_loop_on_cpu(tmp_path, monkeypatch, capsys):
+    code, stdout = run_main("gpu_check", ["--device", "cpu", "--tiny", "--steps", "4"], tmp_path, monkeypatch, capsys)
+    assert code == 0, stdout[-3000:]
+    last = stdout.strip().splitlines()[-1]
     assert last.startswith("gpu check: gpt2 ok, insightface ok, wide_deep ok, llama ok; mfu "), last
 
 

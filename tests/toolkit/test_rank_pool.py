@@ -89,11 +89,11 @@ def test_value_error_on_all_ranks_keeps_pool(pool):
 
 
 # Tests that make the pool respawn its workers (a torch import per rank)
-# use a 2-rank pool with a 5 s gloo timeout to stay quick.
+# use a 2-rank pool with a 3 s gloo timeout to stay quick.
 
 @pytest.fixture(scope="module")
 def pair():
-    with RankPool(2, timeout=5.0) as p:
+    with RankPool(2, timeout=3.0) as p:
         yield p
 
 
