@@ -60,7 +60,8 @@ def _recipe_parts(cfg) -> tuple:
     tied = llama_plan.TIED if cfg.tie_word_embeddings else ()
     plan = llama_plan.mesh_plan(qkv_bias=cfg.qkv_bias, experts=cfg.num_local_experts > 0,
                                 shared_expert=cfg.shared_expert_intermediate_size > 0,
-                                qk_norm_projection=cfg.qk_norm and cfg.qk_norm_over == "projection")
+                                qk_norm_projection=cfg.qk_norm and cfg.qk_norm_over == "projection",
+                                post_norm=cfg.post_norm)
     return LlamaForCausalLM, llama_plan.PIPELINE, tied, plan, cfg.num_hidden_layers, cfg.hidden_size
 
 

@@ -40,8 +40,10 @@ class ModelConfig:
     attention head's size (0: ``hidden_size / num_attention_heads``; Qwen3's
     is 128 whatever the width). ``qk_norm``: an RMSNorm of the queries and
     keys before the rotation, over each head (``qk_norm_over="head"``,
-    Qwen3's) or over the whole projection (``"projection"``, OLMoE's).
-    ``name`` labels the preset (run names, W&B); the dimensions are what
+    Qwen3's) or over the whole projection (``"projection"``, OLMoE's and
+    OLMo 2's). ``post_norm``: OLMo 2's layer, which normalises the
+    attention's and the MLP's outputs before adding them to the residual
+    stream (and not their inputs). ``name`` labels the preset (run names, W&B); the dimensions are what
     count.
     """
 
@@ -71,6 +73,7 @@ class ModelConfig:
     head_dim: int = 0
     qk_norm: bool = False
     qk_norm_over: str = "head"
+    post_norm: bool = False
 
 
 @dataclass

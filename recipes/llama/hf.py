@@ -1,4 +1,4 @@
-"""Hugging Face Llama, Mistral, Qwen2, Mixtral, Qwen2-MoE, Qwen3, Qwen3-MoE and OLMoE directories as
+"""Hugging Face Llama, Mistral, Qwen2, Mixtral, Qwen2-MoE, Qwen3, Qwen3-MoE, OLMoE and OLMo 2 directories as
 ``trainer.init_from`` of the LLaMA recipe, and back.
 
 Our model (``model.py``) has Hugging Face's parameter names, shapes and
@@ -16,7 +16,9 @@ them apart too, under ``mlp.experts.{j}.{gate,up,down}_proj``; its
 dense ``intermediate_size`` is unused); Qwen3-MoE's and OLMoE's files are
 the same (OLMoE's ``intermediate_size`` is the experts'). Qwen3's query and
 key norms are ``qk_norm``, its ``head_dim`` ours; OLMoE's are ``qk_norm``
-over the whole projection (``qk_norm_over="projection"``).
+over the whole projection (``qk_norm_over="projection"``), and so are OLMo
+2's, whose layers are ``post_norm`` ones (the same parameter names, with
+``post_feedforward_layernorm`` in place of ``input_layernorm``).
 Rotary scaling of Llama 3.1's kind (``rope_scaling`` of type ``llama3``)
 maps to the model's ``rope_*`` keys; an LM head tied to the embedding (as
 Llama 3.2 1B/3B have it, with no ``lm_head.weight`` in their files) to
@@ -28,7 +30,7 @@ jitter, Qwen2-MoE's and Qwen3-MoE's dense layers, OLMoE's ``clip_qkv`` and heads
 ``hidden_size`` wide in all (its query norm's width); a head size is otherwise a dimension like the others. A run
 exports as a Llama directory, a Qwen2 one with ``qkv_bias``, a Mixtral one with experts, a Qwen2-MoE one
 with experts and a shared expert, or with ``qk_norm`` a Qwen3 one (Qwen3-MoE with experts; OLMoE with experts
-and norms over the projections).
+and norms over the projections; OLMo 2 with those norms and ``post_norm``).
 """
 from __future__ import annotations
 
@@ -44,9 +46,9 @@ DIMS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "
         "num_key_value_heads", "max_position_embeddings", "rms_norm_eps", "rope_theta", "rope_factor",
         "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_position_embeddings",
         "tie_word_embeddings", "qkv_bias", "num_local_experts", "num_experts_per_tok", "norm_topk_prob",
-        "shared_expert_intermediate_size", "head_dim", "qk_norm", "qk_norm_over")
+        "shared_expert_intermediate_size", "head_dim", "qk_norm", "qk_norm_over", "post_norm")
 # Options of ours that a config.json states by default (``hf_config`` writes them; a missing one is False).
-FLAGS = ("tie_word_embeddings", "qkv_bias", "qk_norm")
+FLAGS = ("tie_word_embeddings", "qkv_bias", "qk_norm", "post_norm")
 # The experts' keys: a config.json of a dense model type has none (and then the routing ones are moot).
 EXPERT_KEYS = ("num_local_experts", "num_experts_per_tok", "norm_topk_prob", "shared_expert_intermediate_size")
 ROUTING_KEYS = ("num_experts_per_tok", "norm_topk_prob")
@@ -60,6 +62,7 @@ MIXTRAL_FILES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 # Model types whose config.json may say num_experts or (transformers 5's save_pretrained) num_local_experts.
 EXPERTS_ALIASED = ("qwen3_moe", "olmoe")
 QWEN3 = ("qwen3", "qwen3_moe")  # query and key norms, attention_bias (all four projections' biases) refused
+OLMO = ("olmoe", "olmo2")  # query and key norms over the whole projections, attention_bias refused
 # Our keys a LLaMA run's checkpoint may lack (recorded before they existed), and which hf_config writes its own way.
 OPTIONAL = ("head_dim", "qk_norm_over")
 # Ours -> Hugging Face's key inside rope_scaling (rope_type "llama3"); a config without one has a factor of 1.
@@ -91,6 +94,7 @@ HF_DEFAULTS = {
                   "num_hidden_layers": 24, "num_key_value_heads": 4, "max_position_embeddings": 32768,
                   "num_local_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": False,
                   "shared_expert_intermediate_size": 0},
+    "olmo2": {**LLAMA_DEFAULTS, "vocab_size": 50304, "rms_norm_eps": 1e-5},
     "olmoe": {**LLAMA_DEFAULTS, "vocab_size": 50304, "hidden_size": 2048, "intermediate_size": 2048,
               "num_hidden_layers": 16, "num_attention_heads": 16, "max_position_embeddings": 4096,
               "rms_norm_eps": 1e-5, "num_local_experts": 64, "num_experts_per_tok": 8, "norm_topk_prob": False,
@@ -116,9 +120,11 @@ def _hf_value(hf: dict, key: str):
         return hf.get(key) or HF_DEFAULTS.get(hf.get("model_type"), {}).get(key) or _hf_value(hf, "num_attention_heads")
     kind = hf.get("model_type")
     if key == "qk_norm":
-        return kind in (*QWEN3, "olmoe")
+        return kind in (*QWEN3, *OLMO)
     if key == "qk_norm_over":
-        return "projection" if kind == "olmoe" else "head"
+        return "projection" if kind in OLMO else "head"
+    if key == "post_norm":
+        return kind == "olmo2"
     if key == "head_dim":
         return hf.get(key) or HF_DEFAULTS.get(kind, {}).get(key) or _hf_value(hf, "hidden_size") // (
             _hf_value(hf, "num_attention_heads") or 1)
@@ -138,7 +144,7 @@ def _hf_value(hf: dict, key: str):
 
 
 def unsupported(hf: dict) -> list:
-    """The options of a Hugging Face Llama, Mistral, Qwen2, Mixtral, Qwen2-MoE, Qwen3, Qwen3-MoE or OLMoE
+    """The options of a Hugging Face Llama, Mistral, Qwen2, Mixtral, Qwen2-MoE, Qwen3, Qwen3-MoE, OLMoE or OLMo 2
     ``config.json`` that our model does not implement."""
     bad = []
     kind = hf.get("model_type")
@@ -148,7 +154,7 @@ def unsupported(hf: dict) -> list:
     if scaling and scaling.get("rope_type", scaling.get("type")) != "llama3":
         bad.append(f"rope_scaling={scaling} (ours: plain rotary embeddings, or Llama 3.1's 'llama3' scaling)")
     for key in ("attention_bias", "mlp_bias"):
-        if kind in ("llama", *QWEN3, "olmoe") and hf.get(key):
+        if kind in ("llama", *QWEN3, *OLMO) and hf.get(key):
             bad.append(f"{key}=true (ours has no biases beyond Qwen2's on the query, key and value)")
     window = _hf_value(hf, "sliding_window")
     windowed = hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or ())
@@ -232,7 +238,7 @@ def file_names(name: str, experts: int, kind: str = "mixtral") -> list:
 
 class ShardReader:
     """``read(name, box)``: the box ``((start, length), ...)`` of parameter ``name`` from a Hugging Face Llama,
-    Mistral, Qwen2, Mixtral, Qwen2-MoE, Qwen3, Qwen3-MoE or OLMoE directory, in the parameter's dtype: the
+    Mistral, Qwen2, Mixtral, Qwen2-MoE, Qwen3, Qwen3-MoE, OLMoE or OLMo 2 directory, in the parameter's dtype: the
     ``init_shard`` that ``read_weights_from`` gives a model (``recipes.hf_files``). An LM head tied to the
     embedding reads the embedding's rows, as transformers ties them, even where the files keep a copy under the
     head's name (a last stage reading that copy could start from other values than the first stage's
@@ -295,7 +301,7 @@ BOS_CANDIDATES = ("<s>", "<|begin_of_text|>", "<bos>")
 
 
 def hf_config(ours: dict, tokenizer=None) -> dict:
-    """A Hugging Face ``config.json`` dict (Llama, Qwen2, Mixtral, Qwen2-MoE, Qwen3, Qwen3-MoE or OLMoE, by what the
+    """A Hugging Face ``config.json`` dict (Llama, Qwen2, Mixtral, Qwen2-MoE, Qwen3, Qwen3-MoE, OLMoE or OLMo 2, by what the
     model has) for our model config (``recipes.llama.model.LlamaConfig``'s
     fields, as a checkpoint's ``extra.model_config`` records them). ``tokenizer``: the run's ``TextTokenizer``,
     whose end-of-text (and beginning-of-text) ids the config names, so that ``generate`` stops where the
@@ -310,7 +316,13 @@ def hf_config(ours: dict, tokenizer=None) -> dict:
     if qwen3 and (shared or ours.get("qkv_bias", False)):
         raise ValueError("the checkpoint's model has query/key norms and a shared expert or query/key/value biases: no "
                          "Hugging Face model type has that (Qwen3: norms, no biases; Qwen2-MoE: a shared expert)")
-    olmoe = qwen3 and ours.get("qk_norm_over", "head") == "projection"
+    projection = qwen3 and ours.get("qk_norm_over", "head") == "projection"
+    olmo2 = bool(ours.get("post_norm", False))
+    if olmo2 and (not projection or experts):
+        raise ValueError("the checkpoint's model has norms after the attention and the MLP but not query/key norms "
+                         "over the whole projections, or has experts: no Hugging Face model type has that (OLMo 2: "
+                         "those norms, a dense MLP)")
+    olmoe = projection and not olmo2
     head_dim = ours.get("head_dim", 0) or ours["hidden_size"] // ours["num_attention_heads"]
     if olmoe and (not experts or head_dim * ours["num_attention_heads"] != ours["hidden_size"]):
         raise ValueError("the checkpoint's model has query/key norms over the whole projections but no experts, or "
@@ -332,7 +344,9 @@ def hf_config(ours: dict, tokenizer=None) -> dict:
                                                    "attention_bias": False, "mlp_bias": False}
     routing = {"num_experts_per_tok": ours.get("num_experts_per_tok"), "output_router_logits": False,
                "router_aux_loss_coef": ours.get("router_aux_loss_coef", 0.001)}
-    if olmoe:  # OLMoE's intermediate_size is its experts'
+    if olmo2:
+        kind = {"model_type": "olmo2", "architectures": ["Olmo2ForCausalLM"], "attention_bias": False}
+    elif olmoe:  # OLMoE's intermediate_size is its experts'
         kind = {"model_type": "olmoe", "architectures": ["OlmoeForCausalLM"], **routing, "num_experts": experts,
                 "norm_topk_prob": bool(ours.get("norm_topk_prob", True)), "clip_qkv": None, "attention_bias": False}
     elif qwen3:  # Qwen3-MoE's dense layers' intermediate_size is moot (every layer has experts): ours, a placeholder

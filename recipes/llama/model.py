@@ -17,7 +17,10 @@ with ``qk_norm`` (an RMSNorm over each query and key head, ``q_norm`` and
 ``k_norm``, before the rotation) and its own ``head_dim`` (heads of 128
 whatever the width); Qwen3-MoE's adds experts. OLMoE's has experts and
 ``qk_norm`` with ``qk_norm_over="projection"``: one RMSNorm over the whole
-query projection and one over the whole key projection.
+query projection and one over the whole key projection. OLMo 2's is this one
+with those norms and ``post_norm``: each layer normalises the attention's and
+the MLP's outputs (``post_attention_layernorm``, ``post_feedforward_layernorm``)
+before adding them to the residual stream, and has no norm at their inputs.
 
 No communication here: parallel layouts come from a plan (``plan.py``). A
 pipeline stage is this model with the modules of other stages set to
@@ -74,6 +77,8 @@ class LlamaConfig:
     head_dim: int = 0
     qk_norm: bool = False
     qk_norm_over: str = "head"
+    # OLMo 2's layer: x + norm(attention(x)), then x + norm(mlp(x)) (no input norms); else LLaMA's pre-norm one.
+    post_norm: bool = False
 
     @property
     def head_size(self) -> int:
@@ -156,20 +161,32 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """LLaMA's pre-norm layer (``input_layernorm`` before the attention, ``post_attention_layernorm`` before the
+    MLP), or with ``post_norm`` OLMo 2's (``post_attention_layernorm`` after the attention,
+    ``post_feedforward_layernorm`` after the MLP, each before its residual add)."""
+
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_norm = cfg.post_norm
+        if not cfg.post_norm:
+            self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.post_norm:
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SparseMoE(cfg) if cfg.num_local_experts else MLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, x, cos, sin):
         """The layer's output; with experts, ``(output, each sample's load-balancing loss)``."""
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        if isinstance(self.mlp, MLP):
-            return x + self.mlp(self.post_attention_layernorm(x))
-        y, balance = self.mlp(self.post_attention_layernorm(x))
-        return x + y, balance
+        if self.post_norm:
+            x = x + self.post_attention_layernorm(self.self_attn(x, cos, sin))
+        else:
+            x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        out = self.mlp(x if self.post_norm else self.post_attention_layernorm(x))
+        y, balance = (out, None) if isinstance(self.mlp, MLP) else out
+        if self.post_norm:
+            y = self.post_feedforward_layernorm(y)
+        return x + y if balance is None else (x + y, balance)
 
 
 class LlamaModel(nn.Module):

@@ -12,7 +12,8 @@ norms ``B`` (but OLMoE's query and key norms over the whole projections:
 ``QK_NORM_PROJECTION``, split with the heads). Activations: ``S(0)`` batch on dp, and ``B`` on tp at RMSNorm
 inputs (the residual stream whole), or ``S(1)`` there with
 ``sequence_parallel``, which then gathers the attention's and the MLP's
-input once each (``B`` pins). With ``tie_word_embeddings`` the LM head is
+input once each (``B`` pins); OLMo 2's layer (``post_norm``) has its norms
+after the attention and the MLP, and the same pins sit there. With ``tie_word_embeddings`` the LM head is
 the embedding (``TIED``): both names have the same SBP.
 """
 from __future__ import annotations
@@ -33,6 +34,13 @@ RESIDUAL_WHOLE = {"*.input_layernorm:input": B, "*.post_attention_layernorm:inpu
 # reduce-scatter its own input gradient back (torchtitan's PrepareModuleInput does the same).
 SEQUENCE_PARALLEL = {"*.input_layernorm:input": S1, "*.post_attention_layernorm:input": S1, "model.norm:input": S1,
                      "*.self_attn:input": B, "*.mlp:input": B}
+# OLMo 2's layer normalises the attention's and the MLP's outputs (``post_norm``): the pins sit at those norms,
+# where the row-split projections' partial outputs arrive (an all-reduce into them, or with the sequence split a
+# reduce-scatter), and at the attention's and the MLP's inputs, which read the residual stream itself.
+POST_NORM_WHOLE = {"*.self_attn:input": B, "*.post_attention_layernorm:input": B, "*.mlp:input": B,
+                   "*.post_feedforward_layernorm:input": B, "model.norm:input": B}
+POST_NORM_SEQUENCE_PARALLEL = {"*.post_attention_layernorm:input": S1, "*.post_feedforward_layernorm:input": S1,
+                               "model.norm:input": S1, "*.self_attn:input": B, "*.mlp:input": B}
 
 TIED = (("model.embed_tokens.weight", "lm_head.weight"),)
 PIPELINE = {"layers": "model.layers", "first": ["model.embed_tokens"], "last": ["model.norm", "lm_head"]}
@@ -69,11 +77,14 @@ QK_NORM_PROJECTION = {"*.self_attn.q_norm.weight": S0, "*.self_attn.k_norm.weigh
 
 
 def mesh_plan(sequence_parallel: bool = False, qkv_bias: bool = False, experts: bool = False,
-              shared_expert: bool = False, qk_norm_projection: bool = False) -> dict:
+              shared_expert: bool = False, qk_norm_projection: bool = False, post_norm: bool = False) -> dict:
     """The plan on a ``(dp, tp)`` mesh: parameters ``(B, tp SBP)``; activation pins ``(S(0), tp SBP)``; with
     ``experts``, ``EXPERTS`` in place of the dense MLP's entries (and ``SHARED_EXPERT`` with a shared one); with
-    ``qk_norm_projection``, ``QK_NORM_PROJECTION``."""
-    pins = SEQUENCE_PARALLEL if sequence_parallel else RESIDUAL_WHOLE
+    ``qk_norm_projection``, ``QK_NORM_PROJECTION``; with ``post_norm``, OLMo 2's layer's pins."""
+    if post_norm:
+        pins = POST_NORM_SEQUENCE_PARALLEL if sequence_parallel else POST_NORM_WHOLE
+    else:
+        pins = SEQUENCE_PARALLEL if sequence_parallel else RESIDUAL_WHOLE
     params = {**TENSOR_PARALLEL, **(QKV_BIAS if qkv_bias else {}), **(QK_NORM_PROJECTION if qk_norm_projection else {})}
     if experts:
         params = {k: v for k, v in params.items() if ".mlp." not in k}

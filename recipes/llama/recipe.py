@@ -61,7 +61,8 @@ class LlamaRecipe(GPT2Recipe):
         m = cfg.model
         return mesh_plan(bool(cfg.parallel.sequence_parallel), bool(m.get("qkv_bias", False)),
                          int(m.get("num_local_experts", 0)) > 0, int(m.get("shared_expert_intermediate_size", 0)) > 0,
-                         bool(m.get("qk_norm", False)) and m.get("qk_norm_over", "head") == "projection")
+                         bool(m.get("qk_norm", False)) and m.get("qk_norm_over", "head") == "projection",
+                         bool(m.get("post_norm", False)))
 
     def flops_per_item(self, cfg, n_params: int) -> float:
         """Training FLOPs per token: 6 per parameter of the matmuls a token runs (the embedding is a lookup; of

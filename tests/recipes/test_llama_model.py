@@ -40,17 +40,21 @@ def _their_scaling(ours: dict) -> dict:
 TIED = dict(tie_word_embeddings=True)
 QWEN2 = dict(qkv_bias=True, tie_word_embeddings=True)  # Qwen2.5 0.5B's kind
 QWEN3 = dict(head_dim=24, qk_norm=True, tie_word_embeddings=True)  # Qwen3 0.6B's kind: heads wider than width / heads
+OLMO2 = dict(qk_norm=True, qk_norm_over="projection", post_norm=True)  # norms over the projections, after each block
 
 
 @pytest.mark.parametrize("kind, kv_heads, rope", [
     ("llama", 4, {}), ("llama", 2, {}), ("llama", 1, {}), ("llama", 2, LLAMA3_ROPE), ("llama", 2, TIED),
-    ("mistral", 2, {}), ("qwen2", 2, QWEN2), ("qwen3", 2, QWEN3)],
-    ids=["multi-head", "grouped-query", "multi-query", "llama3-rope", "tied-embeddings", "mistral", "qwen2", "qwen3"])
+    ("mistral", 2, {}), ("qwen2", 2, QWEN2), ("qwen3", 2, QWEN3), ("olmo2", 2, OLMO2)],
+    ids=["multi-head", "grouped-query", "multi-query", "llama3-rope", "tied-embeddings", "mistral", "qwen2", "qwen3",
+         "olmo2"])
 def test_logits_loss_and_gradients_match_transformers(kind, kv_heads, rope):
     """Against transformers' Llama, Mistral (no sliding window), Qwen2 (query, key and value biases, here drawn
-    from N(0, 0.1) so that each bias counts) and Qwen3 (heads of 24 on a width of 64, each query and key head
-    RMS-normalised, those norms' weights drawn likewise). With tied embeddings the one weight's gradient sums the
-    embedding's and the LM head's."""
+    from N(0, 0.1) so that each bias counts), Qwen3 (heads of 24 on a width of 64, each query and key head
+    RMS-normalised) and OLMo 2 (norms over the whole query and key projections, and after the attention and the
+    MLP instead of before them). Every norm's weight is drawn from N(1, 0.1), so that a weight loaded into
+    another norm's place shows. With tied embeddings the one weight's gradient sums the embedding's and the LM
+    head's."""
     torch.manual_seed(0)
     ours = LlamaForCausalLM(LlamaConfig(**DIMS, num_key_value_heads=kv_heads, **rope))
     tied = rope.get("tie_word_embeddings", False)
@@ -58,13 +62,16 @@ def test_logits_loss_and_gradients_match_transformers(kind, kv_heads, rope):
         for name, p in ours.named_parameters():
             if name.endswith(".bias"):
                 p.normal_(0.0, 0.1)
-            if name.endswith(("q_norm.weight", "k_norm.weight")):
+            if name.endswith("norm.weight"):
                 p.normal_(1.0, 0.1)
     config_class, model_class = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
                                  "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
                                  "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-                                 "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[kind]
+                                 "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+                                 "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM)}[kind]
     window = {"sliding_window": None} if kind == "mistral" else {"head_dim": 24} if kind == "qwen3" else {}
+    if kind == "olmo2":  # its default padding row would get no gradient; ours has none
+        window = {"pad_token_id": None, "eos_token_id": None}
     theirs = model_class(config_class(
         **DIMS, num_key_value_heads=kv_heads, tie_word_embeddings=tied, attn_implementation="eager", **window,
         **(_their_scaling(rope) if "rope_factor" in rope else {})))
@@ -308,6 +315,42 @@ def test_a_qwen3_directory_loads_into_a_model_with_its_norms_and_heads_and_expor
     assert any("attention_bias=true" in p for p in hf_dir_problems(str(tmp_path / "biased"), cfg.model))
 
 
+def test_an_olmo2_directory_loads_into_a_post_norm_model_and_exports_as_one(tmp_path):
+    """An OLMo 2 directory (grouped-query attention, every norm's weight drawn) loads into a model with
+    ``post_norm`` and query/key norms over the projections, and is refused, naming them, into one without;
+    ``hf_config`` of such a model writes an OLMo 2 directory whose logits transformers computes as ours. Its
+    ``attention_bias`` is refused."""
+    from omegaconf import OmegaConf
+
+    from recipes.gpt2.hf import write_hf_dir
+    from recipes.llama.hf import hf_config, hf_dir_problems
+
+    torch.manual_seed(1)
+    theirs = transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**DIMS, num_key_value_heads=2, pad_token_id=None,
+                                                                    eos_token_id=None))
+    with torch.no_grad():
+        for name, p in theirs.named_parameters():
+            if name.endswith("norm.weight"):
+                p.normal_(1.0, 0.1)
+    theirs.save_pretrained(tmp_path / "olmo2")
+    assert any("qk_norm=True, qk_norm_over=projection, post_norm=True, the model qk_norm=False, qk_norm_over=head, "
+               "post_norm=False" in p for p in hf_dir_problems(str(tmp_path / "olmo2"), _model_cfg()))
+    cfg = OmegaConf.create({"model": _model_cfg(**OLMO2)})
+    whole = _loaded(tmp_path / "olmo2", cfg)
+    ids = torch.randint(0, DIMS["vocab_size"], (2, 12))
+    with torch.no_grad():
+        assert _rel(whole(ids)[0], theirs.eval()(input_ids=ids).logits) < 1e-5
+    write_hf_dir(str(tmp_path / "out"), hf_config(dict(whole.config.__dict__)), whole.state_dict())
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert isinstance(back, transformers.Olmo2ForCausalLM)
+    with torch.no_grad():
+        assert _rel(whole(ids)[0], back(input_ids=ids).logits) < 1e-5
+    transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**DIMS, attention_bias=True, pad_token_id=None,
+                                                           eos_token_id=None)).save_pretrained(
+        tmp_path / "biased")
+    assert any("attention_bias=true" in p for p in hf_dir_problems(str(tmp_path / "biased"), cfg.model))
+
+
 def _olmoe_attention_on_tp2():
     """Rank side: OLMoE's attention (norms over the whole query and key projections, their weights drawn) on tp2
     with the recipe's plan, float64; the collectives of its forward, its output's SBP, output and gradients."""
@@ -379,6 +422,27 @@ def test_the_recipe_splits_norms_over_the_projections_with_the_heads_and_not_per
     assert not any(k in plan("head") for k in split)
 
 
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_the_recipe_pins_a_post_norm_layers_residual_stream_at_its_norms_and_blocks(sequence_parallel):
+    """OLMo 2's layer (``post_norm``): the plan's pins name the modules it has (``plan_for_module`` refuses a key
+    that matches nothing), and the norms after the attention and the MLP are where the stream is whole on tp, or
+    split on the sequence with ``sequence_parallel``; the attention and the MLP read it whole."""
+    from omegaconf import OmegaConf
+
+    from recipes.llama.recipe import RECIPE
+    from sbp_core.sbp import Broadcast, Split
+    from toolkit.mesh import model_names, plan_for_module
+
+    cfg = OmegaConf.create({"model": _model_cfg(**OLMO2), "parallel": {"sequence_parallel": sequence_parallel}})
+    model = RECIPE.build_model(cfg.model)
+    plan = plan_for_module(model, RECIPE.mesh_plan(cfg), model_names(model))
+    stream = Split(1) if sequence_parallel else Broadcast()
+    for norm in ("post_attention_layernorm", "post_feedforward_layernorm"):
+        assert plan[f"*.{norm}:input"] == (Split(0), stream), plan
+    assert plan["*.self_attn:input"] == plan["*.mlp:input"] == (Split(0), Broadcast())
+    assert not any("input_layernorm" in k for k in plan)
+
+
 def test_keys_a_config_leaves_out_take_transformers_defaults():
     from recipes.llama.hf import _hf_value, unsupported
 
@@ -422,6 +486,14 @@ def test_keys_a_config_leaves_out_take_transformers_defaults():
         assert _hf_value({"model_type": "olmoe"}, key) == getattr(olmoe, key), key
     assert _hf_value({"model_type": "olmoe"}, "num_local_experts") == olmoe.num_experts
     assert _hf_value({"model_type": "olmoe"}, "qk_norm_over") == "projection"
+    olmo2 = transformers.Olmo2Config()
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_key_value_heads",
+                "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings"):
+        assert _hf_value({"model_type": "olmo2"}, key) == getattr(olmo2, key), key
+    assert _hf_value({"model_type": "olmo2"}, "rope_theta") == olmo2.rope_parameters["rope_theta"]
+    assert [_hf_value({"model_type": "olmo2"}, k) for k in ("qk_norm", "qk_norm_over", "post_norm")] == [
+        True, "projection", True]
+    assert not _hf_value({"model_type": "olmoe"}, "post_norm")
     assert _hf_value({"model_type": "qwen2_moe"}, "shared_expert_intermediate_size") == \
         transformers.Qwen2MoeConfig().shared_expert_intermediate_size
     # Mixtral's renormalisation and lack of a shared expert are its model's, whatever a config.json says
@@ -435,6 +507,9 @@ def test_keys_a_config_leaves_out_take_transformers_defaults():
                                                         "unnormalised routing weights"),
     ({"num_local_experts": 4, "qkv_bias": True}, "experts, no shared expert, and query/key/value biases"),
     ({"qk_norm": True, "qk_norm_over": "projection"}, "query/key norms over the whole projections but no experts"),
+    ({"post_norm": True}, "norms after the attention and the MLP but not query/key norms over the whole projections"),
+    ({"post_norm": True, "qk_norm": True, "qk_norm_over": "projection", "num_local_experts": 4},
+     "norms after the attention and the MLP .* or has experts"),
 ])
 def test_a_model_no_hugging_face_type_has_is_refused_on_export(changes, message):
     from recipes.llama.hf import hf_config
