@@ -97,10 +97,16 @@ def layouts():
     # Qwen3's attention: each query and key head RMS-normalised, heads of 24 on a width of 64.
     out["qwen3 cp2 x tp2 sequence-parallel"] = ("qwen3", stage_ranks(1, 2, 1, 2)[0],
                                                 context_plan(llama_plan.mesh_plan(True), 2, 1), cp_data, 1)
-    # OLMo 2's layer: norms after the attention and the MLP (the row-split projections' partial outputs reduce-
-    # scattered into them), query and key norms over the whole projections (split with the heads).
-    out["olmo2 dp2 x tp2 sequence-parallel"] = ("olmo2", [[0, 1], [2, 3]], llama_plan.mesh_plan(
-        True, qk_norm_projection=True, post_norm=True), (S0, B))
+    # OLMo 2's layer: norms after the attention and the MLP (the row-split projections' partial outputs reduced
+    # into them; reduce-scattered with the sequence split), query and key norms over the whole projections (split
+    # with the heads).
+    out["olmo2 dp2 x tp2"] = ("olmo2", [[0, 1], [2, 3]], llama_plan.mesh_plan(qk_norm_projection=True,
+                                                                              post_norm=True), (S0, B))
+    out["olmo2 cp2 x tp2 sequence-parallel"] = ("olmo2", stage_ranks(1, 2, 1, 2)[0], context_plan(
+        llama_plan.mesh_plan(True, qk_norm_projection=True, post_norm=True), 2, 1), cp_data, 1)
+    # Mistral's sliding window (6 positions on 16): the mask's query rows split with the queries over cp.
+    out["mistral-window cp2 x tp2 sequence-parallel"] = ("mistral-window", stage_ranks(1, 2, 1, 2)[0],
+                                                         context_plan(llama_plan.mesh_plan(True), 2, 1), cp_data, 1)
     out["gpt2 cp2 x tp2 sequence-parallel"] = ("gpt2", stage_ranks(1, 2, 1, 2)[0],
                                                context_plan(_on_axis({**GPT_TP, **GPT_SP_PINS}, B, 1, 2), 2, 1),
                                                cp_data, 1)
@@ -115,12 +121,15 @@ def _model_and_batches(kind, dtype=torch.float64, rows: int = 4):
     if kind == "mlp":
         model = MLP()
         batches = [(torch.randn(16, 32).to(dtype), torch.randint(0, 8, (16,))) for _ in range(STEPS)]
-    elif kind in ("llama", "llama-tied", "qwen2", "llama-1h", "qwen3", "olmo2"):  # Qwen2: q/k/v biases, a tied head
+    elif kind in ("llama", "llama-tied", "qwen2", "llama-1h", "qwen3", "olmo2", "mistral-window"):  # Qwen2: q/k/v
+        # biases and a tied head
         heads = {"num_attention_heads": 1, "num_key_value_heads": 1} if kind == "llama-1h" else {}
         if kind == "qwen3":  # each query and key head normalised, heads of 24 on a width of 64
             heads = {"head_dim": 24, "qk_norm": True}
         if kind == "olmo2":
             heads = {"qk_norm": True, "qk_norm_over": "projection", "post_norm": True}
+        if kind == "mistral-window":
+            heads = {"sliding_window": 6}
         model = LlamaForCausalLM(dataclasses.replace(LLAMA_CFG, tie_word_embeddings=kind in ("llama-tied", "qwen2"),
                                                      qkv_bias=kind == "qwen2", **heads))
         batches = [(ids, ids) for ids in (torch.randint(0, LLAMA_CFG.vocab_size, (rows, 16)) for _ in range(STEPS))]

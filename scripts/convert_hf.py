@@ -22,8 +22,10 @@ run's ``config.yaml``, else from the weights' shapes plus ``--n-head``;
 rows of the embedding past the recorded ``vocab_size`` (padding) are
 dropped.
 A LLaMA run's checkpoint (``recipe=llama``) exports as a ``LlamaForCausalLM``
-directory (``Qwen2ForCausalLM`` with query/key/value biases,
-``Qwen3ForCausalLM`` with query/key norms): its tensors already have
+directory (``MistralForCausalLM`` with a sliding window,
+``Qwen2ForCausalLM`` with query/key/value biases, ``Qwen3ForCausalLM`` with
+query/key norms, ``Olmo2ForCausalLM`` with norms over the projections and
+after each block): its tensors already have
 Hugging Face's names and shapes, and its ``extra.model_config`` gives
 ``config.json`` (a LLaMA needs no ``import``: ``trainer.init_from`` reads a
 Hugging Face directory itself). A run with experts exports as a

@@ -43,8 +43,10 @@ class ModelConfig:
     Qwen3's) or over the whole projection (``"projection"``, OLMoE's and
     OLMo 2's). ``post_norm``: OLMo 2's layer, which normalises the
     attention's and the MLP's outputs before adding them to the residual
-    stream (and not their inputs). ``name`` labels the preset (run names, W&B); the dimensions are what
-    count.
+    stream (and not their inputs). ``sliding_window > 0``: Mistral's
+    window, each query attending to the keys of its latest ``sliding_window``
+    positions (its own included; 0: every earlier one). ``name`` labels
+    the preset (run names, W&B); the dimensions are what count.
     """
 
     name: str = "llama-tiny"
@@ -74,6 +76,7 @@ class ModelConfig:
     qk_norm: bool = False
     qk_norm_over: str = "head"
     post_norm: bool = False
+    sliding_window: int = 0
 
 
 @dataclass
@@ -138,6 +141,8 @@ def problems(cfg, layout, trains_tokenizer: bool = True) -> list:
     if m.get("qk_norm_over", "head") not in ("head", "projection"):
         p.append(f"model.qk_norm_over={m.qk_norm_over!r}: valid: 'head' (Qwen3's norm of each query and key head) or "
                  "'projection' (OLMoE's, of the whole query and key projections)")
+    if m.get("sliding_window", 0) < 0:
+        p.append(f"model.sliding_window={m.sliding_window}: must be >= 0 (0: every earlier position)")
     if not m.rms_norm_eps > 0 or not m.rope_theta > 0:
         p.append(f"model.rms_norm_eps={m.rms_norm_eps}, model.rope_theta={m.rope_theta}: both must be > 0")
     if m.rope_factor != 1.0 and not (m.rope_factor > 0 and 0 < m.rope_low_freq_factor < m.rope_high_freq_factor

@@ -23,12 +23,14 @@ Rotary scaling of Llama 3.1's kind (``rope_scaling`` of type ``llama3``)
 maps to the model's ``rope_*`` keys; an LM head tied to the embedding (as
 Llama 3.2 1B/3B have it, with no ``lm_head.weight`` in their files) to
 ``tie_word_embeddings``; Qwen2's query, key and value biases to
-``qkv_bias``. What our model does not implement is refused by name, before
-any process starts: other rotary scaling, other biases, a sliding window
-shorter than the context, attention dropout, another activation, router
+``qkv_bias``; Mistral's and Mixtral's ``sliding_window`` (shorter than the
+context) to ours. What our model does not implement is refused by name, before
+any process starts: other rotary scaling, other biases, Qwen's windows (per
+layer), attention dropout, another activation, router
 jitter, Qwen2-MoE's and Qwen3-MoE's dense layers, OLMoE's ``clip_qkv`` and heads other than
 ``hidden_size`` wide in all (its query norm's width); a head size is otherwise a dimension like the others. A run
-exports as a Llama directory, a Qwen2 one with ``qkv_bias``, a Mixtral one with experts, a Qwen2-MoE one
+exports as a Llama directory (a Mistral one with a window), a Qwen2 one with
+``qkv_bias``, a Mixtral one with experts, a Qwen2-MoE one
 with experts and a shared expert, or with ``qk_norm`` a Qwen3 one (Qwen3-MoE with experts; OLMoE with experts
 and norms over the projections; OLMo 2 with those norms and ``post_norm``).
 """
@@ -46,7 +48,7 @@ DIMS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "
         "num_key_value_heads", "max_position_embeddings", "rms_norm_eps", "rope_theta", "rope_factor",
         "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_position_embeddings",
         "tie_word_embeddings", "qkv_bias", "num_local_experts", "num_experts_per_tok", "norm_topk_prob",
-        "shared_expert_intermediate_size", "head_dim", "qk_norm", "qk_norm_over", "post_norm")
+        "shared_expert_intermediate_size", "head_dim", "qk_norm", "qk_norm_over", "post_norm", "sliding_window")
 # Options of ours that a config.json states by default (``hf_config`` writes them; a missing one is False).
 FLAGS = ("tie_word_embeddings", "qkv_bias", "qk_norm", "post_norm")
 # The experts' keys: a config.json of a dense model type has none (and then the routing ones are moot).
@@ -64,7 +66,7 @@ EXPERTS_ALIASED = ("qwen3_moe", "olmoe")
 QWEN3 = ("qwen3", "qwen3_moe")  # query and key norms, attention_bias (all four projections' biases) refused
 OLMO = ("olmoe", "olmo2")  # query and key norms over the whole projections, attention_bias refused
 # Our keys a LLaMA run's checkpoint may lack (recorded before they existed), and which hf_config writes its own way.
-OPTIONAL = ("head_dim", "qk_norm_over")
+OPTIONAL = ("head_dim", "qk_norm_over", "sliding_window")
 # Ours -> Hugging Face's key inside rope_scaling (rope_type "llama3"); a config without one has a factor of 1.
 ROPE_SCALING = {"rope_factor": "factor", "rope_low_freq_factor": "low_freq_factor",
                 "rope_high_freq_factor": "high_freq_factor",
@@ -125,6 +127,9 @@ def _hf_value(hf: dict, key: str):
         return "projection" if kind in OLMO else "head"
     if key == "post_norm":
         return kind == "olmo2"
+    if key == "sliding_window":  # Mistral's and Mixtral's; one as long as the context is none (ours: 0)
+        window = hf.get(key, HF_DEFAULTS.get(kind, {}).get(key)) if kind in ("mistral", "mixtral") else None
+        return 0 if window is None or window >= _hf_value(hf, "max_position_embeddings") else window
     if key == "head_dim":
         return hf.get(key) or HF_DEFAULTS.get(kind, {}).get(key) or _hf_value(hf, "hidden_size") // (
             _hf_value(hf, "num_attention_heads") or 1)
@@ -156,13 +161,10 @@ def unsupported(hf: dict) -> list:
     for key in ("attention_bias", "mlp_bias"):
         if kind in ("llama", *QWEN3, *OLMO) and hf.get(key):
             bad.append(f"{key}=true (ours has no biases beyond Qwen2's on the query, key and value)")
-    window = _hf_value(hf, "sliding_window")
     windowed = hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or ())
     if kind in ("qwen2", "qwen2_moe", *QWEN3) and windowed:
-        bad.append("use_sliding_window=true, or sliding_attention layers (ours attends to every earlier position)")
-    if kind in ("mistral", "mixtral") and window is not None and window < _hf_value(hf, "max_position_embeddings"):
-        bad.append(f"sliding_window={window} (ours attends to every earlier position: a window shorter than "
-                   "max_position_embeddings would differ)")
+        bad.append("use_sliding_window=true, or sliding_attention layers (ours: one window for every layer, "
+                   "Mistral's and Mixtral's sliding_window)")
     if hf.get("hidden_act", "silu") not in ("silu", "swish"):  # transformers' two names of one function
         bad.append(f"hidden_act={hf.get('hidden_act')!r} (ours: SwiGLU with SiLU)")
     if kind == "mixtral" and hf.get("router_jitter_noise"):
@@ -219,6 +221,9 @@ def _ours(model_cfg, key: str):
         return model_cfg.get(key, 0) or model_cfg.hidden_size // (model_cfg.num_attention_heads or 1)
     if key == "qk_norm_over":
         return model_cfg.get(key, "head")
+    if key == "sliding_window":  # as long as the context: none
+        window = model_cfg.get(key, 0)
+        return 0 if window >= model_cfg.max_position_embeddings else window
     return type(model_cfg.get(key, 0))(model_cfg.get(key, 0))
 
 
@@ -301,8 +306,8 @@ BOS_CANDIDATES = ("<s>", "<|begin_of_text|>", "<bos>")
 
 
 def hf_config(ours: dict, tokenizer=None) -> dict:
-    """A Hugging Face ``config.json`` dict (Llama, Qwen2, Mixtral, Qwen2-MoE, Qwen3, Qwen3-MoE, OLMoE or OLMo 2, by what the
-    model has) for our model config (``recipes.llama.model.LlamaConfig``'s
+    """A Hugging Face ``config.json`` dict (Llama, Mistral, Qwen2, Mixtral, Qwen2-MoE, Qwen3, Qwen3-MoE, OLMoE or
+    OLMo 2, by what the model has) for our model config (``recipes.llama.model.LlamaConfig``'s
     fields, as a checkpoint's ``extra.model_config`` records them). ``tokenizer``: the run's ``TextTokenizer``,
     whose end-of-text (and beginning-of-text) ids the config names, so that ``generate`` stops where the
     corpus's documents end; without one they are ``None`` (transformers' own defaults, 1 and 2, are ordinary
@@ -323,6 +328,12 @@ def hf_config(ours: dict, tokenizer=None) -> dict:
                          "over the whole projections, or has experts: no Hugging Face model type has that (OLMo 2: "
                          "those norms, a dense MLP)")
     olmoe = projection and not olmo2
+    window = ours.get("sliding_window", 0)
+    window = 0 if window >= ours["max_position_embeddings"] else window
+    if window and (qwen3 or olmo2 or shared or ours.get("qkv_bias", False) or not ours.get("norm_topk_prob", True)):
+        raise ValueError(f"the checkpoint's model has a sliding window of {window} and query/key norms, "
+                         "query/key/value biases, a shared expert or unnormalised routing weights: no Hugging Face "
+                         "model type has that (Mistral and Mixtral: windows)")
     head_dim = ours.get("head_dim", 0) or ours["hidden_size"] // ours["num_attention_heads"]
     if olmoe and (not experts or head_dim * ours["num_attention_heads"] != ours["hidden_size"]):
         raise ValueError("the checkpoint's model has query/key norms over the whole projections but no experts, or "
@@ -342,6 +353,8 @@ def hf_config(ours: dict, tokenizer=None) -> dict:
     kind = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "use_sliding_window": False,
             "sliding_window": None} if qwen2 else {"model_type": "llama", "architectures": ["LlamaForCausalLM"],
                                                    "attention_bias": False, "mlp_bias": False}
+    if window:
+        kind = {"model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": window}
     routing = {"num_experts_per_tok": ours.get("num_experts_per_tok"), "output_router_logits": False,
                "router_aux_loss_coef": ours.get("router_aux_loss_coef", 0.001)}
     if olmo2:
@@ -364,7 +377,7 @@ def hf_config(ours: dict, tokenizer=None) -> dict:
                 "qkv_bias": qwen2, "decoder_sparse_step": 1, "mlp_only_layers": [], "use_sliding_window": False,
                 "sliding_window": None}
     elif experts:
-        kind = {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "sliding_window": None,
+        kind = {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "sliding_window": window or None,
                 "num_local_experts": experts, **routing, "router_jitter_noise": 0.0}
     dims = [k for k in DIMS if k not in (*ROPE_SCALING, *FLAGS, *EXPERT_KEYS, *OPTIONAL)]
     return {**{k: ours[k] for k in dims}, **kind,

@@ -9,8 +9,10 @@ as Llama 3.2 1B/3B have it), each of the same shape as Hugging Face's
 embeddings in the rotate-half form Hugging Face's weights use, grouped-query
 attention (``num_key_value_heads`` key/value heads, each shared by
 ``num_attention_heads / num_key_value_heads`` query heads) and a SwiGLU MLP.
-Mistral's decoder (without a sliding window) is this one, and Qwen2's is
-this one with ``qkv_bias``: biases on the query, key and value projections.
+Mistral's decoder is this one (Mistral 7B v0.1's and Mixtral's with
+``sliding_window``: each query attends to that many latest positions, its
+own included), and Qwen2's is this one with ``qkv_bias``: biases on the
+query, key and value projections.
 With experts (``moe.py``) it is Mixtral's, or Qwen2-MoE's with a shared
 expert, unnormalised routing weights and ``qkv_bias``. Qwen3's is this one
 with ``qk_norm`` (an RMSNorm over each query and key head, ``q_norm`` and
@@ -79,6 +81,9 @@ class LlamaConfig:
     qk_norm_over: str = "head"
     # OLMo 2's layer: x + norm(attention(x)), then x + norm(mlp(x)) (no input norms); else LLaMA's pre-norm one.
     post_norm: bool = False
+    # Mistral's sliding window: a query attends to the keys of its latest ``sliding_window`` positions, its own
+    # included (0: to every earlier position).
+    sliding_window: int = 0
 
     @property
     def head_size(self) -> int:
@@ -118,6 +123,18 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
+def sliding_window_mask(cos, size: int):
+    """``None`` where ``size`` is 0 or covers the ``t`` positions of ``cos`` (``[t, head_dim]``): causal attention;
+    else the ``[t, t]`` mask of Mistral's sliding window, query ``i`` attending to keys ``i - size < j <= i``.
+    Built from ``cos`` (``ones_like``) so that it takes the rotary table's layout, not a device's."""
+    t = cos.shape[0]
+    if not size or size >= t:
+        return None
+    position = torch.ones_like(cos[:, 0], dtype=torch.int64).cumsum(0)
+    behind = position.unsqueeze(1) - position.unsqueeze(0)  # query position minus key position
+    return (behind >= 0) & (behind < size)
+
+
 def rotate_half(x):
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -139,7 +156,8 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(hd if self.per_head else nh * hd, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(hd if self.per_head else nkv * hd, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, window=None):
+        """``window``: ``None`` (causal), or a ``[t, t]`` boolean mask of the keys each query attends to."""
         b, t, _ = x.shape
         normed = hasattr(self, "q_norm")
         q, k = self.q_proj(x), self.k_proj(x)
@@ -156,7 +174,10 @@ class Attention(nn.Module):
         if self.groups > 1:  # query heads g*i .. g*i+g-1 share key/value head i
             k = k.repeat_interleave(self.groups, dim=1)
             v = v.repeat_interleave(self.groups, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if window is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=window)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -176,12 +197,13 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SparseMoE(cfg) if cfg.num_local_experts else MLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x, cos, sin):
-        """The layer's output; with experts, ``(output, each sample's load-balancing loss)``."""
+    def forward(self, x, cos, sin, window=None):
+        """The layer's output; with experts, ``(output, each sample's load-balancing loss)``. ``window``: the
+        attention's (``Attention.forward``)."""
         if self.post_norm:
-            x = x + self.post_attention_layernorm(self.self_attn(x, cos, sin))
+            x = x + self.post_attention_layernorm(self.self_attn(x, cos, sin, window=window))
         else:
-            x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+            x = x + self.self_attn(self.input_layernorm(x), cos, sin, window=window)
         out = self.mlp(x if self.post_norm else self.post_attention_layernorm(x))
         y, balance = (out, None) if isinstance(self.mlp, MLP) else out
         if self.post_norm:
@@ -283,9 +305,10 @@ class LlamaForCausalLM(nn.Module):
         if m.embed_tokens is not None:
             x = m.embed_tokens(x)
         cos, sin = self.rope_cos[:t].to(x.dtype), self.rope_sin[:t].to(x.dtype)
+        window = sliding_window_mask(cos, cfg.sliding_window)
         for layer in m.layers:
             if layer is not None:
-                x = layer(x, cos, sin)
+                x = layer(x, cos, sin, window=window)  # a keyword: module hooks see the same positional inputs
                 if experts:
                     x, more = x
                     balance = more if balance is None else balance + more

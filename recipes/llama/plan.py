@@ -36,11 +36,15 @@ SEQUENCE_PARALLEL = {"*.input_layernorm:input": S1, "*.post_attention_layernorm:
                      "*.self_attn:input": B, "*.mlp:input": B}
 # OLMo 2's layer normalises the attention's and the MLP's outputs (``post_norm``): the pins sit at those norms,
 # where the row-split projections' partial outputs arrive (an all-reduce into them, or with the sequence split a
-# reduce-scatter), and at the attention's and the MLP's inputs, which read the residual stream itself.
-POST_NORM_WHOLE = {"*.self_attn:input": B, "*.post_attention_layernorm:input": B, "*.mlp:input": B,
-                   "*.post_feedforward_layernorm:input": B, "model.norm:input": B}
-POST_NORM_SEQUENCE_PARALLEL = {"*.post_attention_layernorm:input": S1, "*.post_feedforward_layernorm:input": S1,
-                               "model.norm:input": S1, "*.self_attn:input": B, "*.mlp:input": B}
+# reduce-scatter), and at the attention's and the MLP's inputs, which read the residual stream itself. No norm
+# reads the stream, so it is pinned where it starts, at the vocabulary-split embedding's partial output: whole
+# (or sequence-split) from there on, each residual add adds two such, and a layer costs Megatron's two
+# reductions (with the sequence split, two all-gathers and two reduce-scatters), not one more per block input.
+POST_NORM_WHOLE = {"model.embed_tokens:output": B, "*.self_attn:input": B, "*.post_attention_layernorm:input": B,
+                   "*.mlp:input": B, "*.post_feedforward_layernorm:input": B, "model.norm:input": B}
+POST_NORM_SEQUENCE_PARALLEL = {"model.embed_tokens:output": S1, "*.post_attention_layernorm:input": S1,
+                               "*.post_feedforward_layernorm:input": S1, "model.norm:input": S1,
+                               "*.self_attn:input": B, "*.mlp:input": B}
 
 TIED = (("model.embed_tokens.weight", "lm_head.weight"),)
 PIPELINE = {"layers": "model.layers", "first": ["model.embed_tokens"], "last": ["model.norm", "lm_head"]}

@@ -45,11 +45,13 @@ OLMO2 = dict(qk_norm=True, qk_norm_over="projection", post_norm=True)  # norms o
 
 @pytest.mark.parametrize("kind, kv_heads, rope", [
     ("llama", 4, {}), ("llama", 2, {}), ("llama", 1, {}), ("llama", 2, LLAMA3_ROPE), ("llama", 2, TIED),
-    ("mistral", 2, {}), ("qwen2", 2, QWEN2), ("qwen3", 2, QWEN3), ("olmo2", 2, OLMO2)],
-    ids=["multi-head", "grouped-query", "multi-query", "llama3-rope", "tied-embeddings", "mistral", "qwen2", "qwen3",
-         "olmo2"])
+    ("mistral", 2, {}), ("mistral", 2, {"sliding_window": 8}), ("qwen2", 2, QWEN2), ("qwen3", 2, QWEN3),
+    ("olmo2", 2, OLMO2)],
+    ids=["multi-head", "grouped-query", "multi-query", "llama3-rope", "tied-embeddings", "mistral", "mistral-window",
+         "qwen2", "qwen3", "olmo2"])
 def test_logits_loss_and_gradients_match_transformers(kind, kv_heads, rope):
-    """Against transformers' Llama, Mistral (no sliding window), Qwen2 (query, key and value biases, here drawn
+    """Against transformers' Llama, Mistral (without a sliding window, and with one of 8 positions on a sequence of
+    20), Qwen2 (query, key and value biases, here drawn
     from N(0, 0.1) so that each bias counts), Qwen3 (heads of 24 on a width of 64, each query and key head
     RMS-normalised) and OLMo 2 (norms over the whole query and key projections, and after the attention and the
     MLP instead of before them). Every norm's weight is drawn from N(1, 0.1), so that a weight loaded into
@@ -69,7 +71,8 @@ def test_logits_loss_and_gradients_match_transformers(kind, kv_heads, rope):
                                  "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
                                  "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
                                  "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM)}[kind]
-    window = {"sliding_window": None} if kind == "mistral" else {"head_dim": 24} if kind == "qwen3" else {}
+    window = {"sliding_window": rope.get("sliding_window") or None} if kind == "mistral" else {"head_dim": 24} \
+        if kind == "qwen3" else {}
     if kind == "olmo2":  # its default padding row would get no gradient; ours has none
         window = {"pad_token_id": None, "eos_token_id": None}
     theirs = model_class(config_class(
@@ -228,7 +231,8 @@ def _loaded(path, cfg):
 def test_qwen2_and_mistral_directories_load_and_a_qwen2_model_exports_as_one(tmp_path):
     """A Qwen2 directory loads into a model with ``qkv_bias`` (and is refused, naming the key, into one without),
     unless it uses a sliding window; a Mistral one without a window shorter than its context loads as Llama's
-    decoder. ``hf_config`` of a ``qkv_bias`` model writes a Qwen2 directory transformers computes our logits
+    decoder, one with a window into a model with that ``sliding_window``, which exports as a Mistral
+    directory. ``hf_config`` of a ``qkv_bias`` model writes a Qwen2 directory transformers computes our logits
     from."""
     from omegaconf import OmegaConf
 
@@ -258,9 +262,20 @@ def test_qwen2_and_mistral_directories_load_and_a_qwen2_model_exports_as_one(tmp
     mistral = saved(tmp_path / "mistral", transformers.MistralConfig, transformers.MistralForCausalLM,
                     sliding_window=None, head_dim=16)
     assert hf_dir_problems(str(tmp_path / "mistral"), _model_cfg()) == []
-    saved(tmp_path / "mistral-window", transformers.MistralConfig, transformers.MistralForCausalLM, sliding_window=16,
-          head_dim=16)
-    assert any("sliding_window=16" in p for p in hf_dir_problems(str(tmp_path / "mistral-window"), _model_cfg()))
+    windowed = saved(tmp_path / "mistral-window", transformers.MistralConfig, transformers.MistralForCausalLM,
+                     sliding_window=16, head_dim=16)
+    assert any("sliding_window=16, the model sliding_window=0" in p
+               for p in hf_dir_problems(str(tmp_path / "mistral-window"), _model_cfg()))
+    longer = torch.randint(0, DIMS["vocab_size"], (2, 20))  # past the window
+    window_cfg = OmegaConf.create({"model": _model_cfg(sliding_window=16)})
+    with torch.no_grad():
+        mine = _loaded(tmp_path / "mistral-window", window_cfg)
+        assert _rel(mine(longer)[0], windowed(input_ids=longer).logits) < 1e-5
+    write_hf_dir(str(tmp_path / "window-out"), hf_config(dict(mine.config.__dict__)), mine.state_dict())
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "window-out").eval()
+    assert isinstance(back, transformers.MistralForCausalLM) and back.config.sliding_window == 16
+    with torch.no_grad():
+        assert _rel(mine(longer)[0], back(input_ids=longer).logits) < 1e-5
     cfg = OmegaConf.create({"model": _model_cfg()})
     plain = RECIPE.build_stage(cfg.model, lambda m: m)
     assert RECIPE.init_weights(plain, str(tmp_path / "mistral"), cfg)
@@ -422,11 +437,51 @@ def test_the_recipe_splits_norms_over_the_projections_with_the_heads_and_not_per
     assert not any(k in plan("head") for k in split)
 
 
+def _forward_collectives(post_norm: bool, sequence_parallel: bool):
+    """Rank side: a 2-layer model with norms over the query/key projections, pre-norm (LLaMA's layer) or post-norm
+    (OLMo 2's), laid out on tp2 by the recipe's plan (its tp axis), float64; the collectives of its forward and
+    loss, ``(op, bytes)`` in order."""
+    from omegaconf import OmegaConf
+
+    import sbp_core as sc
+    from recipes.llama.recipe import RECIPE
+    from sbp_core.sbp import Broadcast
+
+    changes = {"qk_norm": True, "qk_norm_over": "projection", "post_norm": post_norm}
+    cfg = OmegaConf.create({"model": _model_cfg(**changes), "parallel": {"sequence_parallel": sequence_parallel}})
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**DIMS, num_key_value_heads=2, **changes)).double()
+    sc.distribute_module(model, sc.placement("cpu", [0, 1]), {k: v[1] for k, v in RECIPE.mesh_plan(cfg).items()})
+    ids = sc.distribute(torch.randint(0, DIMS["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(1)),
+                        model.lm_head.weight.placement, (Broadcast(),))
+    with sc.comm_ledger() as ledger:
+        model(ids, ids)
+    return [(r.op, r.bytes) for r in ledger.records]
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["whole", "sequence-parallel"])
+def test_a_post_norm_layer_costs_the_collectives_of_a_pre_norm_one(sequence_parallel):
+    """OLMo 2's layer on tp2 moves what LLaMA's does (Megatron's two reductions a layer, or two all-gathers and
+    two reduce-scatters with the sequence split), not one more reduction per block input: its residual stream is
+    pinned at the embedding's output, whole or sequence-split, where no norm reads it."""
+    from toolkit.rank_pool import get_pool
+
+    pre = get_pool(2).run(_forward_collectives, False, sequence_parallel)[0]
+    post = get_pool(2).run(_forward_collectives, True, sequence_parallel)[0]
+    assert sorted(post) == sorted(pre), (pre, post)
+    stream = 2 * 8 * DIMS["hidden_size"] * 8  # [2, 8, 64] float64
+    kinds = ("reduce_scatter", "all_gather") if sequence_parallel else ("all_reduce",)
+    moved = [op for op, size in post if size in (stream, stream // 2)]
+    layers = DIMS["num_hidden_layers"]
+    assert all(moved.count(op) == 2 * layers + 1 for op in kinds) and set(moved) == set(kinds), moved
+
+
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_the_recipe_pins_a_post_norm_layers_residual_stream_at_its_norms_and_blocks(sequence_parallel):
     """OLMo 2's layer (``post_norm``): the plan's pins name the modules it has (``plan_for_module`` refuses a key
-    that matches nothing), and the norms after the attention and the MLP are where the stream is whole on tp, or
-    split on the sequence with ``sequence_parallel``; the attention and the MLP read it whole."""
+    that matches nothing); the norms after the attention and the MLP, and the embedding's output where the stream
+    starts, are whole on tp, or split on the sequence with ``sequence_parallel``; the attention and the MLP read
+    it whole."""
     from omegaconf import OmegaConf
 
     from recipes.llama.recipe import RECIPE
@@ -439,6 +494,7 @@ def test_the_recipe_pins_a_post_norm_layers_residual_stream_at_its_norms_and_blo
     stream = Split(1) if sequence_parallel else Broadcast()
     for norm in ("post_attention_layernorm", "post_feedforward_layernorm"):
         assert plan[f"*.{norm}:input"] == (Split(0), stream), plan
+    assert plan["model.embed_tokens:output"] == (Split(0), stream)
     assert plan["*.self_attn:input"] == plan["*.mlp:input"] == (Split(0), Broadcast())
     assert not any("input_layernorm" in k for k in plan)
 
@@ -508,6 +564,7 @@ def test_keys_a_config_leaves_out_take_transformers_defaults():
     ({"num_local_experts": 4, "qkv_bias": True}, "experts, no shared expert, and query/key/value biases"),
     ({"qk_norm": True, "qk_norm_over": "projection"}, "query/key norms over the whole projections but no experts"),
     ({"post_norm": True}, "norms after the attention and the MLP but not query/key norms over the whole projections"),
+    ({"sliding_window": 8, "qkv_bias": True}, "sliding window of 8 and query/key norms, query/key/value biases"),
     ({"post_norm": True, "qk_norm": True, "qk_norm_over": "projection", "num_local_experts": 4},
      "norms after the attention and the MLP .* or has experts"),
 ])

@@ -374,7 +374,7 @@ def test_an_experts_directory_loads_box_by_box_and_exports_back(kind, tmp_path):
 
 @pytest.mark.parametrize("changes, model, message", [
     ({"router_jitter_noise": 0.1}, {}, "router_jitter_noise=0.1 (ours routes the hidden states as they are)"),
-    ({"sliding_window": 16}, {}, "sliding_window=16 (ours attends to every earlier position"),
+    ({"sliding_window": 16}, {}, "sliding_window=16, the model sliding_window=0"),
     ({}, {"num_experts_per_tok": 1}, "num_experts_per_tok=2, the model num_experts_per_tok=1"),
     ({}, {"num_local_experts": 0}, "num_local_experts=4, the model num_local_experts=0"),
     ({"kind": "qwen2_moe", "decoder_sparse_step": 2}, QWEN2_MOE_KEYS,

@@ -36,6 +36,7 @@ def _late_peer(where: str, op: str, tag: str):
     from sbp_core.boxing import collectives
 
     inside = where == "inside"
+    dist.barrier()  # under the pool's own timeout: the group below is built by ranks in step, within any bound
     with _bounds(TIMEOUT_S, INIT_TIMEOUT_S) as process_groups:
         with contextlib.nullcontext() if inside else process_groups.initialising():
             group = process_groups.channel_group(f"late-{tag}", (0, 1))
@@ -100,6 +101,7 @@ def _late_for_a_collective_begun_inside(tag: str):
 
     from sbp_core.boxing import collectives
 
+    dist.barrier()  # as in _late_peer: the ranks build the group in step
     with _bounds(TIMEOUT_S / 2, TIMEOUT_S) as process_groups:
         group = process_groups.channel_group(f"begun-inside-{tag}", (0, 1))
         start = time.monotonic()

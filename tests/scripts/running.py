@@ -17,12 +17,13 @@ def run_script(name: str, args: list, tmp_path, timeout: float = 600) -> subproc
 
 
 def run_main(name: str, args: list, tmp_path, monkeypatch, capsys) -> tuple:
-    """``scripts/<name>.py``'s ``main(args)`` in this process: ``(exit status, stdout)``.
+    """``scripts/<name>.py``'s ``main(args)`` in this process: ``(exit status, stdout, stderr)``.
 
     What the script runs is the same; what is saved is a fresh interpreter importing torch and, where the
     script starts ranks, a fresh fork server doing so again (seconds each on 2 cores): its ranks fork from
-    this process's server, or run on its rank pool. Each script keeps a test through :func:`run_script` for
-    its command line."""
+    this process's server, or run on its rank pool. ``SBP_CACHE_DIR`` is ``tmp_path`` for the call (a pool or
+    fork server the call starts keeps it, and pytest keeps the directory past the session). Each script keeps a
+    test through :func:`run_script` for its command line."""
     import importlib
 
     import torch
@@ -33,4 +34,5 @@ def run_main(name: str, args: list, tmp_path, monkeypatch, capsys) -> tuple:
         code = importlib.import_module(f"scripts.{name}").main(args)
     finally:
         torch.set_num_threads(threads)
-    return code, capsys.readouterr().out
+    out = capsys.readouterr()
+    return code, out.out, out.err
