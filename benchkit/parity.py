@@ -104,9 +104,11 @@ def layouts():
                                                                               post_norm=True), (S0, B))
     out["olmo2 cp2 x tp2 sequence-parallel"] = ("olmo2", stage_ranks(1, 2, 1, 2)[0], context_plan(
         llama_plan.mesh_plan(True, qk_norm_projection=True, post_norm=True), 2, 1), cp_data, 1)
-    # Mistral's sliding window (6 positions on 16): the mask's query rows split with the queries over cp.
+    # Mistral's sliding window (6 positions on 16): with tp the heads split and the mask stays whole; with one
+    # head on cp2 the queries split on the sequence, and the mask's query rows with them.
     out["mistral-window cp2 x tp2 sequence-parallel"] = ("mistral-window", stage_ranks(1, 2, 1, 2)[0],
                                                          context_plan(llama_plan.mesh_plan(True), 2, 1), cp_data, 1)
+    out["mistral-window cp2, one head"] = ("mistral-window-1h", stage_ranks(1, 1, 1, 2)[0], cp_plan, cp_data, 1)
     out["gpt2 cp2 x tp2 sequence-parallel"] = ("gpt2", stage_ranks(1, 2, 1, 2)[0],
                                                context_plan(_on_axis({**GPT_TP, **GPT_SP_PINS}, B, 1, 2), 2, 1),
                                                cp_data, 1)
@@ -121,15 +123,15 @@ def _model_and_batches(kind, dtype=torch.float64, rows: int = 4):
     if kind == "mlp":
         model = MLP()
         batches = [(torch.randn(16, 32).to(dtype), torch.randint(0, 8, (16,))) for _ in range(STEPS)]
-    elif kind in ("llama", "llama-tied", "qwen2", "llama-1h", "qwen3", "olmo2", "mistral-window"):  # Qwen2: q/k/v
-        # biases and a tied head
-        heads = {"num_attention_heads": 1, "num_key_value_heads": 1} if kind == "llama-1h" else {}
+    elif kind in ("llama", "llama-tied", "qwen2", "llama-1h", "qwen3", "olmo2", "mistral-window",
+                  "mistral-window-1h"):  # Qwen2: q/k/v biases and a tied head
+        heads = {"num_attention_heads": 1, "num_key_value_heads": 1} if kind.endswith("-1h") else {}
         if kind == "qwen3":  # each query and key head normalised, heads of 24 on a width of 64
             heads = {"head_dim": 24, "qk_norm": True}
         if kind == "olmo2":
             heads = {"qk_norm": True, "qk_norm_over": "projection", "post_norm": True}
-        if kind == "mistral-window":
-            heads = {"sliding_window": 6}
+        if kind.startswith("mistral-window"):
+            heads = {**heads, "sliding_window": 6}
         model = LlamaForCausalLM(dataclasses.replace(LLAMA_CFG, tie_word_embeddings=kind in ("llama-tied", "qwen2"),
                                                      qkv_bias=kind == "qwen2", **heads))
         batches = [(ids, ids) for ids in (torch.randint(0, LLAMA_CFG.vocab_size, (rows, 16)) for _ in range(STEPS))]

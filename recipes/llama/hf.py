@@ -330,7 +330,8 @@ def hf_config(ours: dict, tokenizer=None) -> dict:
     olmoe = projection and not olmo2
     window = ours.get("sliding_window", 0)
     window = 0 if window >= ours["max_position_embeddings"] else window
-    if window and (qwen3 or olmo2 or shared or ours.get("qkv_bias", False) or not ours.get("norm_topk_prob", True)):
+    if window and (qwen3 or olmo2 or shared or ours.get("qkv_bias", False)
+                   or (experts and not ours.get("norm_topk_prob", True))):
         raise ValueError(f"the checkpoint's model has a sliding window of {window} and query/key norms, "
                          "query/key/value biases, a shared expert or unnormalised routing weights: no Hugging Face "
                          "model type has that (Mistral and Mixtral: windows)")

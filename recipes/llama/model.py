@@ -9,9 +9,9 @@ as Llama 3.2 1B/3B have it), each of the same shape as Hugging Face's
 embeddings in the rotate-half form Hugging Face's weights use, grouped-query
 attention (``num_key_value_heads`` key/value heads, each shared by
 ``num_attention_heads / num_key_value_heads`` query heads) and a SwiGLU MLP.
-Mistral's decoder is this one (Mistral 7B v0.1's and Mixtral's with
-``sliding_window``: each query attends to that many latest positions, its
-own included), and Qwen2's is this one with ``qkv_bias``: biases on the
+Mistral's decoder is this one (Mistral 7B v0.1's with ``sliding_window``:
+each query attends to that many latest positions, its own included; a
+Mixtral directory may have one too), and Qwen2's is this one with ``qkv_bias``: biases on the
 query, key and value projections.
 With experts (``moe.py``) it is Mixtral's, or Qwen2-MoE's with a shared
 expert, unnormalised routing weights and ``qkv_bias``. Qwen3's is this one
@@ -125,14 +125,16 @@ class RMSNorm(nn.Module):
 
 def sliding_window_mask(cos, size: int):
     """``None`` where ``size`` is 0 or covers the ``t`` positions of ``cos`` (``[t, head_dim]``): causal attention;
-    else the ``[t, t]`` mask of Mistral's sliding window, query ``i`` attending to keys ``i - size < j <= i``.
-    Built from ``cos`` (``ones_like``) so that it takes the rotary table's layout, not a device's."""
+    else the ``[t, t]`` boolean mask of Mistral's sliding window, query ``i`` attending to keys
+    ``i - size < j <= i``. Built from ``cos`` (``ones_like``) so that it takes the rotary table's layout, not a
+    device's; once per forward, for every layer (SDPA turns it into an additive mask in each call, which its
+    backward keeps: ``[t, t]`` per layer, docs/recipes/llama.md)."""
     t = cos.shape[0]
     if not size or size >= t:
         return None
     position = torch.ones_like(cos[:, 0], dtype=torch.int64).cumsum(0)
-    behind = position.unsqueeze(1) - position.unsqueeze(0)  # query position minus key position
-    return (behind >= 0) & (behind < size)
+    query, key = position.unsqueeze(1), position.unsqueeze(0)  # [t, 1] and [1, t]: the comparisons broadcast
+    return (query >= key) & (query < key + size)
 
 
 def rotate_half(x):

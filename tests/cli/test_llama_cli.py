@@ -100,6 +100,7 @@ def test_resuming_a_tied_run_untied_is_refused_before_any_process_starts(single_
     (["model.hidden_size=60", "model.head_dim=15"], "model.head_dim=15: must be even and > 0"),
     (["model.qk_norm=true", "model.qk_norm_over=heads"], "model.qk_norm_over='heads': valid: 'head'"),
     (["data.seq_len=128"], "data.seq_len=128: exceeds model.max_position_embeddings=64"),
+    (["model.sliding_window=-1"], "model.sliding_window=-1: must be >= 0"),
 ])
 def test_bad_dimensions_are_refused_before_any_process_starts(overrides, message, tmp_path):
     assert message in refusal([*TINY, *overrides], tmp_path)

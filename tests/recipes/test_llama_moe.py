@@ -372,6 +372,27 @@ def test_an_experts_directory_loads_box_by_box_and_exports_back(kind, tmp_path):
     assert set(back) == set(files) and all(torch.equal(back[k], files[k]) for k in files)
 
 
+def test_a_mixtral_directory_with_a_sliding_window_loads_and_exports_with_it(tmp_path):
+    """A Mixtral directory whose ``sliding_window`` (8) is shorter than the sequence (16) gives transformers'
+    logits in a model with that window, and not without it; ``hf_config`` writes the window back."""
+    from recipes.llama import hf
+
+    theirs = _experts_dir(tmp_path, "mixtral", sliding_window=8)
+    ours = LlamaForCausalLM(replace(CFG, sliding_window=8))
+    reader = hf.ShardReader(str(tmp_path), ours, _experts_model_cfg(sliding_window=8))
+    unwindowed = LlamaForCausalLM(replace(CFG))
+    with torch.no_grad():
+        for model in (ours, unwindowed):
+            for name, p in model.named_parameters():
+                p.copy_(reader.read(name, tuple((0, n) for n in p.shape)))
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = theirs(input_ids=ids).logits
+        assert _rel(ours(ids)[0], want) < 1e-5 and _rel(unwindowed(ids)[0], want) > 1e-3
+    config = hf.hf_config({**vars(replace(CFG, sliding_window=8))})
+    assert (config["model_type"], config["sliding_window"]) == ("mixtral", 8)
+
+
 @pytest.mark.parametrize("changes, model, message", [
     ({"router_jitter_noise": 0.1}, {}, "router_jitter_noise=0.1 (ours routes the hidden states as they are)"),
     ({"sliding_window": 16}, {}, "sliding_window=16, the model sliding_window=0"),

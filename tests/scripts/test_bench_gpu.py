@@ -23,9 +23,9 @@ def test_the_host_only_proxy_runs_every_case_and_prints_the_summary(tmp_path, mo
     """Every eager case, briefly (``trainer.compile`` runs in ``tests/cli/test_train_cli.py``), each way
     profiled for one step with its trace kept."""
     traces = tmp_path / "traces"
-    code, stdout, stderr = run_main("bench_gpu", ["--host-only", "--rounds", "2", "--steps", "1", "--warmup", "1",
-                                          "--no-compile", "--profile", "1", "--trace-dir", str(traces)],
-                            tmp_path, monkeypatch, capsys)
+    code, stdout, stderr = run_main(
+        "bench_gpu", ["--host-only", "--rounds", "2", "--steps", "1", "--warmup", "1", "--no-compile", "--profile", "1",
+                      "--trace-dir", str(traces)], tmp_path, monkeypatch, capsys)
     assert code == 0, stdout[-3000:] + stderr[-3000:]
     cases = ("gpt2", "insightface", "wide_deep_512", "wide_deep_16384")
     for way in ("ours", "plain"):

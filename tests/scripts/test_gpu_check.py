@@ -18,7 +18,8 @@ def test_without_a_gpu_it_says_so_and_exits_2(tmp_path):
 
 
 def test_every_recipe_matches_a_plain_loop_on_cpu(tmp_path, monkeypatch, capsys):
-    code, stdout, stderr = run_main("gpu_check", ["--device", "cpu", "--tiny", "--steps", "4"], tmp_path, monkeypatch, capsys)
+    code, stdout, stderr = run_main("gpu_check", ["--device", "cpu", "--tiny", "--steps", "4"], tmp_path, monkeypatch,
+                                    capsys)
     assert code == 0, stdout[-3000:] + stderr[-3000:]
     last = stdout.strip().splitlines()[-1]
     assert last.startswith("gpu check: gpt2 ok, insightface ok, wide_deep ok, llama ok; mfu "), last
