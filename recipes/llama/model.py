@@ -11,8 +11,8 @@ attention (``num_key_value_heads`` key/value heads, each shared by
 ``num_attention_heads / num_key_value_heads`` query heads) and a SwiGLU MLP.
 Mistral's decoder is this one (Mistral 7B v0.1's with ``sliding_window``:
 each query attends to that many latest positions, its own included; a
-Mixtral directory may have one too), and Qwen2's is this one with ``qkv_bias``: biases on the
-query, key and value projections.
+Mixtral directory may have one too), and Qwen2's is this one with
+``qkv_bias``: biases on the query, key and value projections.
 With experts (``moe.py``) it is Mixtral's, or Qwen2-MoE's with a shared
 expert, unnormalised routing weights and ``qkv_bias``. Qwen3's is this one
 with ``qk_norm`` (an RMSNorm over each query and key head, ``q_norm`` and

@@ -13,8 +13,10 @@ norms ``B`` (but OLMoE's query and key norms over the whole projections:
 inputs (the residual stream whole), or ``S(1)`` there with
 ``sequence_parallel``, which then gathers the attention's and the MLP's
 input once each (``B`` pins); OLMo 2's layer (``post_norm``) has its norms
-after the attention and the MLP, and the same pins sit there. With ``tie_word_embeddings`` the LM head is
-the embedding (``TIED``): both names have the same SBP.
+after the attention and the MLP, and the same pins sit there and at the
+embedding's output, where its residual stream starts. With
+``tie_word_embeddings`` the LM head is the embedding (``TIED``): both names
+have the same SBP.
 """
 from __future__ import annotations
 
