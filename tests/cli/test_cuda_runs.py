@@ -4,7 +4,8 @@ These runs take the paths only CUDA takes beyond what ``scripts/gpu_check.py``
 runs (which evaluates nothing): cuDNN's batch norm in InsightFace's
 evaluation on global tensors, Wide&Deep's held-out rows moved to the
 device and scored back on the host, the partial FC's class draw beside CUDA
-labels, fused optimizers, the copy stream and the read-ahead threads.
+labels, fused optimizers, the copy stream and the read-ahead threads; and
+the LLaMA recipe's experts, post-norm layers and sliding window.
 """
 from __future__ import annotations
 
@@ -32,6 +33,15 @@ CASES = {
                "model.num_attention_heads=4", "model.num_key_value_heads=2", "model.vocab_size=512",
                "model.max_position_embeddings=64", "model.tie_word_embeddings=true", "data.max_bytes=300000",
                "trainer.global_batch_size=8", "trainer.micro_batch_size=4", "trainer.precision=bf16"], "val_loss"),
+    # The LLaMA recipe's other kernels on CUDA, last (the step limit cuts it first): experts dispatched by
+    # scatter and gather with a capacity that drops, OLMo 2's norms (over the projections, after each block) and
+    # Mistral's sliding window (16 of 64 positions: a masked attention kernel, not flash).
+    "llama-variants": (["recipe=llama", "model=mixtral-tiny", "model.num_hidden_layers=2", "model.hidden_size=64",
+                        "model.intermediate_size=96", "model.num_attention_heads=4", "model.num_key_value_heads=2",
+                        "model.vocab_size=512", "model.max_position_embeddings=64", "model.capacity_factor=1.0", "model.qk_norm=true", "model.qk_norm_over=projection",
+                        "model.post_norm=true", "model.sliding_window=16", "data.max_bytes=300000",
+                        "trainer.global_batch_size=8", "trainer.micro_batch_size=4", "trainer.precision=bf16"],
+                       "val_loss"),
 }
 
 
