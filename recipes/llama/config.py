@@ -18,7 +18,7 @@ from .model import LlamaConfig
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(LlamaConfig):
     """LLaMA dimensions (Hugging Face's ``LlamaConfig`` names).
 
     ``num_key_value_heads`` below ``num_attention_heads`` is grouped-query
@@ -49,6 +49,7 @@ class ModelConfig:
     the preset (run names, W&B); the dimensions are what count.
     """
 
+    # The model's fields (``LlamaConfig``) with the recipe's default model's dimensions (``llama-tiny``).
     name: str = "llama-tiny"
     vocab_size: int = 8192
     hidden_size: int = 128
@@ -58,25 +59,6 @@ class ModelConfig:
     num_key_value_heads: int = 2
     max_position_embeddings: int = 256
     rms_norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    rope_factor: float = 1.0
-    rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 4.0
-    rope_original_max_position_embeddings: int = 8192
-    initializer_range: float = 0.02
-    tie_word_embeddings: bool = False
-    qkv_bias: bool = False
-    num_local_experts: int = 0
-    num_experts_per_tok: int = 2
-    capacity_factor: float = 0.0
-    router_aux_loss_coef: float = 0.001
-    norm_topk_prob: bool = True
-    shared_expert_intermediate_size: int = 0
-    head_dim: int = 0
-    qk_norm: bool = False
-    qk_norm_over: str = "head"
-    post_norm: bool = False
-    sliding_window: int = 0
 
 
 @dataclass
